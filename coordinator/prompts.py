@@ -1,0 +1,42 @@
+"""Building a turn's token sequence from plain text or chat messages, on top of a session's history."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The full token sequence the model sees this turn, and the chat history it came from."""
+
+    tokens: list[int]
+    messages: list[dict[str, str]] | None
+
+
+def render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Chat messages rendered with the tokenizer's template and the generation prompt."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):  # transformers 5 may hand back a BatchEncoding
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def build_turn(
+    tokenizer,
+    history_tokens: list[int],
+    history_messages: list[dict[str, str]] | None,
+    text: str | None,
+    messages: list[dict[str, str]] | None,
+) -> Turn:
+    """This turn's tokens: plain text is appended to the history as is; chat re-renders the whole
+    conversation, so the template decides the separators.
+
+    A session that spoke chat keeps its messages; its next chat turn renders history + new messages,
+    and the caches keep whatever prefix the rendering shares with the committed tokens.
+    """
+    if messages is None:
+        return Turn(history_tokens + tokenizer.encode(text, add_special_tokens=False), history_messages)
+    if history_messages is None and history_tokens:
+        return Turn(history_tokens + render_chat(tokenizer, messages), None)
+    conversation = [*(history_messages or []), *messages]
+    return Turn(render_chat(tokenizer, conversation), conversation)

@@ -1,0 +1,300 @@
+"""The round loop: draft proposes k tokens, the target verifies them in one pass, repeat.
+
+Each round commits the accepted draft prefix plus one target token (recovered or bonus). The loop
+streams committed tokens as they arrive and stops on EOS, max_new_tokens, a stop string, or the
+context limit. Caches that a replica lost are rebuilt from the committed tokens, so a lost cache
+costs time, never correctness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from opentelemetry import trace
+
+from coordinator.backends import CacheLost, CacheRef, DraftReplica, DraftResult, TargetReplica, VerifyResult
+from coordinator.prompts import build_turn
+from coordinator.sessions import SessionRecord, SessionStore
+from coordinator.textstream import TextStream
+from specdec.kvcache import common_prefix_len
+from specdec.models import ModelFacts
+from specdec.sampling import Sampling
+
+
+class SessionNotFound(LookupError):
+    """The request named a session that does not exist or has expired."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request; exactly one of ``text`` and ``messages`` is set."""
+
+    text: str | None
+    messages: list[dict[str, str]] | None
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    session_id: str | None = None
+    # None: the coordinator's default; 0: target-only.
+    k: int | None = None
+
+
+@dataclass
+class Stats:
+    """Counters of one request. Mean accepted length counts the target's own token each round."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    total_ms: float = 0.0
+    time_to_first_token_ms: float = 0.0
+    # Committed tokens per round, summed: accepted + 1 before any truncation at a stop.
+    committed_in_rounds: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round, the bonus or recovered token included."""
+        return self.committed_in_rounds / self.rounds if self.rounds else 0.0
+
+    @property
+    def other_ms(self) -> float:
+        """Time not spent waiting on draft or target."""
+        return max(0.0, self.total_ms - self.draft_ms - self.verify_ms)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Streamed output; the last chunk has ``finish_reason`` and ``stats``."""
+
+    session_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: Stats | None = None
+
+
+class RoundLoop:
+    """Runs requests over a set of draft and target replicas and a session store."""
+
+    def __init__(
+        self,
+        tokenizer,
+        target_facts: ModelFacts,
+        drafts: Sequence[DraftReplica],
+        targets: Sequence[TargetReplica],
+        store: SessionStore,
+        tracer: trace.Tracer,
+        default_k: int,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._facts = target_facts
+        self._drafts = {d.address: d for d in drafts}
+        self._targets = {t.address: t for t in targets}
+        self._store = store
+        self._tracer = tracer
+        self._default_k = default_k
+        self._next_replica = 0
+
+    def _pick(self, replicas: dict, current: CacheRef | None):
+        """The replica holding a session's cache, or the next one in turn for a new cache."""
+        if current is not None and current.address in replicas:
+            return replicas[current.address]
+        self._next_replica += 1
+        return list(replicas.values())[self._next_replica % len(replicas)]
+
+    async def _load_session(self, session_id: str | None) -> SessionRecord:
+        if not session_id:
+            return SessionRecord(session_id=uuid.uuid4().hex)
+        record = await self._store.get(session_id)
+        if record is None:
+            raise SessionNotFound(f"session_id: no session {session_id!r} (unknown or expired)")
+        return record
+
+    async def generate(self, request: GenerationRequest, remaining_s: Callable[[], float | None]) -> AsyncIterator[Chunk]:
+        """Runs one request to completion, yielding chunks as rounds commit tokens."""
+        started = time.perf_counter()
+        stats = Stats()
+        with self._tracer.start_as_current_span("specdec.generate", kind=trace.SpanKind.SERVER) as span:
+            record = await self._load_session(request.session_id)
+            turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
+            limit = self._facts.max_context
+            if len(turn.tokens) >= limit:
+                raise ValueError(f"prompt: {len(turn.tokens)} tokens leave no room in the context of {limit}")
+            # The caches keep the prefix this turn shares with what the session committed before.
+            shared = common_prefix_len(record.tokens, turn.tokens)
+            draft_ref = _clip(record.draft, shared)
+            target_ref = _clip(record.target, shared)
+            committed = list(turn.tokens)
+            prompt_len = len(committed)
+            stats.prompt_tokens = prompt_len
+            sampling = Sampling(
+                request.temperature,
+                request.top_k,
+                request.top_p,
+                request.seed if request.seed is not None else secrets.randbits(63),
+            )
+            k = self._default_k if request.k is None else request.k
+            span.set_attributes(_request_attributes(self._facts, request, record.session_id, prompt_len, k))
+
+            target = self._pick(self._targets, target_ref)
+            if target_ref is None or target_ref.address != target.address:
+                target_ref = await target.prefill(committed, remaining_s())
+            record.tokens, record.target = committed, target_ref
+            await self._store.put(record)
+
+            text = TextStream(self._tokenizer, list(request.stop))
+            finish: str | None = None
+            round_index = 0
+            while finish is None:
+                room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
+                k_round = max(0, min(k, room - 1))
+                with self._tracer.start_as_current_span("specdec.round") as round_span:
+                    draft = None
+                    if k_round > 0:
+                        t0 = time.perf_counter()
+                        draft, draft_ref = await self._propose(
+                            draft_ref, committed, k_round, sampling, round_index, remaining_s
+                        )
+                        stats.draft_ms += (draft_ms := (time.perf_counter() - t0) * 1000)
+                    else:
+                        draft_ms = 0.0
+                    t0 = time.perf_counter()
+                    verdict, target_ref = await self._verify(
+                        target_ref, committed, draft, sampling, round_index, remaining_s
+                    )
+                    stats.verify_ms += (verify_ms := (time.perf_counter() - t0) * 1000)
+                    drafted = len(draft.tokens) if draft else 0
+                    round_span.set_attributes(
+                        {
+                            "specdec.round": round_index,
+                            "specdec.k": drafted,
+                            "specdec.accepted": verdict.accepted,
+                            "specdec.draft_ms": draft_ms,
+                            "specdec.verify_ms": verify_ms,
+                        }
+                    )
+                round_index += 1
+                stats.rounds += 1
+                stats.drafted_tokens += drafted
+                stats.accepted_tokens += verdict.accepted
+                stats.committed_in_rounds += len(verdict.tokens)
+
+                new = verdict.tokens
+                eos = next((i for i, t in enumerate(new) if t in self._facts.eos_token_ids), None)
+                if eos is not None:
+                    new, finish = new[: eos + 1], "stop"
+                if len(new) >= room:
+                    new = new[:room]
+                    if finish is None:
+                        finish = "length" if room == request.max_new_tokens - stats.generated_tokens else "context"
+                released = text.push(new)
+                if released.stopped:
+                    finish = "stop"
+                    new = new[: len(text.tokens) - stats.generated_tokens]
+                committed.extend(new)
+                stats.generated_tokens += len(new)
+                if released.token_ids or released.text:
+                    if not stats.time_to_first_token_ms:
+                        stats.time_to_first_token_ms = (time.perf_counter() - started) * 1000
+                    yield Chunk(record.session_id, released.text, released.token_ids)
+
+            tail = text.finish()
+            record.tokens = committed
+            record.draft = _clip(draft_ref, len(committed))
+            record.target = _clip(target_ref, len(committed))
+            if turn.messages is not None:
+                record.messages = [*turn.messages, {"role": "assistant", "content": text.text}]
+            await self._store.put(record)
+            stats.total_ms = (time.perf_counter() - started) * 1000
+            span.set_attributes(
+                {
+                    "gen_ai.usage.output_tokens": stats.generated_tokens,
+                    "gen_ai.response.finish_reasons": (finish,),
+                    "specdec.rounds": stats.rounds,
+                    "specdec.acceptance_rate": stats.acceptance_rate,
+                    "specdec.mean_accepted_length": stats.mean_accepted_length,
+                }
+            )
+            yield Chunk(record.session_id, tail.text, tail.token_ids, finish, stats)
+
+    async def _propose(
+        self,
+        ref: CacheRef | None,
+        committed: list[int],
+        k: int,
+        sampling: Sampling,
+        round_index: int,
+        remaining_s: Callable[[], float | None],
+    ) -> tuple[DraftResult, CacheRef]:
+        """Asks the session's draft replica for k tokens, prefilling it first if it lost the cache."""
+        draft = self._pick(self._drafts, ref)
+        if ref is not None and ref.address == draft.address:
+            try:
+                result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s())
+                return result, replace(ref, committed=result.committed)
+            except CacheLost:
+                pass
+        ref = await draft.prefill(committed, remaining_s())
+        result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s())
+        return result, replace(ref, committed=result.committed)
+
+    async def _verify(
+        self,
+        ref: CacheRef,
+        committed: list[int],
+        draft: DraftResult | None,
+        sampling: Sampling,
+        round_index: int,
+        remaining_s: Callable[[], float | None],
+    ) -> tuple[VerifyResult, CacheRef]:
+        """Verifies on the session's target replica, prefilling it again if it lost the cache."""
+        target = self._targets[ref.address]
+        try:
+            result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s())
+        except CacheLost:
+            ref = await target.prefill(committed, remaining_s())
+            result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s())
+        return result, replace(ref, committed=result.committed)
+
+    async def close(self) -> None:
+        """Closes every replica channel."""
+        await asyncio.gather(*(r.close() for r in [*self._drafts.values(), *self._targets.values()]))
+
+
+def _clip(ref: CacheRef | None, committed: int) -> CacheRef | None:
+    """A cache reference that claims no more committed tokens than ``committed``."""
+    return None if ref is None else replace(ref, committed=min(ref.committed, committed))
+
+
+def _request_attributes(
+    facts: ModelFacts, request: GenerationRequest, session_id: str, prompt_tokens: int, k: int
+) -> dict:
+    return {
+        "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
+        "gen_ai.system": "specdec",
+        "gen_ai.request.model": facts.name,
+        "gen_ai.request.max_tokens": request.max_new_tokens,
+        "gen_ai.request.temperature": request.temperature,
+        "gen_ai.request.top_k": request.top_k,
+        "gen_ai.request.top_p": request.top_p,
+        "gen_ai.usage.input_tokens": prompt_tokens,
+        "specdec.session_id": session_id,
+        "specdec.k": k,
+    }

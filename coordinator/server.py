@@ -1,0 +1,219 @@
+"""The coordinator's gRPC face: validate the request, run the round loop, encode chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from opentelemetry import trace
+
+from coordinator.backends import BackendRejected, BackendUnavailable, DraftReplica, TargetReplica
+from coordinator.rounds import Chunk, GenerationRequest, RoundLoop, SessionNotFound, Stats
+from coordinator.sessions import SessionStore, open_store
+from specdec.config import MAX_K, CoordinatorConfig
+from specdec.models import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+from specdec.rpc import RunningServer, serve_forever, start_server, wait_ready
+from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+
+
+class Undecodable:
+    """Stands in for a request whose bytes did not parse, so the handler can answer INVALID_ARGUMENT."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(message_type) -> Callable[[bytes], object]:
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except (DecodeError, RuntimeError, ValueError) as exc:
+            return Undecodable(str(exc) or "malformed protobuf")
+
+    return parse
+
+
+def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> GenerationRequest:
+    """Checks every field and builds the core request; a ValueError names the offending field."""
+    kind = request.WhichOneof("prompt")
+    text = messages = None
+    if kind == "text":
+        if not request.text:
+            raise ValueError("prompt: the prompt is empty")
+        text = request.text
+    elif kind == "messages":
+        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
+        if not messages:
+            raise ValueError("prompt: messages is empty")
+        for m in messages:
+            if m["role"] not in ("system", "user", "assistant"):
+                raise ValueError(f"messages.role: {m['role']!r} is not system, user or assistant")
+    else:
+        raise ValueError("prompt: set text or messages")
+    if request.max_new_tokens <= 0:
+        raise ValueError("max_new_tokens: must be at least 1")
+    if request.max_new_tokens > max_context:
+        raise ValueError(f"max_new_tokens: {request.max_new_tokens} exceeds the model's context of {max_context}")
+    if not request.temperature >= 0:  # also rejects NaN
+        raise ValueError("temperature: must be >= 0")
+    if request.top_k < 0:
+        raise ValueError("top_k: must be >= 0")
+    if not 0 <= request.top_p <= 1:
+        raise ValueError("top_p: must lie in (0, 1]")
+    k = request.k if request.HasField("k") else None
+    if k is not None and not 0 <= k <= MAX_K:
+        raise ValueError(f"k: must lie in [0, {MAX_K}]")
+    return GenerationRequest(
+        text=text,
+        messages=messages,
+        max_new_tokens=request.max_new_tokens,
+        temperature=request.temperature,
+        top_k=request.top_k,
+        top_p=request.top_p if request.top_p > 0 else 1.0,
+        seed=request.seed if request.HasField("seed") else None,
+        stop=tuple(request.stop),
+        session_id=request.session_id or None,
+        k=k,
+    )
+
+
+def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
+    return coordinator_pb2.GenerationStats(
+        prompt_tokens=stats.prompt_tokens,
+        generated_tokens=stats.generated_tokens,
+        rounds=stats.rounds,
+        drafted_tokens=stats.drafted_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        acceptance_rate=stats.acceptance_rate,
+        mean_accepted_length=stats.mean_accepted_length,
+        draft_ms=stats.draft_ms,
+        verify_ms=stats.verify_ms,
+        other_ms=stats.other_ms,
+        total_ms=stats.total_ms,
+        time_to_first_token_ms=stats.time_to_first_token_ms,
+    )
+
+
+def _chunk_pb(chunk: Chunk) -> coordinator_pb2.GenerateChunk:
+    msg = coordinator_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, session_id=chunk.session_id)
+    if chunk.finish_reason is not None:
+        msg.finish_reason = chunk.finish_reason
+    if chunk.stats is not None:
+        msg.stats.CopyFrom(_stats_pb(chunk.stats))
+    return msg
+
+
+def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, SessionNotFound):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, BackendUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, BackendRejected):
+        return exc.code, str(exc)
+    log.exception("request failed unexpectedly")
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
+
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Thin servicer over the round loop."""
+
+    def __init__(self, loop: RoundLoop, max_context: int) -> None:
+        self._loop = loop
+        self._max_context = max_context
+
+    async def _chunks(self, request, context):
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: could not parse: {request.error}")
+        try:
+            core_request = validate(request, self._max_context)
+            async for chunk in self._loop.generate(core_request, context.time_remaining):
+                yield chunk
+        except Exception as exc:  # noqa: BLE001 - every failure must reach the client as a status
+            code, detail = _status(exc)
+            await context.abort(code, detail)
+
+    async def Generate(self, request, context):
+        async for chunk in self._chunks(request, context):
+            yield _chunk_pb(chunk)
+
+    async def Complete(self, request, context):
+        reply = coordinator_pb2.CompleteReply()
+        async for chunk in self._chunks(request, context):
+            reply.text += chunk.text
+            reply.token_ids.extend(chunk.token_ids)
+            reply.session_id = chunk.session_id
+            if chunk.finish_reason is not None:
+                reply.finish_reason = chunk.finish_reason
+                reply.stats.CopyFrom(_stats_pb(chunk.stats))
+        return reply
+
+
+def _register(servicer: CoordinatorServicer) -> Callable[[grpc.aio.Server], None]:
+    """Registers the servicer with lenient request parsing (garbled bytes get INVALID_ARGUMENT, not INTERNAL)."""
+    request_type = coordinator_pb2.GenerateRequest
+
+    def register(server: grpc.aio.Server) -> None:
+        handlers = {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                servicer.Generate, _lenient(request_type), coordinator_pb2.GenerateChunk.SerializeToString
+            ),
+            "Complete": grpc.unary_unary_rpc_method_handler(
+                servicer.Complete, _lenient(request_type), coordinator_pb2.CompleteReply.SerializeToString
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+    return register
+
+
+async def check_replicas(
+    fingerprint: str, drafts: list[DraftReplica], targets: list[TargetReplica], timeout_s: float
+) -> ModelFacts:
+    """Waits for every replica to be ready and refuses to start unless all share the tokenizer."""
+    await asyncio.gather(*(wait_ready(r.address, timeout_s) for r in [*drafts, *targets]))
+    facts = await asyncio.gather(*(r.facts() for r in [*drafts, *targets]))
+    for replica, fact in zip([*drafts, *targets], facts):
+        if fact.fingerprint != fingerprint:
+            raise SystemExit(
+                f"{replica.service} at {replica.address} serves {fact.name!r}, whose tokenizer differs from the "
+                "coordinator's: draft and target must share one tokenizer"
+            )
+    return facts[len(drafts)]
+
+
+async def start_coordinator(
+    config: CoordinatorConfig, tracer: trace.Tracer, store: SessionStore | None = None
+) -> tuple[RunningServer, RoundLoop]:
+    """Connects to the replicas, checks them, and starts the coordinator server."""
+    if not config.draft_addresses or not config.target_addresses:
+        raise SystemExit("the coordinator needs at least one draft and one target address")
+    tokenizer = load_tokenizer(resolve_model_path(config.tokenizer.model, config.tokenizer.cache_dir))
+    max_bytes = config.server.max_message_bytes
+    drafts = [DraftReplica(a, config.rpc_timeout_s, max_bytes) for a in config.draft_addresses]
+    targets = [TargetReplica(a, config.rpc_timeout_s, max_bytes) for a in config.target_addresses]
+    target_facts = await check_replicas(tokenizer_fingerprint(tokenizer), drafts, targets, config.startup_timeout_s)
+    store = store or open_store(config.redis_url, config.session_ttl_s)
+    await store.ping()
+    loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k)
+    servicer = CoordinatorServicer(loop, target_facts.max_context)
+    running = await start_server(config.server, _register(servicer), (SERVICE_NAME,))
+    await running.set_serving()
+    return running, loop
+
+
+def main(config: CoordinatorConfig) -> None:
+    """Entry point of ``specdec serve-coordinator``."""
+
+    async def start(tracer):
+        running, _ = await start_coordinator(config, tracer)
+        return running
+
+    asyncio.run(serve_forever(config.server, "coordinator", start))

@@ -1,0 +1,25 @@
+"""Prompt-lookup drafting: propose what followed the latest earlier occurrence of the context's tail.
+
+Needs no model. Proposals are deterministic, so for sampled requests q is a point mass on each
+proposed token, and speculative sampling stays exact (a token is then accepted with probability p(x)).
+"""
+
+from __future__ import annotations
+
+
+def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """Up to ``k`` tokens that followed the most recent earlier match of the last n tokens.
+
+    Tries the longest suffix first (n from ``max_n`` down to ``min_n``); returns [] when no suffix
+    occurs earlier.
+    """
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        # Scan right to left so the most recent occurrence wins; it best predicts what comes next.
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                follow = tokens[start + n : start + n + k]
+                if follow:
+                    return follow
+    return []

@@ -1,0 +1,88 @@
+"""The draft service's gRPC face: decode each request, call the drafter, encode the reply."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from opentelemetry import trace
+from transformers import AutoConfig
+
+from draft_service.engine import DraftEngine, ModelDrafter, NgramDrafter
+from specdec.cache_servicer import CacheServicer
+from specdec.config import DraftConfig
+from specdec.models import ModelFacts, load_model, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+from specdec.rpc import RunningServer, call_core, serve_forever, start_server
+from specdec.tracing import server_span
+from specdec.v1 import draft_pb2, draft_pb2_grpc
+from specdec.wire import sampling_from_pb
+
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+
+
+class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
+    """Thin servicer over a DraftEngine."""
+
+    def __init__(self, engine: DraftEngine, tracer: trace.Tracer) -> None:
+        super().__init__(engine, tracer, "DraftService")
+        self._draft = engine
+
+    async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeReply:
+        with server_span(self._tracer, "DraftService/Propose", context) as span:
+            span.set_attribute("specdec.k", request.k)
+            proposal = await call_core(
+                context,
+                self._executor,
+                lambda: self._draft.propose(
+                    request.sync.cache_id,
+                    request.sync.start,
+                    list(request.sync.tokens),
+                    request.k,
+                    sampling_from_pb(request.sampling),
+                    request.round,
+                ),
+            )
+            span.set_attribute("specdec.proposed", len(proposal.tokens))
+            return draft_pb2.ProposeReply(
+                tokens=proposal.tokens,
+                q=[draft_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.q],
+                committed=proposal.committed,
+            )
+
+
+def build_drafter(config: DraftConfig) -> DraftEngine:
+    """The drafter a deployment asked for: a model draft, or n-gram lookup in the model's tokenizer."""
+    if config.kind == "model":
+        return ModelDrafter(load_model(config.model.model, config.model.cache_dir), config.model.max_sessions, config.sample_top_k)
+    if config.kind != "ngram":
+        raise ValueError(f"unknown draft kind {config.kind!r} (expected 'ngram' or 'model')")
+    path = resolve_model_path(config.model.model, config.model.cache_dir)
+    tokenizer = load_tokenizer(path)
+    model_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name) if path.suffix == ".gguf" else AutoConfig.from_pretrained(path)
+    facts = ModelFacts(
+        name=f"ngram:{config.model.model}",
+        kind="ngram",
+        vocab_size=int(model_config.vocab_size),
+        max_context=int(getattr(model_config, "max_position_embeddings", 2048)),
+        eos_token_ids=(),
+        fingerprint=tokenizer_fingerprint(tokenizer),
+    )
+    return NgramDrafter(facts, config.model.max_sessions, config.ngram_max, config.ngram_min)
+
+
+async def start_draft(config: DraftConfig, engine: DraftEngine, tracer: trace.Tracer) -> RunningServer:
+    """Starts the draft gRPC server over a ready drafter and reports it ready."""
+    servicer = DraftServicer(engine, tracer)
+    running = await start_server(
+        config.server, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), (SERVICE_NAME,)
+    )
+    await running.set_serving()
+    return running
+
+
+def main(config: DraftConfig) -> None:
+    """Entry point of ``specdec serve-draft``: load, warm, serve until SIGTERM."""
+    torch.set_num_threads(config.model.threads)
+    engine = build_drafter(config)
+    engine.warmup()
+    asyncio.run(serve_forever(config.server, "draft", lambda tracer: start_draft(config, engine, tracer)))

@@ -1,0 +1,32 @@
+"""specdec: speculative decoding split across gRPC services.
+
+The client SDK lives here: ``from specdec import Client, AsyncClient``.
+"""
+
+from specdec.client import (
+    AsyncClient,
+    Chunk,
+    Client,
+    Completion,
+    DeadlineExceeded,
+    InvalidArgument,
+    ResourceExhausted,
+    SessionNotFound,
+    SpecdecError,
+    Stats,
+    Unavailable,
+)
+
+__all__ = [
+    "AsyncClient",
+    "Chunk",
+    "Client",
+    "Completion",
+    "DeadlineExceeded",
+    "InvalidArgument",
+    "ResourceExhausted",
+    "SessionNotFound",
+    "SpecdecError",
+    "Stats",
+    "Unavailable",
+]

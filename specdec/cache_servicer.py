@@ -1,0 +1,48 @@
+"""The RPCs draft and target services share: Prefill, Release and GetModelInfo over an engine."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from opentelemetry import trace
+
+from specdec.models import ModelFacts
+from specdec.rpc import call_core
+from specdec.tracing import server_span
+from specdec.v1 import common_pb2
+from specdec.wire import facts_to_pb
+
+
+class CacheEngine(Protocol):
+    """What the shared RPCs need from a draft or target engine."""
+
+    @property
+    def facts(self) -> ModelFacts: ...
+
+    def prefill(self, tokens: list[int]) -> tuple[str, int]: ...
+
+    def release(self, cache_id: str) -> bool: ...
+
+
+class CacheServicer:
+    """Mixin servicer: model work runs on one worker thread, since caches and model are not shared."""
+
+    def __init__(self, engine: CacheEngine, tracer: trace.Tracer, name: str) -> None:
+        self._engine = engine
+        self._tracer = tracer
+        self._name = name
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
+        with server_span(self._tracer, f"{self._name}/Prefill", context) as span:
+            span.set_attribute("specdec.tokens", len(request.tokens))
+            cache_id, committed = await call_core(context, self._executor, lambda: self._engine.prefill(list(request.tokens)))
+            return common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
+
+    async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseReply:
+        released = await call_core(context, self._executor, lambda: self._engine.release(request.cache_id))
+        return common_pb2.ReleaseReply(released=released)
+
+    async def GetModelInfo(self, request: common_pb2.ModelInfoRequest, context) -> common_pb2.ModelInfo:
+        return facts_to_pb(self._engine.facts)

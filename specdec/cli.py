@@ -1,0 +1,199 @@
+"""The ``specdec`` command: run the services, a local stack, or a generation.
+
+Flags are read once here (with SPECDEC_* environment variables as defaults) into the frozen configs
+of ``specdec.config``, which are passed down; nothing below this module reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from specdec.config import CoordinatorConfig, DraftConfig, ModelConfig, ServerConfig, TargetConfig
+
+DEMO_PROMPT = [{"role": "user", "content": "Write a Python function that checks whether a number is prime, then explain it briefly."}]
+
+
+def _env(name: str, default: str | None) -> str | None:
+    return os.environ.get(f"SPECDEC_{name}", default)
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cache-dir", type=Path, default=Path(_env("CACHE_DIR", str(Path.home() / ".cache" / "specdec"))),
+                   help="where converted models are cached (env SPECDEC_CACHE_DIR)")
+    p.add_argument("--otlp-endpoint", default=_env("OTLP_ENDPOINT", None),
+                   help="OTLP/gRPC trace endpoint such as localhost:4317 (env SPECDEC_OTLP_ENDPOINT); unset: no export")
+
+
+def _add_server(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (env SPECDEC_HOST)")
+    p.add_argument("--port", type=int, default=int(_env("PORT", str(port))), help="port to bind; 0 picks a free one")
+    p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get after SIGTERM")
+    _add_common(p)
+
+
+def _server(args) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace, otlp_endpoint=args.otlp_endpoint)
+
+
+def _model(args, model: str) -> ModelConfig:
+    return ModelConfig(model=model, cache_dir=args.cache_dir, threads=args.threads, max_sessions=args.max_sessions)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve-target", help="run the target service")
+    _add_server(p, 50052)
+    p.add_argument("--model", default=_env("TARGET_MODEL", "default"), help="'default', a HF folder or a .gguf file")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
+
+    p = sub.add_parser("serve-draft", help="run the draft service")
+    _add_server(p, 50051)
+    p.add_argument("--kind", choices=("ngram", "model"), default=_env("DRAFT_KIND", "ngram"))
+    p.add_argument("--model", default=_env("DRAFT_MODEL", "default"),
+                   help="draft model (kind=model), or the model whose tokenizer n-gram drafting speaks")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
+    p.add_argument("--ngram-max", type=int, default=3)
+    p.add_argument("--ngram-min", type=int, default=1)
+    p.add_argument("--sample-top-k", type=int, default=64, help="a model draft samples among its top tokens only")
+
+    p = sub.add_parser("serve-coordinator", help="run the coordinator")
+    _add_server(p, 50050)
+    p.add_argument("--draft", action="append", default=[], help="draft replica host:port (repeatable)")
+    p.add_argument("--target", action="append", default=[], help="target replica host:port (repeatable)")
+    p.add_argument("--tokenizer", default=_env("TARGET_MODEL", "default"), help="model whose tokenizer to use")
+    p.add_argument("--redis-url", default=_env("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--session-ttl", type=int, default=3600, help="seconds an idle session lives")
+    p.add_argument("--default-k", type=int, default=4, help="draft length when a request sets none")
+    p.add_argument("--rpc-timeout", type=float, default=30.0, help="deadline of each internal call")
+
+    p = sub.add_parser("up", help="start redis, draft, target and coordinator on loopback")
+    p.add_argument("--port", type=int, default=50050, help="coordinator port")
+    _add_stack(p)
+
+    p = sub.add_parser("generate", help="stream an answer, then print the stats")
+    p.add_argument("prompt", nargs="?", help="the prompt (sent as a chat user message unless --raw); default: a demo")
+    p.add_argument("--address", default=_env("ADDRESS", "127.0.0.1:50050"), help="coordinator address")
+    p.add_argument("--local", action="store_true", help="start a local stack for this one request")
+    p.add_argument("--raw", action="store_true", help="send the prompt as plain text, no chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--k", type=int, help="draft length (0: target-only); default: the server's")
+    p.add_argument("--stop", action="append", default=[])
+    p.add_argument("--session-id")
+    _add_stack(p)
+    return parser
+
+
+def _add_stack(p: argparse.ArgumentParser) -> None:
+    _add_common(p)
+    p.add_argument("--target-model", default=_env("TARGET_MODEL", "default"))
+    p.add_argument("--draft-kind", choices=("ngram", "model"), default=_env("DRAFT_KIND", "ngram"))
+    p.add_argument("--draft-model", default=_env("DRAFT_MODEL", "default"))
+    p.add_argument("--target-threads", type=int, default=2)
+    p.add_argument("--draft-threads", type=int, default=1)
+    p.add_argument("--default-k", type=int, default=4)
+
+
+def _stack_config(args, port: int):
+    from specdec.stack import StackConfig
+
+    return StackConfig(
+        target_model=args.target_model,
+        draft_kind=args.draft_kind,
+        draft_model=args.draft_model,
+        cache_dir=args.cache_dir,
+        coordinator_port=port,
+        target_threads=args.target_threads,
+        draft_threads=args.draft_threads,
+        default_k=args.default_k,
+        otlp_endpoint=args.otlp_endpoint,
+    )
+
+
+def _up(args) -> None:
+    from specdec.stack import LocalStack
+
+    with LocalStack(_stack_config(args, args.port)) as stack:
+        print(f"specdec is up: coordinator at {stack.address} (logs in {stack.log_dir}); Ctrl-C stops it", flush=True)
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        try:
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+
+
+def _generate(args) -> None:
+    from specdec.client import Client
+
+    prompt = args.prompt if args.raw else [{"role": "user", "content": args.prompt}] if args.prompt else DEMO_PROMPT
+    if args.prompt is None:
+        print(f"prompt: {DEMO_PROMPT[0]['content']}\n", flush=True)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, session_id=args.session_id, k=args.k)
+
+    def run(address: str) -> None:
+        with Client(address) as client:
+            for chunk in client.stream(prompt, **options):
+                print(chunk.text, end="", flush=True)
+                if chunk.stats is not None:
+                    s = chunk.stats
+                    print(f"\n\n[finish: {chunk.finish_reason}] {s.generated_tokens} tokens in {s.total_ms / 1000:.2f}s "
+                          f"({s.tokens_per_second:.1f} tok/s); rounds {s.rounds}, acceptance {s.acceptance_rate:.2f}, "
+                          f"mean accepted length {s.mean_accepted_length:.2f}; draft {s.draft_ms:.0f} ms, "
+                          f"verify {s.verify_ms:.0f} ms, other {s.other_ms:.0f} ms; session {chunk.session_id}")
+
+    if args.local:
+        from specdec.stack import LocalStack
+
+        with LocalStack(_stack_config(args, 0)) as stack:
+            run(stack.address)
+    else:
+        run(args.address)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parses the command line and runs the chosen command."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.command == "serve-target":
+        from target_service.server import main as serve
+
+        serve(TargetConfig(server=_server(args), model=_model(args, args.model)))
+    elif args.command == "serve-draft":
+        from draft_service.server import main as serve
+
+        serve(DraftConfig(server=_server(args), kind=args.kind, model=_model(args, args.model),
+                          ngram_max=args.ngram_max, ngram_min=args.ngram_min, sample_top_k=args.sample_top_k))
+    elif args.command == "serve-coordinator":
+        from coordinator.server import main as serve
+
+        serve(CoordinatorConfig(
+            server=_server(args),
+            draft_addresses=tuple(args.draft),
+            target_addresses=tuple(args.target),
+            tokenizer=ModelConfig(model=args.tokenizer, cache_dir=args.cache_dir),
+            redis_url=args.redis_url,
+            session_ttl_s=args.session_ttl,
+            default_k=args.default_k,
+            rpc_timeout_s=args.rpc_timeout,
+        ))
+    elif args.command == "up":
+        _up(args)
+    elif args.command == "generate":
+        _generate(args)
+
+
+if __name__ == "__main__":
+    main()

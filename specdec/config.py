@@ -1,0 +1,83 @@
+"""Frozen configuration of each service, built once at the edge (CLI flags and env) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MAX_K = 32
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where and how a gRPC server listens."""
+
+    host: str = "127.0.0.1"
+    # 0 picks a free port; the bound port is reported at start-up.
+    port: int = 0
+    # Largest request or reply in bytes; bigger messages get RESOURCE_EXHAUSTED.
+    max_message_bytes: int = 8 * 1024 * 1024
+    # Seconds in-flight calls get to finish after SIGTERM.
+    grace_s: float = 5.0
+    # OTLP/gRPC endpoint for traces (for example Jaeger's host:4317); None exports nothing.
+    otlp_endpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model a service loads and how it computes."""
+
+    # "default" (the embedded SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file.
+    model: str = "default"
+    # Where converted models are cached.
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "specdec")
+    # torch intra-op threads; draft and target on one machine must share the cores deliberately.
+    threads: int = 1
+    # Session caches held at once; the least recently used is evicted past this.
+    max_sessions: int = 64
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """The target service."""
+
+    server: ServerConfig = ServerConfig()
+    model: ModelConfig = ModelConfig()
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """The draft service."""
+
+    server: ServerConfig = ServerConfig()
+    # "ngram" (prompt lookup, no model) or "model" (a small causal LM sharing the target's tokenizer).
+    kind: str = "ngram"
+    # For kind "model", the draft model; for "ngram", the model whose tokenizer it speaks.
+    model: ModelConfig = ModelConfig()
+    # Longest and shortest suffix the n-gram drafter looks up.
+    ngram_max: int = 3
+    ngram_min: int = 1
+    # A model draft samples only among its own top tokens: q stays exact and cheap to send.
+    sample_top_k: int = 64
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """The coordinator."""
+
+    server: ServerConfig = ServerConfig()
+    # Draft and target replicas; a new session goes to the next one in turn.
+    draft_addresses: tuple[str, ...] = ()
+    target_addresses: tuple[str, ...] = ()
+    # Model whose tokenizer renders prompts and decodes output; must match the target's.
+    tokenizer: ModelConfig = ModelConfig()
+    # Session records; "memory://" keeps them in process (tests only).
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Idle sessions expire after this many seconds.
+    session_ttl_s: int = 3600
+    # Draft length when a request does not choose one.
+    default_k: int = 4
+    # Deadline of each call to a draft or target service.
+    rpc_timeout_s: float = 30.0
+    # Seconds to wait at start-up for the draft and target services to report ready.
+    startup_timeout_s: float = 300.0

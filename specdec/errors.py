@@ -1,0 +1,13 @@
+"""Errors the service cores raise; ``specdec.rpc`` maps each to a gRPC status."""
+
+
+class CacheNotFound(LookupError):
+    """No cache under the given id (never created, released, or evicted)."""
+
+
+class CacheBehind(ValueError):
+    """The caller expects more committed tokens than the cache has seen; it must prefill again."""
+
+
+class CachesFull(RuntimeError):
+    """Every cache slot is taken by a session that is in use."""

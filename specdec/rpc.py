@@ -1,0 +1,160 @@
+"""gRPC plumbing the three services share: options, health, reflection, errors, and shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
+
+from specdec.config import ServerConfig
+from specdec.errors import CacheBehind, CacheNotFound, CachesFull
+from specdec.tracing import make_tracer_provider
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# gRPC status for each error the cores raise; anything else is a bug and surfaces as INTERNAL.
+_STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (CacheNotFound, grpc.StatusCode.NOT_FOUND),
+    (CacheBehind, grpc.StatusCode.FAILED_PRECONDITION),
+    (CachesFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+)
+
+
+def status_of(exc: BaseException) -> grpc.StatusCode | None:
+    """The gRPC status a core exception maps to, or None for an unexpected one."""
+    for kind, code in _STATUS_OF:
+        if isinstance(exc, kind):
+            return code
+    return None
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Message-size limits and keepalives for a server."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Message-size limits and keepalives for a client channel."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+async def call_core(context: grpc.aio.ServicerContext, executor: Executor, fn: Callable[[], T]) -> T:
+    """Runs a core call on the model's executor, turning its errors into gRPC statuses."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(executor, fn)
+    except Exception as exc:  # noqa: BLE001 - every error must reach the caller as a status
+        code = status_of(exc)
+        if code is None:
+            log.exception("unexpected error in %s", getattr(fn, "__qualname__", fn))
+            code = grpc.StatusCode.INTERNAL
+        await context.abort(code, str(exc))
+        raise AssertionError("unreachable") from exc
+
+
+@dataclass
+class RunningServer:
+    """A started gRPC server with its health servicer and the port it bound."""
+
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+
+    async def set_serving(self) -> None:
+        """Reports every service ready (call once the model is loaded and warmed)."""
+        for name in ("", *self.service_names):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace_s: float) -> None:
+        """Graceful stop: health goes NOT_SERVING, in-flight calls get ``grace_s`` to finish."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+
+
+async def start_server(
+    config: ServerConfig, register: Callable[[grpc.aio.Server], None], service_names: tuple[str, ...]
+) -> RunningServer:
+    """Starts an aio server with health (NOT_SERVING until told) and reflection registered."""
+    server = grpc.aio.server(options=server_options(config.max_message_bytes))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        raise OSError(f"could not bind {config.host}:{config.port}")
+    await server.start()
+    running = RunningServer(server, health_servicer, port, service_names)
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return running
+
+
+async def serve_until_signal(running: RunningServer, grace_s: float) -> None:
+    """Blocks until SIGINT or SIGTERM, then stops gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("signal received; draining for up to %.1fs", grace_s)
+    await running.stop(grace_s)
+
+
+async def serve_forever(
+    config: ServerConfig, label: str, start: Callable[[trace.Tracer], Awaitable[RunningServer]]
+) -> None:
+    """Runs one service process: tracing from config, start, announce the port, drain on SIGTERM."""
+    provider = make_tracer_provider(f"specdec-{label}", config.otlp_endpoint)
+    running = await start(provider.get_tracer(f"specdec.{label}"))
+    log.info("%s service ready on %s:%d", label, config.host, running.port)
+    # The launcher reads this line to learn the bound port.
+    print(f"READY {config.host}:{running.port}", flush=True)
+    try:
+        await serve_until_signal(running, config.grace_s)
+    finally:
+        provider.shutdown()
+
+
+async def wait_ready(address: str, timeout_s: float) -> None:
+    """Polls an address's health service until it reports SERVING, or raises TimeoutError."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"{address} did not become ready within {timeout_s:.0f}s")
+            await asyncio.sleep(0.2)

@@ -1,0 +1,132 @@
+"""The sampling math every service shares: logits → probabilities, and the verification rule.
+
+Vocabulary (after Leviathan et al., arXiv 2211.17192, and Chen et al., arXiv 2302.01318):
+
+- *accepted* tokens are the leading draft tokens the target keeps;
+- the *recovered* token replaces the first rejected draft token: under greedy decoding it is the
+  target's argmax, under sampling it is drawn from normalize(max(p - q, 0));
+- the *bonus* token is drawn from the target's distribution after the last draft token when every
+  draft token was accepted.
+
+Each round therefore commits ``accepted + 1`` tokens. With p and q computed after the same
+temperature / top-k / top-p, and q exactly the distribution the draft sampled from, the committed
+tokens are distributed exactly as tokens sampled from the target alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings of one request; ``temperature == 0`` means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are argmax picks rather than draws."""
+        return self.temperature == 0.0
+
+
+def round_generator(seed: int, round_index: int, stream: int) -> torch.Generator:
+    """A CPU generator for one (seed, round, stream) triple, independent of global RNG state.
+
+    ``stream`` separates the draft's draws (1) from the target's (2) within a round.
+    """
+    mixed = (seed * 0x9E3779B97F4A7C15 + round_index * 0xBF58476D1CE4E5B9 + stream) % (2**63 - 1)
+    return torch.Generator(device="cpu").manual_seed(mixed)
+
+
+def warp_probs(logits: torch.Tensor, sampling: Sampling, extra_top_k: int = 0) -> torch.Tensor:
+    """Turns logits ``[n, V]`` into the probabilities ``[n, V]`` a sampled request draws from.
+
+    Applies temperature, then top-k, then top-p, then renormalizes. ``extra_top_k`` lets a drafter
+    narrow its own support further (a sparse q is cheap to send and still exact).
+    """
+    logits = logits.float() / sampling.temperature  # [n, V]
+    top_k = sampling.top_k
+    if extra_top_k > 0:
+        top_k = extra_top_k if top_k <= 0 else min(top_k, extra_top_k)
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [n, V]
+    if sampling.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [n, V]
+        # Drop a token when the mass strictly before it already reaches top_p; the first always stays.
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Outcome of verifying one round: ``tokens`` is the accepted prefix plus one target token."""
+
+    accepted: int
+    tokens: list[int]
+
+
+def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> Verdict:
+    """Greedy verification: accept while each draft token equals the target's argmax.
+
+    ``target_logits`` is ``[k + 1, V]``: row i scores the token after draft position i (row 0 the
+    token after the last committed one).
+    """
+    target_tokens = target_logits.argmax(dim=-1).tolist()  # [k + 1]
+    accepted = 0
+    for draft, target in zip(draft_tokens, target_tokens):
+        if draft != target:
+            break
+        accepted += 1
+    return Verdict(accepted, target_tokens[: accepted + 1])
+
+
+def verify_sampled(
+    p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int], generator: torch.Generator
+) -> Verdict:
+    """Speculative sampling: accept draft token x with probability min(1, p(x) / q(x)).
+
+    ``p`` is the target's ``[k + 1, V]`` and ``q`` the draft's ``[k, V]``, both after the same
+    warping; ``q[i]`` must be exactly what the draft drew ``draft_tokens[i]`` from. On the first
+    rejection the recovered token is drawn from normalize(max(p - q, 0)); when all k pass, the bonus
+    token is drawn from ``p[k]``.
+    """
+    k = len(draft_tokens)
+    uniforms = torch.rand(k, generator=generator, dtype=torch.float64)  # [k]
+    for i, token in enumerate(draft_tokens):
+        p_x = float(p[i, token])
+        q_x = float(q[i, token])
+        if q_x > 0 and uniforms[i].item() * q_x <= p_x:
+            continue
+        residual = torch.clamp(p[i] - q[i], min=0.0)  # [V]
+        if float(residual.sum()) <= 0.0:
+            # p <= q everywhere means p == q, where a rejection has probability zero; p is exact.
+            residual = p[i]
+        recovered = torch.multinomial(residual / residual.sum(), 1, generator=generator).item()
+        return Verdict(i, [*draft_tokens[:i], int(recovered)])
+    bonus = torch.multinomial(p[k], 1, generator=generator).item()
+    return Verdict(k, [*draft_tokens, int(bonus)])
+
+
+def sparse_to_dense(token_ids: list[int], probs: list[float], vocab_size: int) -> torch.Tensor:
+    """Rebuilds a dense ``[V]`` distribution from its sparse wire form."""
+    dense = torch.zeros(vocab_size, dtype=torch.float32)
+    if token_ids:
+        dense[torch.tensor(token_ids, dtype=torch.long)] = torch.tensor(probs, dtype=torch.float32)
+    return dense
+
+
+def dense_to_sparse(dist: torch.Tensor) -> tuple[list[int], list[float]]:
+    """The support of a ``[V]`` distribution and its probabilities, for the wire."""
+    ids = torch.nonzero(dist > 0, as_tuple=False).flatten()  # [S]
+    return ids.tolist(), dist[ids].tolist()

@@ -1,0 +1,176 @@
+"""A local stack on loopback: redis-server, draft, target and coordinator as child processes.
+
+Used by ``specdec up``, ``specdec generate --local`` and the end-to-end tests. Logs go to files, not
+pipes, so a chatty child can never block; every child is stopped when the stack closes.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """What a local stack runs."""
+
+    target_model: str = "default"
+    draft_kind: str = "ngram"
+    draft_model: str = "default"
+    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "specdec")
+    coordinator_port: int = 0
+    target_threads: int = 2
+    draft_threads: int = 1
+    default_k: int = 4
+    otlp_endpoint: str | None = None
+    startup_timeout_s: float = 300.0
+    # Extra coordinators sharing the same services and Redis (tests of session hand-over).
+    extra_coordinators: int = 0
+
+
+class Process:
+    """One child process whose output goes to a log file."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str]) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.popen = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines the process wrote."""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it lingers."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._log.close()
+
+
+def _child_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    # Idle OpenMP threads must sleep, not spin: draft and target share the cores.
+    env.update({"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"})
+    return env
+
+
+class LocalStack:
+    """Starts the whole system on loopback; use as a context manager."""
+
+    def __init__(self, config: StackConfig, log_dir: Path | None = None) -> None:
+        self.config = config
+        self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="specdec-stack-"))
+        self.processes: list[Process] = []
+        self.redis_url = ""
+        self.draft_address = ""
+        self.target_address = ""
+        self.coordinator_addresses: list[str] = []
+
+    @property
+    def address(self) -> str:
+        """The (first) coordinator's address."""
+        return self.coordinator_addresses[0]
+
+    def _spawn(self, name: str, argv: list[str], threads: int = 1) -> Process:
+        proc = Process(name, argv, self.log_dir, _child_env(threads))
+        self.processes.append(proc)
+        return proc
+
+    def _wait_for_line(self, proc: Process, prefix: str) -> str:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        while time.monotonic() < deadline:
+            for line in proc.log_path.read_text(errors="replace").splitlines():
+                if line.startswith(prefix):
+                    return line[len(prefix) :].strip()
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+            time.sleep(0.1)
+        raise TimeoutError(f"{proc.name} did not start within {self.config.startup_timeout_s:.0f}s:\n{proc.log_tail()}")
+
+    def _start_redis(self) -> None:
+        server = shutil.which("redis-server")
+        if server is None:
+            raise RuntimeError("redis-server is not installed (make install puts it there)")
+        port = free_port()
+        proc = self._spawn("redis", [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        self.redis_url = f"redis://127.0.0.1:{port}/0"
+                        return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not start:\n{proc.log_tail()}")
+
+    def start(self) -> LocalStack:
+        """Starts every process and waits until the coordinator serves."""
+        c = self.config
+        exe = [sys.executable, "-m", "specdec.cli"]
+        common = ["--cache-dir", str(c.cache_dir)] + (["--otlp-endpoint", c.otlp_endpoint] if c.otlp_endpoint else [])
+        try:
+            self._start_redis()
+            target = self._spawn(
+                "target",
+                [*exe, "serve-target", "--port", "0", "--model", c.target_model, "--threads", str(c.target_threads), *common],
+                c.target_threads,
+            )
+            draft = self._spawn(
+                "draft",
+                [*exe, "serve-draft", "--port", "0", "--kind", c.draft_kind, "--model", c.draft_model,
+                 "--threads", str(c.draft_threads), *common],
+                c.draft_threads,
+            )
+            self.target_address = self._wait_for_line(target, "READY ")
+            self.draft_address = self._wait_for_line(draft, "READY ")
+            for i in range(1 + c.extra_coordinators):
+                port = c.coordinator_port if i == 0 else 0
+                coordinator = self._spawn(
+                    f"coordinator{i}",
+                    [*exe, "serve-coordinator", "--port", str(port), "--draft", self.draft_address,
+                     "--target", self.target_address, "--redis-url", self.redis_url, "--tokenizer", c.target_model,
+                     "--default-k", str(c.default_k), *common],
+                )
+                self.coordinator_addresses.append(self._wait_for_line(coordinator, "READY "))
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def process(self, name: str) -> Process:
+        """The child process called ``name``."""
+        return next(p for p in self.processes if p.name == name)
+
+    def close(self) -> None:
+        """Stops every child, coordinators first."""
+        for proc in reversed(self.processes):
+            proc.stop()
+
+    def __enter__(self) -> LocalStack:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

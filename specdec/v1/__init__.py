@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the specdec.v1 protocol (run `make proto` to regenerate)."""

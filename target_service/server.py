@@ -1,0 +1,65 @@
+"""The target service's gRPC face: decode each request, call the engine, encode the reply."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from opentelemetry import trace
+
+from specdec.cache_servicer import CacheServicer
+from specdec.config import TargetConfig
+from specdec.models import load_model
+from specdec.rpc import RunningServer, call_core, serve_forever, start_server
+from specdec.tracing import server_span
+from specdec.v1 import target_pb2, target_pb2_grpc
+from specdec.wire import sampling_from_pb
+from target_service.engine import SparseQ, TargetEngine
+
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
+    """Thin servicer over a TargetEngine."""
+
+    def __init__(self, engine: TargetEngine, tracer: trace.Tracer) -> None:
+        super().__init__(engine, tracer, "TargetService")
+        self._target = engine
+
+    async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
+        with server_span(self._tracer, "TargetService/Verify", context) as span:
+            span.set_attribute("specdec.k", len(request.draft_tokens))
+            q = [SparseQ(list(d.token_ids), list(d.probs)) for d in request.q]
+            outcome = await call_core(
+                context,
+                self._executor,
+                lambda: self._target.verify(
+                    request.sync.cache_id,
+                    request.sync.start,
+                    list(request.sync.tokens),
+                    list(request.draft_tokens),
+                    q,
+                    sampling_from_pb(request.sampling),
+                    request.round,
+                ),
+            )
+            span.set_attribute("specdec.accepted", outcome.accepted)
+            return target_pb2.VerifyReply(accepted=outcome.accepted, tokens=outcome.tokens, committed=outcome.committed)
+
+
+async def start_target(config: TargetConfig, engine: TargetEngine, tracer: trace.Tracer) -> RunningServer:
+    """Starts the target gRPC server over a loaded engine and reports it ready."""
+    servicer = TargetServicer(engine, tracer)
+    running = await start_server(
+        config.server, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s), (SERVICE_NAME,)
+    )
+    await running.set_serving()
+    return running
+
+
+def main(config: TargetConfig) -> None:
+    """Entry point of ``specdec serve-target``: load, warm, serve until SIGTERM."""
+    torch.set_num_threads(config.model.threads)
+    engine = TargetEngine(load_model(config.model.model, config.model.cache_dir), config.model.max_sessions)
+    engine.warmup()
+    asyncio.run(serve_forever(config.server, "target", lambda tracer: start_target(config, engine, tracer)))
