@@ -190,6 +190,10 @@ class RoundLoop:
                             "specdec.verify_ms": verify_ms,
                         }
                     )
+                if _moved(record.draft, draft_ref) or _moved(record.target, target_ref):
+                    # A new cache was made: record where it lives, so another coordinator finds it.
+                    record.draft, record.target, record.tokens = draft_ref, target_ref, list(committed)
+                    await self._store.put(record)
                 round_index += 1
                 stats.rounds += 1
                 stats.drafted_tokens += drafted
@@ -281,6 +285,13 @@ class RoundLoop:
 def _clip(ref: CacheRef | None, committed: int) -> CacheRef | None:
     """A cache reference that claims no more committed tokens than ``committed``."""
     return None if ref is None else replace(ref, committed=min(ref.committed, committed))
+
+
+def _moved(stored: CacheRef | None, current: CacheRef | None) -> bool:
+    """True when the cache a record points to is not the one in use."""
+    if current is None:
+        return False
+    return stored is None or (stored.address, stored.cache_id) != (current.address, current.cache_id)
 
 
 def _request_attributes(

@@ -73,7 +73,7 @@ class SessionCache:
         """
         fed = self.pending() + list(extra)
         input_ids = torch.tensor([fed], dtype=torch.long)  # [1, n]
-        out = model(input_ids=input_ids, past_key_values=self.kv, use_cache=True, logits_to_keep=logits_to_keep)
+        out = model(input_ids=input_ids, cache=self.kv, use_cache=True, logits_to_keep=logits_to_keep)
         self.kv_tokens.extend(fed)
         return out.logits[0].float()  # [logits_to_keep, V]
 
@@ -86,7 +86,7 @@ class SessionCache:
     def forward_without_logits(self, model: PreTrainedModel, tokens: list[int]) -> None:
         """Feeds tokens into the KV cache, computing as few logits as the model allows."""
         input_ids = torch.tensor([tokens], dtype=torch.long)  # [1, n]
-        model(input_ids=input_ids, past_key_values=self.kv, use_cache=True, logits_to_keep=1)
+        model(input_ids=input_ids, cache=self.kv, use_cache=True, logits_to_keep=1)
         self.kv_tokens.extend(tokens)
 
 

@@ -1,0 +1,275 @@
+"""End-to-end over real gRPC and a real redis-server, with tiny random models (fast, exact ids)."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+import redis
+import torch
+
+from coordinator.sessions import SessionRecord
+from draft_service.engine import ModelDrafter, NgramDrafter
+from harness import InProcessStack
+from specdec import Client, InvalidArgument, SessionNotFound, Unavailable
+from specdec.sampling import Sampling, warp_probs
+from specdec.v1 import common_pb2, draft_pb2_grpc
+from target_service.engine import TargetEngine
+
+PROMPTS = ["w1 w2 w3", "w7 w7 w8 w9 w10", "w20 w3 w3 w3", "w5", "w11 w12 w13 w11 w12"]
+
+
+def hf_greedy(loaded, prompt: str, max_new_tokens: int) -> list[int]:
+    """Target-only greedy decoding with HF generate, in process: the reference."""
+    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.inference_mode():
+        out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_target, tiny_draft, tiny_dir, redis_url):
+    """Tiny target plus a different tiny model draft, one coordinator, real Redis."""
+    s = InProcessStack(TargetEngine(tiny_target, 64), ModelDrafter(tiny_draft, 64, 64), tiny_dir / "target", redis_url)
+    s.start()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with Client(stack.address, timeout=60) as c:
+        yield c
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_equals_target_only(client, tiny_target, k):
+    for prompt in PROMPTS:
+        result = client.complete(prompt, max_new_tokens=40, k=k)
+        assert result.token_ids == hf_greedy(tiny_target, prompt, 40), prompt
+        assert result.stats.rounds < len(result.token_ids) or result.stats.accepted_tokens == 0
+
+
+def test_target_only_k0_equals_target(client, tiny_target):
+    result = client.complete(PROMPTS[0], max_new_tokens=30, k=0)
+    assert result.token_ids == hf_greedy(tiny_target, PROMPTS[0], 30)
+    assert result.stats.drafted_tokens == 0 and result.stats.rounds == len(result.token_ids)
+
+
+def test_ngram_draft_greedy_equals_target(tiny_target, tiny_dir, redis_url):
+    facts = tiny_target.facts("ngram")
+    s = InProcessStack(TargetEngine(tiny_target, 8), NgramDrafter(facts, 8, 3, 1), tiny_dir / "target", redis_url).start()
+    try:
+        with Client(s.address) as c:
+            for prompt in PROMPTS:
+                result = c.complete(prompt, max_new_tokens=40, k=4)
+                assert result.token_ids == hf_greedy(tiny_target, prompt, 40)
+    finally:
+        s.close()
+
+
+def test_draft_equal_to_target_accepts_everything(tiny_target, tiny_dir, redis_url):
+    k = 4
+    s = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_target, 8, 64), tiny_dir / "target", redis_url)
+    s.start()
+    try:
+        with Client(s.address) as c:
+            result = c.complete("w7 w7 w8 w9 w10", max_new_tokens=4 * (k + 1), k=k)
+    finally:
+        s.close()
+    assert result.finish_reason == "length"
+    assert result.stats.acceptance_rate == 1.0
+    assert result.stats.rounds == 4 and result.stats.mean_accepted_length == k + 1
+
+
+def test_stream_chunks_add_up_to_complete(client):
+    chunks = list(client.stream(PROMPTS[1], max_new_tokens=25, k=3))
+    final = chunks[-1]
+    assert final.finish_reason in ("length", "stop") and final.stats is not None
+    assert all(c.stats is None for c in chunks[:-1])
+    done = client.complete(PROMPTS[1], max_new_tokens=25, k=3)
+    assert [t for c in chunks for t in c.token_ids] == done.token_ids
+    assert "".join(c.text for c in chunks) == done.text
+
+
+def test_seeded_sampling_repeats(client):
+    runs = [client.complete(PROMPTS[0], max_new_tokens=30, temperature=1.0, seed=1234, k=3) for _ in range(3)]
+    assert runs[0].token_ids == runs[1].token_ids == runs[2].token_ids
+    other = [client.complete(PROMPTS[0], max_new_tokens=30, temperature=1.0, seed=s, k=3).token_ids for s in range(5)]
+    assert len({tuple(o) for o in other}) > 1, "different seeds should give different samples"
+
+
+def _chi_square_critical(df: int, z: float = 3.09) -> float:
+    """Upper critical value of chi-square at p = 0.001 (Wilson-Hilferty approximation)."""
+    a = 2.0 / (9.0 * df)
+    return df * (1 - a + z * math.sqrt(a)) ** 3
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_k=10, top_p=0.9)], ids=["plain", "warped"])
+def test_sampled_tokens_follow_target_distribution(client, tiny_target, sampling):
+    prompt = "w1 w2 w3"
+    ids = tiny_target.tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.inference_mode():
+        logits = tiny_target.model(torch.tensor([ids])).logits[0, -1:]
+    p = warp_probs(logits, sampling)[0]
+    n = 2000
+    counts = torch.zeros_like(p)
+    accepted = drafted = 0
+    for seed in range(n):
+        result = client.complete(
+            prompt, max_new_tokens=2, temperature=sampling.temperature, top_k=sampling.top_k,
+            top_p=sampling.top_p, seed=seed, k=3,
+        )
+        counts[result.token_ids[0]] += 1
+        accepted += result.stats.accepted_tokens
+        drafted += result.stats.drafted_tokens
+    assert counts[p == 0].sum() == 0, "sampled a token outside the target's support"
+    expected = p * n
+    # Pool bins with fewer than 5 expected draws so the chi-square approximation holds.
+    big = expected >= 5
+    observed_bins = torch.cat([counts[big], counts[~big].sum().view(1)])
+    expected_bins = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = expected_bins > 0
+    chi2 = float(((observed_bins[keep] - expected_bins[keep]) ** 2 / expected_bins[keep]).sum())
+    assert chi2 < _chi_square_critical(int(keep.sum()) - 1), f"chi2={chi2:.1f}"
+    # Both acceptance and resampling were exercised.
+    assert 0 < accepted < drafted
+
+
+def test_trace_has_one_trace_across_services(stack, client):
+    stack.exporter.clear()
+    result = client.complete(PROMPTS[2], max_new_tokens=12, k=3)
+    spans = stack.exporter.get_finished_spans()
+    roots = [s for s in spans if s.name == "specdec.generate"]
+    assert len(roots) == 1
+    trace_id = roots[0].context.trace_id
+    assert {s.context.trace_id for s in spans} == {trace_id}
+    rounds = [s for s in spans if s.name == "specdec.round"]
+    assert len(rounds) == result.stats.rounds
+    assert all(r.parent.span_id == roots[0].context.span_id for r in rounds)
+    for r in rounds:
+        assert {"specdec.k", "specdec.accepted", "specdec.draft_ms", "specdec.verify_ms"} <= set(r.attributes)
+    round_ids = {r.context.span_id for r in rounds}
+    verifies = [s for s in spans if s.name == "TargetService/Verify"]
+    proposes = [s for s in spans if s.name == "DraftService/Propose"]
+    assert len(verifies) == result.stats.rounds and proposes
+    assert all(s.parent.span_id in round_ids for s in verifies + proposes)
+    assert roots[0].attributes["gen_ai.usage.output_tokens"] == len(result.token_ids)
+    assert roots[0].attributes["gen_ai.usage.input_tokens"] == 4
+    assert sum(r.attributes["specdec.accepted"] for r in rounds) == result.stats.accepted_tokens
+
+
+def test_second_coordinator_continues_session(stack, client, tiny_target):
+    other = stack.add_coordinator()
+    first = client.complete("w1 w2", max_new_tokens=10, k=3)
+    with Client(other) as c2:
+        second = c2.complete("w9 w4", max_new_tokens=10, k=3, session_id=first.session_id)
+    assert second.session_id == first.session_id
+    assert second.stats.prompt_tokens == 2 + len(first.token_ids) + 2
+    # One coordinator, same conversation, fresh session: the same answer.
+    again = client.complete("w1 w2", max_new_tokens=10, k=3)
+    again2 = client.complete("w9 w4", max_new_tokens=10, k=3, session_id=again.session_id)
+    assert again2.token_ids == second.token_ids
+    full = "w1 w2 " + tiny_target.tokenizer.decode(first.token_ids) + " w9 w4"
+    assert second.token_ids == hf_greedy(tiny_target, full, 10)
+
+
+def _record(redis_url: str, session_id: str) -> SessionRecord:
+    raw = redis.Redis.from_url(redis_url).get(f"specdec:session:{session_id}")
+    return SessionRecord.from_json(raw)
+
+
+def test_session_record_in_redis(client, redis_url):
+    result = client.complete("w3 w4", max_new_tokens=8, k=2)
+    record = _record(redis_url, result.session_id)
+    assert record.tokens[-len(result.token_ids) :] == result.token_ids
+    assert record.target is not None and record.draft is not None
+    ttl = redis.Redis.from_url(redis_url).ttl(f"specdec:session:{result.session_id}")
+    assert 0 < ttl <= 3600
+
+
+def test_dropped_draft_cache_still_exact(stack, client, redis_url, tiny_target):
+    first = client.complete("w1 w2", max_new_tokens=10, k=3)
+    record = _record(redis_url, first.session_id)
+    with grpc.insecure_channel(stack.draft_address) as channel:
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        assert stub.Release(common_pb2.ReleaseRequest(cache_id=record.draft.cache_id)).released
+        second = client.complete("w9 w4", max_new_tokens=10, k=3, session_id=first.session_id)
+        # Mid-stream: drop the draft cache after the first chunk.
+        stream = client.stream("w5 w6 w7", max_new_tokens=30, k=3)
+        chunks = [next(stream)]
+        rec = _record(redis_url, chunks[0].session_id)
+        stub.Release(common_pb2.ReleaseRequest(cache_id=rec.draft.cache_id))
+        chunks += list(stream)
+    full = "w1 w2 " + tiny_target.tokenizer.decode(first.token_ids) + " w9 w4"
+    assert second.token_ids == hf_greedy(tiny_target, full, 10)
+    assert [t for c in chunks for t in c.token_ids] == hf_greedy(tiny_target, "w5 w6 w7", 30)
+
+
+def test_stop_string_is_never_streamed(client, tiny_target):
+    reference = client.complete(PROMPTS[0], max_new_tokens=30, k=3)
+    words = reference.text.split()
+    stop = words[3]
+    chunks = list(client.stream(PROMPTS[0], max_new_tokens=30, k=3, stop=[stop]))
+    text = "".join(c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop"
+    assert stop not in text
+    assert reference.text.startswith(text)
+
+
+BAD = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=10_000), "max_new_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_p=-0.1), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(k=33), "k"),
+    (dict(k=-1), "k"),
+    (dict(prompt="w1 " * 300), "prompt"),
+]
+
+
+@pytest.mark.parametrize("overrides,field", BAD, ids=[f for _, f in BAD])
+def test_bad_input_is_invalid_argument(client, overrides, field):
+    options = dict(prompt="w1 w2", max_new_tokens=5) | overrides
+    prompt = options.pop("prompt")
+    with pytest.raises(InvalidArgument) as err:
+        client.complete(prompt, **options)
+    assert field in err.value.details
+    # The service is still up.
+    assert client.complete("w1 w2", max_new_tokens=3).token_ids
+
+
+def test_unknown_session_is_not_found(client):
+    with pytest.raises(SessionNotFound, match="session_id"):
+        client.complete("w1", max_new_tokens=3, session_id="no-such-session")
+
+
+def test_garbled_and_oversized_messages(stack, client):
+    with grpc.insecure_channel(stack.address) as channel:
+        call = channel.unary_unary("/specdec.v1.Coordinator/Complete")
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\xff\xff\xff\xff\x0f garbage", timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as err:
+            call(b"\x0a" + b"\x80\x80\x80\x08" + b"x" * (9 * 1024 * 1024), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert client.complete("w1 w2", max_new_tokens=3).token_ids
+
+
+@pytest.mark.parametrize("victim", ["draft", "target"])
+def test_unreachable_service_is_unavailable(tiny_target, tiny_draft, tiny_dir, redis_url, victim):
+    s = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
+    s.start()
+    try:
+        index = 1 if victim == "draft" else 0
+        s.run(s._servers[index].stop(0))
+        with Client(s.address) as c:
+            with pytest.raises(Unavailable, match=victim):
+                c.complete("w1 w2", max_new_tokens=5, k=2, timeout=20)
+    finally:
+        s.close()
