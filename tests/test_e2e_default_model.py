@@ -1,0 +1,102 @@
+"""End to end on the real SmolLM2-135M-Instruct: separate processes, real gRPC, real redis-server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.prompts import render_chat
+from specdec import Client
+from specdec.stack import LocalStack, StackConfig
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 64
+
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "import json\n\ndef load_config(path):\n",
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three uses of Python."}],
+    "The history of the printing press begins in",
+    "Once upon a time, in a small village by the mountains,",
+    [{"role": "user", "content": "Explain what a hash table is to a beginner."}],
+]
+
+
+def prompt_ids(tokenizer, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=False)
+    return render_chat(tokenizer, prompt)
+
+
+def near_tie(model, context: list[int], threshold: float = 0.02) -> tuple[bool, float]:
+    """Whether the target's top two logits after ``context`` are within ``threshold``."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([context])).logits[0, -1]
+    top = torch.topk(logits, 2).values
+    gap = float(top[0] - top[1])
+    return gap < threshold, gap
+
+
+@pytest.fixture(scope="module")
+def references(default_model):
+    """Target-only greedy output of HF generate, computed before any server competes for the cores."""
+    out = []
+    for prompt in PROMPTS:
+        ids = prompt_ids(default_model.tokenizer, prompt)
+        with torch.inference_mode():
+            gen = default_model.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append((ids, gen[0, len(ids) :].tolist()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(references, tmp_path_factory):
+    with LocalStack(StackConfig(default_k=4), log_dir=tmp_path_factory.mktemp("stack")) as s:
+        yield s
+
+
+def test_greedy_speculative_equals_hf_generate(stack, references, default_model):
+    accepted = 0
+    with Client(stack.address, timeout=300) as client:
+        for prompt, (ids, expected) in zip(PROMPTS, references):
+            result = client.complete(prompt, max_new_tokens=NEW_TOKENS)
+            accepted += result.stats.accepted_tokens
+            if result.token_ids != expected:
+                at = next(i for i, (a, b) in enumerate(zip(result.token_ids, expected)) if a != b)
+                tie, gap = near_tie(default_model.model, ids + expected[:at])
+                assert tie, f"prompt {prompt!r}: diverged at token {at} where the top-2 logit gap is {gap:.4f}"
+    assert accepted > 0, "the n-gram draft never got a token accepted"
+
+
+def test_seeded_sampling_repeats_on_real_model(stack):
+    with Client(stack.address, timeout=300) as client:
+        runs = [client.complete(PROMPTS[3], max_new_tokens=24, temperature=0.8, top_p=0.95, seed=42) for _ in range(2)]
+        other = client.complete(PROMPTS[3], max_new_tokens=24, temperature=0.8, top_p=0.95, seed=43)
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].token_ids != other.token_ids
+
+
+def test_chat_session_continues(stack, default_model):
+    first_turn = [{"role": "user", "content": "Name a fruit that is yellow."}]
+    with Client(stack.address, timeout=300) as client:
+        first = client.complete(first_turn, max_new_tokens=20)
+        second = client.complete([{"role": "user", "content": "And one that is red?"}], max_new_tokens=20,
+                                 session_id=first.session_id)
+    conversation = [*first_turn, {"role": "assistant", "content": first.text},
+                    {"role": "user", "content": "And one that is red?"}]
+    ids = render_chat(default_model.tokenizer, conversation)
+    assert second.stats.prompt_tokens == len(ids)
+    with torch.inference_mode():
+        gen = default_model.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
+    assert second.token_ids == gen[0, len(ids) :].tolist()
+
+
+def test_draft_equal_to_target_real_model(tmp_path):
+    k = 3
+    config = StackConfig(draft_kind="model", draft_model="default", default_k=k, target_threads=1, draft_threads=1)
+    with LocalStack(config, log_dir=tmp_path) as s, Client(s.address, timeout=300) as client:
+        result = client.complete(PROMPTS[0], max_new_tokens=4 * (k + 1))
+    assert result.stats.acceptance_rate == 1.0
+    assert result.stats.mean_accepted_length == k + 1

@@ -1,0 +1,110 @@
+"""The verification rule on synthetic distributions, with no model and no network."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.sampling import (
+    Sampling,
+    dense_to_sparse,
+    round_generator,
+    sparse_to_dense,
+    verify_greedy,
+    verify_sampled,
+    warp_probs,
+)
+
+
+def _draw_many(p: torch.Tensor, q: torch.Tensor, n: int) -> tuple[torch.Tensor, float]:
+    """Runs one-token speculation n times: draft x ~ q, then verify against p."""
+    gen = torch.Generator().manual_seed(0)
+    drafts = torch.multinomial(q, n, replacement=True, generator=gen).tolist()
+    counts = torch.zeros_like(p)
+    accepted = 0
+    p2 = torch.stack([p, p])  # [k + 1, V]: the bonus row is unused when we look at the first token
+    for i, x in enumerate(drafts):
+        verdict = verify_sampled(p2, q.view(1, -1), [x], round_generator(7, i, 2))
+        counts[verdict.tokens[0]] += 1
+        accepted += verdict.accepted
+    return counts / n, accepted / n
+
+
+def test_lesson_example_matches_target_distribution():
+    p = torch.tensor([0.5, 0.3, 0.2])
+    q = torch.tensor([0.7, 0.2, 0.1])
+    n = 100_000
+    freq, acceptance = _draw_many(p, q, n)
+    # Binomial standard error is at most 0.5 / sqrt(n) = 0.0016; allow about 4 of them.
+    assert torch.allclose(freq, p, atol=0.0065), freq
+    assert abs(acceptance - float(torch.minimum(p, q).sum())) < 0.0065
+
+
+def test_random_distributions_match_target():
+    gen = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(6, generator=gen) * 2, 0)
+    q = torch.softmax(torch.randn(6, generator=gen) * 2, 0)
+    freq, acceptance = _draw_many(p, q, 100_000)
+    assert torch.allclose(freq, p, atol=0.0065)
+    assert abs(acceptance - float(torch.minimum(p, q).sum())) < 0.0065
+
+
+def test_point_mass_draft_accepts_with_probability_p():
+    # The n-gram drafter's q is a point mass: acceptance must be p(x) and output still p.
+    p = torch.tensor([0.6, 0.3, 0.1])
+    q = torch.tensor([0.0, 1.0, 0.0])
+    freq, acceptance = _draw_many(p, q, 50_000)
+    assert torch.allclose(freq, p, atol=0.01)
+    assert abs(acceptance - 0.3) < 0.01
+
+
+def test_all_accepted_draws_bonus_from_last_row():
+    p = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    verdict = verify_sampled(p, q, [1, 2], round_generator(0, 0, 2))
+    assert verdict.accepted == 2 and verdict.tokens == [1, 2, 0]
+
+
+def test_rejection_never_returns_the_rejected_token():
+    p = torch.tensor([[0.1, 0.9], [0.5, 0.5]])
+    q = torch.tensor([[1.0, 0.0]])
+    for i in range(200):
+        verdict = verify_sampled(p, q, [0], round_generator(1, i, 2))
+        if verdict.accepted == 0:
+            assert verdict.tokens == [1]
+
+
+def test_greedy_accepts_matching_prefix():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])  # argmax 1, 0, 2
+    assert verify_greedy(logits, [1, 0]).tokens == [1, 0, 2]
+    assert verify_greedy(logits, [1, 2]).tokens == [1, 0]
+    assert verify_greedy(logits, [2, 0]).tokens == [1]
+    assert verify_greedy(logits[:1], []).tokens == [1]
+
+
+def test_seeded_streams_repeat_and_differ():
+    a = torch.rand(4, generator=round_generator(5, 3, 1))
+    b = torch.rand(4, generator=round_generator(5, 3, 1))
+    c = torch.rand(4, generator=round_generator(5, 3, 2))
+    d = torch.rand(4, generator=round_generator(5, 4, 1))
+    assert torch.equal(a, b) and not torch.equal(a, c) and not torch.equal(a, d)
+
+
+def test_warp_top_k_top_p_temperature():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1]]))
+    assert torch.allclose(warp_probs(logits, Sampling(1.0)), torch.tensor([[0.4, 0.3, 0.2, 0.1]]), atol=1e-6)
+    top2 = warp_probs(logits, Sampling(1.0, top_k=2))
+    assert torch.allclose(top2, torch.tensor([[0.4 / 0.7, 0.3 / 0.7, 0.0, 0.0]]), atol=1e-6)
+    nucleus = warp_probs(logits, Sampling(1.0, top_p=0.75))  # 0.4 + 0.3 < 0.75, so 0.2 joins
+    assert torch.allclose(nucleus, torch.tensor([[0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9, 0.0]]), atol=1e-6)
+    assert torch.count_nonzero(warp_probs(logits, Sampling(1.0, top_p=0.4))) == 1
+    cold = warp_probs(logits, Sampling(0.5))
+    expected = torch.tensor([0.16, 0.09, 0.04, 0.01]) / 0.30
+    assert torch.allclose(cold, expected.view(1, -1), atol=1e-6)
+    assert torch.count_nonzero(warp_probs(logits, Sampling(1.0), extra_top_k=3)) == 3
+
+
+def test_sparse_round_trip():
+    dist = torch.tensor([0.0, 0.25, 0.0, 0.75])
+    ids, probs = dense_to_sparse(dist)
+    assert ids == [1, 3]
+    assert torch.equal(sparse_to_dense(ids, probs, 4), dist)

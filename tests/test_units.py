@@ -1,0 +1,123 @@
+"""Pure pieces: n-gram lookup, cache syncing, text streaming with stop strings, prompts, sessions."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from coordinator.backends import CacheRef
+from coordinator.prompts import build_turn
+from coordinator.sessions import MemorySessionStore, SessionRecord
+from coordinator.textstream import TextStream
+from draft_service.ngram import propose_ngram
+from specdec.errors import CacheBehind, CacheNotFound
+from specdec.kvcache import CacheTable, SessionCache
+
+
+def test_ngram_prefers_longest_most_recent_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert propose_ngram(tokens, 2, 3, 1) == [7, 8]  # suffix [2, 3] last seen before 7, 8
+    assert propose_ngram([1, 2, 3, 4], 3, 3, 1) == []
+    assert propose_ngram([5, 6, 5], 4, 3, 1) == [6, 5]
+    assert propose_ngram([4], 3, 3, 1) == []
+
+
+def test_session_cache_matches_uncached_forward(tiny_target):
+    model = tiny_target.model
+    tokens = [3, 4, 5, 6, 7, 8, 9]
+    cache = SessionCache(committed=tokens[:4])
+    cache.prefill(model)
+    assert cache.kv_tokens == tokens[:3]
+    # Speculate two wrong tokens, then commit different ones: the stale KV must go.
+    cache.forward(model, [20, 21], logits_to_keep=3)
+    cache.sync(4, tokens[4:])
+    assert cache.kv_tokens == tokens[:4] and cache.pending() == tokens[4:]
+    cached = cache.forward(model, [], logits_to_keep=1)
+    with torch.inference_mode():
+        full = model(torch.tensor([tokens])).logits[0, -1:]
+    assert torch.allclose(cached, full, atol=1e-4)
+
+
+def test_session_cache_keeps_matching_speculation(tiny_target):
+    cache = SessionCache(committed=[3, 4, 5])
+    cache.prefill(tiny_target.model)
+    cache.forward(tiny_target.model, [6, 7], logits_to_keep=1)
+    cache.sync(3, [6, 7, 9])
+    assert cache.kv_tokens == [3, 4, 5, 6, 7]  # accepted draft tokens stay cached
+    with pytest.raises(CacheBehind):
+        cache.sync(10, [1])
+
+
+def test_cache_table_evicts_least_recently_used():
+    table = CacheTable(capacity=2)
+    a, _ = table.create([1])
+    b, _ = table.create([2])
+    table.get(a)
+    c, _ = table.create([3])
+    assert table.get(a) and table.get(c)
+    with pytest.raises(CacheNotFound):
+        table.get(b)
+    assert table.release(a) and not table.release(a)
+
+
+class CharTokenizer:
+    """One token per character; id = code point."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+def test_text_stream_holds_back_possible_stop_strings():
+    stream = TextStream(CharTokenizer(), ["END"])
+    first = stream.push([ord(c) for c in "hello E"])
+    assert first.text == "hello" and not first.stopped
+    second = stream.push([ord(c) for c in "NDING"])
+    assert second.stopped and second.text == " "
+    assert stream.text == "hello " and stream.tokens == [ord(c) for c in "hello END"]
+
+
+def test_text_stream_without_stop_releases_everything():
+    stream = TextStream(CharTokenizer(), [])
+    assert stream.push([ord("a"), ord("b")]).text == "ab"
+    assert stream.push([0]).token_ids == [0]
+    assert stream.finish().text == ""
+
+
+def test_text_stream_finish_flushes_held_text():
+    stream = TextStream(CharTokenizer(), ["xyz"])
+    assert stream.push([ord(c) for c in "abcx"]).text == "ab"
+    assert stream.finish().text == "cx"
+
+
+class WordTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [len(w) for w in text.split()]
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return [100 + len(m["content"]) for m in messages] + [99]
+
+
+def test_build_turn_text_and_chat():
+    tok = WordTokenizer()
+    assert build_turn(tok, [], None, "aa b", None).tokens == [2, 1]
+    assert build_turn(tok, [7], None, "ccc", None).tokens == [7, 3]
+    chat = build_turn(tok, [], None, None, [{"role": "user", "content": "hi"}])
+    assert chat.tokens == [102, 99] and chat.messages == [{"role": "user", "content": "hi"}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo!"}]
+    follow = build_turn(tok, [102, 99, 5], history, None, [{"role": "user", "content": "x"}])
+    assert follow.tokens == [102, 103, 101, 99] and len(follow.messages) == 3
+
+
+def test_memory_store_round_trips_records():
+    async def scenario():
+        store = MemorySessionStore(ttl_s=60)
+        record = SessionRecord("s1", [1, 2], None, CacheRef("a:1", "c1", 2), None)
+        await store.put(record)
+        got = await store.get("s1")
+        assert got.tokens == [1, 2] and got.draft == CacheRef("a:1", "c1", 2) and got.target is None
+        await store.delete("s1")
+        assert await store.get("s1") is None
+
+    asyncio.run(scenario())
