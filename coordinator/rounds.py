@@ -62,6 +62,20 @@ class Stats:
     time_to_first_token_ms: float = 0.0
     # Committed tokens per round, summed: accepted + 1 before any truncation at a stop.
     committed_in_rounds: int = 0
+    # Index i counts rounds that drafted (accepted) at least i + 1 tokens.
+    drafted_at_position: list[int] = field(default_factory=list)
+    accepted_at_position: list[int] = field(default_factory=list)
+
+    def add_round(self, drafted: int, accepted: int, committed: int) -> None:
+        """Counts one finished round."""
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.committed_in_rounds += committed
+        for counts, n in ((self.drafted_at_position, drafted), (self.accepted_at_position, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -195,10 +209,7 @@ class RoundLoop:
                     record.draft, record.target, record.tokens = draft_ref, target_ref, list(committed)
                     await self._store.put(record)
                 round_index += 1
-                stats.rounds += 1
-                stats.drafted_tokens += drafted
-                stats.accepted_tokens += verdict.accepted
-                stats.committed_in_rounds += len(verdict.tokens)
+                stats.add_round(drafted, verdict.accepted, len(verdict.tokens))
 
                 new = verdict.tokens
                 eos = next((i for i, t in enumerate(new) if t in self._facts.eos_token_ids), None)

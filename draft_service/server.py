@@ -53,7 +53,11 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
 def build_drafter(config: DraftConfig) -> DraftEngine:
     """The drafter a deployment asked for: a model draft, or n-gram lookup in the model's tokenizer."""
     if config.kind == "model":
-        return ModelDrafter(load_model(config.model.model, config.model.cache_dir), config.model.max_sessions, config.sample_top_k)
+        return ModelDrafter(
+            load_model(config.model.model, config.model.cache_dir, pack=config.model.pack),
+            config.model.max_sessions,
+            config.sample_top_k,
+        )
     if config.kind != "ngram":
         raise ValueError(f"unknown draft kind {config.kind!r} (expected 'ngram' or 'model')")
     path = resolve_model_path(config.model.model, config.model.cache_dir)

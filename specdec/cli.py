@@ -41,7 +41,8 @@ def _server(args) -> ServerConfig:
 
 
 def _model(args, model: str) -> ModelConfig:
-    return ModelConfig(model=model, cache_dir=args.cache_dir, threads=args.threads, max_sessions=args.max_sessions)
+    return ModelConfig(model=model, cache_dir=args.cache_dir, threads=args.threads, max_sessions=args.max_sessions,
+                       pack=not args.no_pack)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=_env("TARGET_MODEL", "default"), help="'default', a HF folder or a .gguf file")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
+    p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
 
     p = sub.add_parser("serve-draft", help="run the draft service")
     _add_server(p, 50051)
@@ -61,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="draft model (kind=model), or the model whose tokenizer n-gram drafting speaks")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
+    p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
     p.add_argument("--ngram-max", type=int, default=3)
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--sample-top-k", type=int, default=64, help="a model draft samples among its top tokens only")
@@ -92,6 +95,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, help="draft length (0: target-only); default: the server's")
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--session-id")
+    _add_stack(p)
+
+    p = sub.add_parser("bench", help="tokens/s of hf-target, hf-assisted, specdec-k0 and specdec, side by side")
+    p.add_argument("--prompts", type=Path, default=Path("bench/prompts.jsonl"), help="JSONL prompt file")
+    p.add_argument("--n", type=int, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--k", default="4", help="draft length for the specdec mode")
+    p.add_argument("--modes", default=",".join(("hf-target", "hf-assisted", "specdec-k0", "specdec")))
+    p.add_argument("--address", help="use a running coordinator instead of starting a local stack")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process HF modes")
+    p.add_argument("--out", type=Path, default=Path("reports/bench.json"))
+    p.add_argument("--plot", type=Path, help="write a PNG of the report")
     _add_stack(p)
     return parser
 
@@ -163,6 +179,52 @@ def _generate(args) -> None:
         run(args.address)
 
 
+def _bench(args) -> None:
+    import json
+
+    import torch
+
+    from specdec.bench import MODES, load_prompts, plot, run_hf, run_specdec, summarize
+    from specdec.models import load_model
+    from specdec.stack import LocalStack
+
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    k = int(args.k)
+    prompts = load_prompts(args.prompts, args.n)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.target_model, args.cache_dir)
+    draft = load_model(args.draft_model, args.cache_dir).model if args.draft_kind == "model" else None
+    stack = None
+    address = args.address
+    if address is None and any(m.startswith("specdec") for m in modes):
+        stack = LocalStack(_stack_config(args, 0)).start()
+        address = stack.address
+    results = {}
+    try:
+        for mode in modes:
+            if mode.startswith("hf"):
+                results[mode] = run_hf(mode, loaded, draft, prompts, args.max_new_tokens, args.temperature, k)
+            else:
+                results[mode] = run_specdec(mode, address, prompts, args.max_new_tokens, args.temperature, k)
+    finally:
+        if stack is not None:
+            stack.close()
+    report = {
+        "config": {"prompts": str(args.prompts), "n": len(prompts), "max_new_tokens": args.max_new_tokens,
+                   "temperature": args.temperature, "k": k, "draft_kind": args.draft_kind,
+                   "target_threads": args.target_threads, "draft_threads": args.draft_threads},
+        "modes": summarize(results, greedy=args.temperature == 0),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report["modes"], args.plot)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line and runs the chosen command."""
     args = _parser().parse_args(argv)
@@ -193,6 +255,8 @@ def main(argv: list[str] | None = None) -> None:
         _up(args)
     elif args.command == "generate":
         _generate(args)
+    elif args.command == "bench":
+        _bench(args)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ class Stats:
     other_ms: float
     total_ms: float
     time_to_first_token_ms: float
+    drafted_at_position: list[int]
+    accepted_at_position: list[int]
 
     @property
     def tokens_per_second(self) -> float:
@@ -102,7 +104,10 @@ class Completion:
 
 
 def _stats(msg: coordinator_pb2.GenerationStats) -> Stats:
-    return Stats(**{f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields})
+    values = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
+    values["drafted_at_position"] = list(msg.drafted_at_position)
+    values["accepted_at_position"] = list(msg.accepted_at_position)
+    return Stats(**values)
 
 
 def build_request(

@@ -16,8 +16,73 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
 
 from specdec.errors import CacheBehind, CacheNotFound
+
+
+class GrowableLayer(DynamicLayer):
+    """One layer's keys and values in a buffer that doubles when full, instead of growing by concat.
+
+    ``torch.cat`` per step reallocates and copies the whole cache every token; here a step writes
+    only its own keys and values, and cropping just moves the length back. ``keys`` / ``values``
+    stay views of the valid prefix, so attention reads exactly the same numbers.
+    """
+
+    _INITIAL = 256
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self._length = 0
+        self._key_buf = self._alloc(key_states, self._INITIAL)
+        self._value_buf = self._alloc(value_states, self._INITIAL)
+        self._expose()
+        self.is_initialized = True
+
+    @staticmethod
+    def _alloc(like: torch.Tensor, capacity: int) -> torch.Tensor:
+        batch, heads, _, dim = like.shape
+        return like.new_empty((batch, heads, capacity, dim))  # [B, H, capacity, D]
+
+    def _expose(self) -> None:
+        self.keys = self._key_buf[:, :, : self._length]  # [B, H, T, D]
+        self.values = self._value_buf[:, :, : self._length]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self._length + key_states.shape[-2]
+        capacity = self._key_buf.shape[-2]
+        if end > capacity:
+            capacity = max(2 * capacity, end)
+            for name in ("_key_buf", "_value_buf"):
+                old = getattr(self, name)
+                new = self._alloc(old, capacity)
+                new[:, :, : self._length].copy_(old[:, :, : self._length])
+                setattr(self, name, new)
+        self._key_buf[:, :, self._length : end].copy_(key_states)
+        self._value_buf[:, :, self._length : end].copy_(value_states)
+        self._length = end
+        self._expose()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count: the number of tokens to remove")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._length = max(0, self._length + tokens_to_remove)
+        self._expose()
+
+
+class GrowableCache(DynamicCache):
+    """A DynamicCache whose layers write into preallocated, doubling buffers."""
+
+    def __init__(self) -> None:
+        Cache.__init__(self, layer_class_to_replicate=GrowableLayer)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -35,7 +100,7 @@ class SessionCache:
     """The committed tokens a service knows for one session, and its KV cache over them."""
 
     committed: list[int]
-    kv: DynamicCache = field(default_factory=DynamicCache)
+    kv: DynamicCache = field(default_factory=GrowableCache)
     kv_tokens: list[int] = field(default_factory=list)
 
     def sync(self, start: int, new_tokens: list[int]) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from specdec.packed_linear import pack_linears
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
@@ -124,14 +126,19 @@ def eos_ids(model: PreTrainedModel, tokenizer) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Loads a Hugging Face causal LM (folder or GGUF file) for inference."""
+def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32, pack: bool = False) -> LoadedModel:
+    """Loads a Hugging Face causal LM (folder or GGUF file) for inference.
+
+    ``pack`` swaps its linear layers for oneDNN-prepacked ones (see ``specdec.packed_linear``).
+    """
     path = resolve_model_path(spec, cache_dir)
     if path.suffix == ".gguf":
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
+    if pack:
+        pack_linears(model)
     tokenizer = load_tokenizer(path)
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name) if path.suffix == ".gguf" else model.config
     return LoadedModel(

@@ -60,6 +60,8 @@ async def start_target(config: TargetConfig, engine: TargetEngine, tracer: trace
 def main(config: TargetConfig) -> None:
     """Entry point of ``specdec serve-target``: load, warm, serve until SIGTERM."""
     torch.set_num_threads(config.model.threads)
-    engine = TargetEngine(load_model(config.model.model, config.model.cache_dir), config.model.max_sessions)
+    engine = TargetEngine(
+        load_model(config.model.model, config.model.cache_dir, pack=config.model.pack), config.model.max_sessions
+    )
     engine.warmup()
     asyncio.run(serve_forever(config.server, "target", lambda tracer: start_target(config, engine, tracer)))

@@ -1,0 +1,152 @@
+{{/*
+Expand the name of the chart.
+*/}}
+{{- define "specdec.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Create a default fully qualified app name.
+We truncate at 63 chars because some Kubernetes name fields are limited to this (by the DNS naming spec).
+If release name contains chart name it will be used as a full name.
+Component names append "-<component>", so the prefix is cut to 50 characters.
+*/}}
+{{- define "specdec.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 50 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 50 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Create chart name and version as used by the chart label.
+*/}}
+{{- define "specdec.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Common labels
+*/}}
+{{- define "specdec.labels" -}}
+helm.sh/chart: {{ include "specdec.chart" . }}
+{{ include "specdec.selectorLabels" . }}
+{{- if .Chart.AppVersion }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: specdec
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+Selector labels
+*/}}
+{{- define "specdec.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specdec.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/*
+Name of one component's objects. Call with (dict "root" $ "component" "draft").
+*/}}
+{{- define "specdec.componentName" -}}
+{{- printf "%s-%s" (include "specdec.fullname" .root) .component }}
+{{- end }}
+
+{{/*
+Labels of one component's objects. Call with (dict "root" $ "component" "draft").
+*/}}
+{{- define "specdec.componentLabels" -}}
+{{ include "specdec.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Selector labels of one component. Call with (dict "root" $ "component" "draft").
+*/}}
+{{- define "specdec.componentSelectorLabels" -}}
+{{ include "specdec.selectorLabels" .root }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/*
+Create the name of the service account to use
+*/}}
+{{- define "specdec.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "specdec.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/*
+In-cluster DNS name of one component's Service. Call with (dict "root" $ "component" "draft").
+*/}}
+{{- define "specdec.serviceHost" -}}
+{{- printf "%s.%s.svc.%s" (include "specdec.componentName" .) .root.Release.Namespace .root.Values.clusterDomain }}
+{{- end }}
+
+{{/*
+The specdec image for a pod; GPU pods get the CUDA variant. Call with (dict "root" $ "gpus" N).
+*/}}
+{{- define "specdec.image" -}}
+{{- $tag := default .root.Chart.AppVersion .root.Values.image.tag }}
+{{- if gt (int .gpus) 0 }}
+{{- $tag = printf "%s%s" $tag .root.Values.image.cudaSuffix }}
+{{- end }}
+{{- printf "%s:%s" .root.Values.image.repository $tag }}
+{{- end }}
+
+{{/*
+Redis URL when it is a plain value (bundled Redis, or redis.externalUrl); empty when it comes from a Secret.
+*/}}
+{{- define "specdec.redisUrl" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s:%d/%d" (include "specdec.serviceHost" (dict "root" . "component" "redis")) (int .Values.redis.port) (int .Values.redis.db) }}
+{{- else if not .Values.redis.externalUrlSecret.name }}
+{{- required "redis.externalUrl (or redis.externalUrlSecret.name) is required when redis.enabled is false" .Values.redis.externalUrl }}
+{{- end }}
+{{- end }}
+
+{{/*
+OTLP endpoint the services export traces to; empty means no export.
+*/}}
+{{- define "specdec.otlpEndpoint" -}}
+{{- if .Values.tracing.otlpEndpoint }}
+{{- .Values.tracing.otlpEndpoint }}
+{{- else if .Values.jaeger.enabled }}
+{{- printf "%s:4317" (include "specdec.serviceHost" (dict "root" . "component" "jaeger")) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Model a draft speaks: its own model (kind "model") or the target's tokenizer model (kind "ngram").
+*/}}
+{{- define "specdec.draftModel" -}}
+{{- if eq .Values.draft.kind "model" }}
+{{- required "draft.model is required when draft.kind is \"model\"" .Values.draft.model }}
+{{- else }}
+{{- default .Values.target.model .Values.draft.model }}
+{{- end }}
+{{- end }}
+
+{{/*
+Refuses termination grace periods that do not cover the preStop sleep plus the drain.
+Call with (dict "name" "draft" "cfg" .Values.draft).
+*/}}
+{{- define "specdec.checkGrace" -}}
+{{- $need := add (int .cfg.preStopSleepSeconds) (int (ceil .cfg.drainSeconds)) }}
+{{- if le (int .cfg.terminationGracePeriodSeconds) (int $need) }}
+{{- fail (printf "%s.terminationGracePeriodSeconds (%d) must be greater than preStopSleepSeconds + drainSeconds (%d)" .name (int .cfg.terminationGracePeriodSeconds) (int $need)) }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,204 @@
+"""``specdec bench``: tokens/s of specdec against what a user would otherwise run, side by side.
+
+Modes run one after another on the same prompts:
+
+- ``hf-target``: transformers ``generate`` on the target alone, in process (the baseline);
+- ``hf-assisted``: transformers assisted generation with the same draft (prompt lookup for the
+  n-gram draft, ``assistant_model`` for a model draft);
+- ``specdec-k0``: the specdec stack with speculation off;
+- ``specdec``: the specdec stack with speculation.
+
+The report gives tokens/s and speedup per mode, acceptance, per-round time split, the speedup the
+formula (1 - a^(k+1)) / (1 - a) predicts from the measured acceptance and costs, and, for greedy
+runs, how many outputs are token-identical to ``hf-target``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MODES = ("hf-target", "hf-assisted", "specdec-k0", "specdec")
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    """One prompt of the set: plain text (no template) or chat messages."""
+
+    id: str
+    prompt: str | list[dict[str, str]]
+
+
+@dataclass
+class ModeResult:
+    """What one mode produced over all prompts."""
+
+    tokens: int = 0
+    seconds: float = 0.0
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    other_ms: float = 0.0
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
+    round_overheads_ms: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def load_prompts(path: Path, n: int | None) -> list[BenchPrompt]:
+    """Reads a JSONL prompt file: ``{"prompt": ...}`` or ``{"messages": [...]}``, optional ``"id"``."""
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        obj = json.loads(line)
+        prompt = obj["prompt"] if "prompt" in obj else obj["messages"]
+        prompts.append(BenchPrompt(str(obj.get("id", i)), prompt))
+    return prompts[:n] if n else prompts
+
+
+def _progress(mode: str, done: int, total: int, tokens: int, seconds: float) -> None:
+    width = 30
+    filled = width * done // total
+    rate = tokens / seconds if seconds else 0.0
+    sys.stderr.write(f"\r{mode:12s} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {rate:6.1f} tok/s")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
+
+
+def run_hf(mode: str, loaded, draft, prompts: list[BenchPrompt], max_new_tokens: int, temperature: float, k: int) -> ModeResult:
+    """Runs transformers ``generate`` in process, alone or assisted by the draft."""
+    import torch
+
+    from coordinator.prompts import render_chat
+
+    result = ModeResult()
+    options: dict = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
+    if temperature > 0:
+        options["temperature"] = temperature
+    if mode == "hf-assisted":
+        if draft is None:
+            options["prompt_lookup_num_tokens"] = max(k, 1)
+        else:
+            options["assistant_model"] = draft
+    for i, p in enumerate(prompts):
+        ids = loaded.tokenizer.encode(p.prompt, add_special_tokens=False) if isinstance(p.prompt, str) else render_chat(loaded.tokenizer, p.prompt)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = loaded.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **options)
+        result.seconds += time.perf_counter() - start
+        generated = out[0, len(ids) :].tolist()
+        result.tokens += len(generated)
+        result.outputs[p.id] = generated
+        _progress(mode, i + 1, len(prompts), result.tokens, result.seconds)
+    return result
+
+
+def run_specdec(mode: str, address: str, prompts: list[BenchPrompt], max_new_tokens: int, temperature: float, k: int | None) -> ModeResult:
+    """Runs the prompts through a specdec coordinator, one request at a time."""
+    from specdec.client import Client
+
+    result = ModeResult()
+    with Client(address, timeout=600) as client:
+        for i, p in enumerate(prompts):
+            start = time.perf_counter()
+            reply = client.complete(p.prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=i,
+                                    k=0 if mode == "specdec-k0" else k)
+            result.seconds += time.perf_counter() - start
+            s = reply.stats
+            result.tokens += len(reply.token_ids)
+            result.outputs[p.id] = reply.token_ids
+            result.rounds += s.rounds
+            result.drafted += s.drafted_tokens
+            result.accepted += s.accepted_tokens
+            result.draft_ms += s.draft_ms
+            result.verify_ms += s.verify_ms
+            result.other_ms += s.other_ms
+            for mine, theirs in ((result.drafted_at, s.drafted_at_position), (result.accepted_at, s.accepted_at_position)):
+                mine.extend([0] * (len(theirs) - len(mine)))
+                for j, count in enumerate(theirs):
+                    mine[j] += count
+            if s.rounds:
+                result.round_overheads_ms.append(s.other_ms / s.rounds)
+            _progress(mode, i + 1, len(prompts), result.tokens, result.seconds)
+    return result
+
+
+def expected_tokens_per_round(alpha: float, k: float) -> float:
+    """(1 - a^(k+1)) / (1 - a): tokens a round commits when each draft token passes with rate a."""
+    if alpha >= 1.0:
+        return k + 1
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
+    """The JSON report: per-mode figures, speedups, predicted speedup and exactness."""
+    base = results.get("hf-target")
+    k0 = results.get("specdec-k0")
+    report: dict = {}
+    for mode, r in results.items():
+        entry: dict = {"tokens": r.tokens, "seconds": round(r.seconds, 3), "tokens_per_s": round(r.tokens_per_s, 2)}
+        if base is not None and base.tokens_per_s:
+            entry["speedup_vs_hf_target"] = round(r.tokens_per_s / base.tokens_per_s, 3)
+        if r.rounds:
+            entry["rounds"] = r.rounds
+            entry["per_round_ms"] = {
+                "draft": round(r.draft_ms / r.rounds, 2),
+                "verify": round(r.verify_ms / r.rounds, 2),
+                "other": round(r.other_ms / r.rounds, 2),
+                "median_other": round(statistics.median(r.round_overheads_ms), 2) if r.round_overheads_ms else 0.0,
+            }
+        if mode == "specdec" and r.rounds:
+            alpha = r.accepted / r.drafted if r.drafted else 0.0
+            mean_k = r.drafted / r.rounds
+            entry["acceptance_rate"] = round(alpha, 4)
+            entry["mean_k"] = round(mean_k, 3)
+            entry["mean_accepted_length"] = round((r.accepted + r.rounds) / r.rounds, 3)
+            entry["acceptance_by_position"] = [round(a / d, 4) if d else 0.0 for a, d in zip(r.accepted_at, r.drafted_at)]
+            if k0 is not None and k0.rounds:
+                # One k0 round is one target step through the same stack: the cost unit of the formula.
+                step_ms = (k0.draft_ms + k0.verify_ms + k0.other_ms) / k0.rounds
+                round_ms = (r.draft_ms + r.verify_ms + r.other_ms) / r.rounds
+                predicted = expected_tokens_per_round(alpha, mean_k) * step_ms / round_ms
+                measured = r.tokens_per_s / k0.tokens_per_s if k0.tokens_per_s else 0.0
+                entry["predicted_speedup_vs_k0"] = round(predicted, 3)
+                entry["measured_speedup_vs_k0"] = round(measured, 3)
+                entry["efficiency"] = round(measured / predicted, 3) if predicted else 0.0
+        if greedy and base is not None and mode != "hf-target":
+            same = sum(1 for pid, out in r.outputs.items() if base.outputs.get(pid) == out)
+            entry["exact"] = f"{same}/{len(r.outputs)}"
+        report[mode] = entry
+    return report
+
+
+def plot(report: dict, path: Path) -> None:
+    """Tokens/s per mode and acceptance by draft position, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    modes = list(report)
+    left.bar(modes, [report[m]["tokens_per_s"] for m in modes], color="tab:blue")
+    left.set_ylabel("tokens/s")
+    left.set_title("throughput, batch size 1")
+    by_pos = report.get("specdec", {}).get("acceptance_by_position", [])
+    right.bar([str(i + 1) for i in range(len(by_pos))], by_pos, color="tab:green")
+    right.set_xlabel("draft position")
+    right.set_ylabel("acceptance")
+    right.set_ylim(0, 1)
+    right.set_title("acceptance by position")
+    fig.tight_layout()
+    fig.savefig(path)

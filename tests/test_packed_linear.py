@@ -1,0 +1,37 @@
+"""Prepacked oneDNN linear layers compute what nn.Linear computes."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from specdec.packed_linear import PackedLinear, pack_linears, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(rows, bias):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=bias)
+    x = torch.randn(1, rows, 96)
+    with torch.inference_mode():
+        expected = linear(x)
+        got = PackedLinear(linear)(x)
+    assert got.shape == expected.shape
+    assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_model_gives_same_greedy_tokens(tiny_target):
+    packed = copy.deepcopy(tiny_target.model)
+    assert pack_linears(packed) == 2 * 7 + 1  # 2 layers × (q, k, v, o, gate, up, down) + lm_head
+    ids = torch.tensor([[3, 4, 5, 9, 10]])
+    with torch.inference_mode():
+        plain = tiny_target.model.generate(ids, max_new_tokens=30, do_sample=False)
+        fast = packed.generate(ids, max_new_tokens=30, do_sample=False)
+        assert torch.allclose(tiny_target.model(ids).logits, packed(ids).logits, atol=1e-4)
+    assert torch.equal(plain, fast)
