@@ -39,6 +39,12 @@ up: install
 test: install
 	$(PY) -m pytest -q
 
+# Speed lives here, not in the tests: a JSON report (and a PNG) comparing hf-target, hf-assisted,
+# specdec-k0 and specdec on the shipped prompt set.
+BENCH_ARGS ?= --n 12 --max-new-tokens 64
+bench: install
+	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(BENCH_ARGS) --out reports/bench.json --plot reports/bench.png
+
 proto:
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/specdec/v1/*.proto
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 
+from coordinator.adaptive import AcceptanceTracker, CostModel
 from coordinator.backends import CacheLost, CacheRef, DraftReplica, DraftResult, TargetReplica, VerifyResult
 from coordinator.prompts import build_turn
 from coordinator.sessions import SessionRecord, SessionStore
@@ -24,6 +25,10 @@ from coordinator.textstream import TextStream
 from specdec.kvcache import common_prefix_len
 from specdec.models import ModelFacts
 from specdec.sampling import Sampling
+
+
+# Rounds of target-only decoding after which an adaptive session tries k = 1 again.
+_PROBE_EVERY = 8
 
 
 class SessionNotFound(LookupError):
@@ -115,7 +120,8 @@ class RoundLoop:
         targets: Sequence[TargetReplica],
         store: SessionStore,
         tracer: trace.Tracer,
-        default_k: int,
+        default_k: int | None,
+        max_auto_k: int = 8,
     ) -> None:
         self._tokenizer = tokenizer
         self._facts = target_facts
@@ -125,6 +131,10 @@ class RoundLoop:
         self._tracer = tracer
         self._default_k = default_k
         self._next_replica = 0
+        # Measured costs steer greedy requests. Seeded sampled requests use the fixed prior curve,
+        # so their k sequence, and hence their tokens, never depend on timing.
+        self._costs = CostModel(k_max=max_auto_k)
+        self._prior_costs = CostModel(k_max=max_auto_k)
 
     def _pick(self, replicas: dict, current: CacheRef | None):
         """The replica holding a session's cache, or the next one in turn for a new cache."""
@@ -164,8 +174,13 @@ class RoundLoop:
                 request.top_p,
                 request.seed if request.seed is not None else secrets.randbits(63),
             )
-            k = self._default_k if request.k is None else request.k
-            span.set_attributes(_request_attributes(self._facts, request, record.session_id, prompt_len, k))
+            fixed_k = self._default_k if request.k is None else request.k
+            costs = self._costs if sampling.greedy else self._prior_costs
+            tracker = AcceptanceTracker()
+            rounds_without_draft = 0
+            span.set_attributes(
+                _request_attributes(self._facts, request, record.session_id, prompt_len, fixed_k)
+            )
 
             target = self._pick(self._targets, target_ref)
             if target_ref is None or target_ref.address != target.address:
@@ -178,6 +193,9 @@ class RoundLoop:
             round_index = 0
             while finish is None:
                 room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
+                k = fixed_k if fixed_k is not None else costs.choose(tracker)
+                if fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY:
+                    k = 1  # probe now and then, so a session whose draft improves can win it back
                 k_round = max(0, min(k, room - 1))
                 with self._tracer.start_as_current_span("specdec.round") as round_span:
                     draft = None
@@ -195,6 +213,11 @@ class RoundLoop:
                     )
                     stats.verify_ms += (verify_ms := (time.perf_counter() - t0) * 1000)
                     drafted = len(draft.tokens) if draft else 0
+                    if draft is not None:
+                        self._costs.record_draft(draft_ms, drafted)
+                    self._costs.record_verify(verify_ms, drafted + 1)
+                    tracker.record(drafted, verdict.accepted)
+                    rounds_without_draft = 0 if drafted else rounds_without_draft + 1
                     round_span.set_attributes(
                         {
                             "specdec.round": round_index,
@@ -306,7 +329,7 @@ def _moved(stored: CacheRef | None, current: CacheRef | None) -> bool:
 
 
 def _request_attributes(
-    facts: ModelFacts, request: GenerationRequest, session_id: str, prompt_tokens: int, k: int
+    facts: ModelFacts, request: GenerationRequest, session_id: str, prompt_tokens: int, k: int | None
 ) -> dict:
     return {
         "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
@@ -318,5 +341,5 @@ def _request_attributes(
         "gen_ai.request.top_p": request.top_p,
         "gen_ai.usage.input_tokens": prompt_tokens,
         "specdec.session_id": session_id,
-        "specdec.k": k,
+        "specdec.k": "auto" if k is None else k,
     }

@@ -204,7 +204,7 @@ async def start_coordinator(
     target_facts = await check_replicas(tokenizer_fingerprint(tokenizer), drafts, targets, config.startup_timeout_s)
     store = store or open_store(config.redis_url, config.session_ttl_s)
     await store.ping()
-    loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k)
+    loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k, config.max_auto_k)
     servicer = CoordinatorServicer(loop, target_facts.max_context)
     running = await start_server(config.server, _register(servicer), (SERVICE_NAME,))
     await running.set_serving()

@@ -77,7 +77,7 @@ def _progress(mode: str, done: int, total: int, tokens: int, seconds: float) -> 
     sys.stderr.flush()
 
 
-def run_hf(mode: str, loaded, draft, prompts: list[BenchPrompt], max_new_tokens: int, temperature: float, k: int) -> ModeResult:
+def run_hf(mode: str, loaded, draft, prompts: list[BenchPrompt], max_new_tokens: int, temperature: float, k: int | None) -> ModeResult:
     """Runs transformers ``generate`` in process, alone or assisted by the draft."""
     import torch
 
@@ -89,7 +89,7 @@ def run_hf(mode: str, loaded, draft, prompts: list[BenchPrompt], max_new_tokens:
         options["temperature"] = temperature
     if mode == "hf-assisted":
         if draft is None:
-            options["prompt_lookup_num_tokens"] = max(k, 1)
+            options["prompt_lookup_num_tokens"] = k or 10  # transformers' documented default
         else:
             options["assistant_model"] = draft
     for i, p in enumerate(prompts):

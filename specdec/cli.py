@@ -18,6 +18,11 @@ from specdec.config import CoordinatorConfig, DraftConfig, ModelConfig, ServerCo
 DEMO_PROMPT = [{"role": "user", "content": "Write a Python function that checks whether a number is prime, then explain it briefly."}]
 
 
+def _k_arg(value: str) -> int | None:
+    """A draft length flag: an integer, or "auto" (None) for the adaptive choice."""
+    return None if value == "auto" else int(value)
+
+
 def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"SPECDEC_{name}", default)
 
@@ -75,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=_env("TARGET_MODEL", "default"), help="model whose tokenizer to use")
     p.add_argument("--redis-url", default=_env("REDIS_URL", "redis://127.0.0.1:6379/0"))
     p.add_argument("--session-ttl", type=int, default=3600, help="seconds an idle session lives")
-    p.add_argument("--default-k", type=int, default=4, help="draft length when a request sets none")
+    p.add_argument("--default-k", type=_k_arg, default=None, help="draft length when a request sets none: N or auto")
+    p.add_argument("--max-auto-k", type=int, default=8, help="largest k the adaptive choice tries")
     p.add_argument("--rpc-timeout", type=float, default=30.0, help="deadline of each internal call")
 
     p = sub.add_parser("up", help="start redis, draft, target and coordinator on loopback")
@@ -102,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--k", default="4", help="draft length for the specdec mode")
+    p.add_argument("--k", type=_k_arg, default=None, help="draft length of the specdec mode: N or auto (default)")
     p.add_argument("--modes", default=",".join(("hf-target", "hf-assisted", "specdec-k0", "specdec")))
     p.add_argument("--address", help="use a running coordinator instead of starting a local stack")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process HF modes")
@@ -119,7 +125,7 @@ def _add_stack(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=_env("DRAFT_MODEL", "default"))
     p.add_argument("--target-threads", type=int, default=2)
     p.add_argument("--draft-threads", type=int, default=1)
-    p.add_argument("--default-k", type=int, default=4)
+    p.add_argument("--default-k", type=_k_arg, default=None, help="server's draft length: N or auto (default)")
 
 
 def _stack_config(args, port: int):
@@ -143,7 +149,6 @@ def _up(args) -> None:
 
     with LocalStack(_stack_config(args, args.port)) as stack:
         print(f"specdec is up: coordinator at {stack.address} (logs in {stack.log_dir}); Ctrl-C stops it", flush=True)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         try:
             signal.pause()
         except KeyboardInterrupt:
@@ -192,7 +197,7 @@ def _bench(args) -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
-    k = int(args.k)
+    k = args.k
     prompts = load_prompts(args.prompts, args.n)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.target_model, args.cache_dir)
@@ -214,7 +219,7 @@ def _bench(args) -> None:
             stack.close()
     report = {
         "config": {"prompts": str(args.prompts), "n": len(prompts), "max_new_tokens": args.max_new_tokens,
-                   "temperature": args.temperature, "k": k, "draft_kind": args.draft_kind,
+                   "temperature": args.temperature, "k": "auto" if k is None else k, "draft_kind": args.draft_kind,
                    "target_threads": args.target_threads, "draft_threads": args.draft_threads},
         "modes": summarize(results, greedy=args.temperature == 0),
     }
@@ -228,6 +233,8 @@ def _bench(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line and runs the chosen command."""
     args = _parser().parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, so a local stack this command started is always stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command == "serve-target":
         from target_service.server import main as serve
@@ -249,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
             redis_url=args.redis_url,
             session_ttl_s=args.session_ttl,
             default_k=args.default_k,
+            max_auto_k=args.max_auto_k,
             rpc_timeout_s=args.rpc_timeout,
         ))
     elif args.command == "up":

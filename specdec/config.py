@@ -77,8 +77,10 @@ class CoordinatorConfig:
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Idle sessions expire after this many seconds.
     session_ttl_s: int = 3600
-    # Draft length when a request does not choose one.
-    default_k: int = 4
+    # Draft length when a request does not choose one; None picks k each round (coordinator.adaptive).
+    default_k: int | None = None
+    # Largest k the adaptive choice considers.
+    max_auto_k: int = 8
     # Deadline of each call to a draft or target service.
     rpc_timeout_s: float = 30.0
     # Seconds to wait at start-up for the draft and target services to report ready.

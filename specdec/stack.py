@@ -36,7 +36,8 @@ class StackConfig:
     coordinator_port: int = 0
     target_threads: int = 2
     draft_threads: int = 1
-    default_k: int = 4
+    # None: the coordinator picks k each round.
+    default_k: int | None = None
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
     # Extra coordinators sharing the same services and Redis (tests of session hand-over).
@@ -152,7 +153,7 @@ class LocalStack:
                     f"coordinator{i}",
                     [*exe, "serve-coordinator", "--port", str(port), "--draft", self.draft_address,
                      "--target", self.target_address, "--redis-url", self.redis_url, "--tokenizer", c.target_model,
-                     "--default-k", str(c.default_k), *common],
+                     "--default-k", "auto" if c.default_k is None else str(c.default_k), *common],
                 )
                 self.coordinator_addresses.append(self._wait_for_line(coordinator, "READY "))
         except BaseException:

@@ -1,0 +1,118 @@
+"""Choosing each round's draft length k from what the session's draft achieves and what rounds cost.
+
+A round that drafts k tokens commits, in expectation,
+
+    E(k) = 1 + a1 + a1*a2 + ... + a1*...*ak
+
+tokens, where ai is the probability that draft token i is accepted given that tokens 1..i-1 were
+(the bonus/recovered token is the leading 1). With i.i.d. acceptance a this is (1 - a^(k+1)) / (1 - a).
+The round costs k draft steps plus one verify pass over k + 1 tokens, so the best k maximises
+
+    E(k) / (k * draft_ms_per_token + verify_ms(k + 1)).
+
+k = 0 (target-only) is always a candidate, so speculation switches itself off when it does not pay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens(accept: list[float], k: int) -> float:
+    """E(k): tokens a round commits, bonus included, from conditional acceptance by position."""
+    total, reach = 1.0, 1.0
+    for i in range(k):
+        reach *= accept[i] if i < len(accept) else (accept[-1] if accept else 0.0)
+        total += reach
+    return total
+
+
+def choose_k(accept: list[float], draft_ms_per_token: float, verify_ms: list[float], k_max: int) -> int:
+    """The k in [0, k_max] with the most expected tokens per millisecond.
+
+    ``verify_ms[n]`` is the cost of verifying n tokens (index 0 unused); ``accept[i]`` the conditional
+    acceptance of draft position i + 1.
+    """
+    best_k, best_rate = 0, 0.0
+    for k in range(0, min(k_max, len(verify_ms) - 2) + 1):
+        cost = k * draft_ms_per_token + verify_ms[k + 1]
+        rate = expected_tokens(accept, k) / cost
+        if rate > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted draft steps
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass
+class AcceptanceTracker:
+    """Conditional acceptance by draft position, smoothed towards a prior (Beta pseudo-counts)."""
+
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """Counts one round: positions 1..drafted were tried, 1..accepted passed."""
+        for counts, n in ((self.drafted, drafted), (self.accepted, accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    def rates(self, k_max: int) -> list[float]:
+        """Smoothed acceptance for positions 1..k_max; untried positions inherit the last estimate."""
+        out: list[float] = []
+        for i in range(k_max):
+            tried = self.drafted[i] if i < len(self.drafted) else 0
+            passed = self.accepted[i] if i < len(self.accepted) else 0
+            prior = out[-1] if out else self.prior
+            out.append((passed + prior * self.prior_weight) / (tried + self.prior_weight))
+        return out
+
+
+@dataclass
+class CostModel:
+    """Moving averages of draft cost per token and verify cost by tokens verified.
+
+    Unmeasured verify sizes are filled from the nearest measured smaller size, so a cheap
+    measurement at n tokens is never extrapolated to claim n + 5 is as cheap unless measured.
+    """
+
+    k_max: int
+    draft_ms_per_token: float = 2.0
+    verify_ms: list[float] = field(default_factory=list)
+    smoothing: float = 0.2
+    # Assumed growth per extra verified token before it is measured (fraction of a one-token pass).
+    growth: float = 0.08
+
+    def __post_init__(self) -> None:
+        if not self.verify_ms:
+            self.verify_ms = [0.0] * (self.k_max + 2)
+        self._seen = [False] * (self.k_max + 2)
+
+    def record_draft(self, ms: float, tokens: int) -> None:
+        """Folds in one draft call that proposed ``tokens`` tokens."""
+        if tokens > 0:
+            self.draft_ms_per_token += self.smoothing * (ms / tokens - self.draft_ms_per_token)
+
+    def record_verify(self, ms: float, tokens: int) -> None:
+        """Folds in one verify pass over ``tokens`` tokens (draft tokens + 1)."""
+        if tokens >= len(self.verify_ms):
+            return
+        if not self._seen[tokens]:
+            self.verify_ms[tokens], self._seen[tokens] = ms, True
+        else:
+            self.verify_ms[tokens] += self.smoothing * (ms - self.verify_ms[tokens])
+
+    def curve(self) -> list[float]:
+        """verify_ms by tokens verified, gaps filled by the growth assumption."""
+        out = list(self.verify_ms)
+        base = next((out[n] for n in range(1, len(out)) if self._seen[n]), 1.0)
+        for n in range(1, len(out)):
+            if not self._seen[n]:
+                previous = out[n - 1] if n > 1 else base
+                out[n] = previous + self.growth * base if n > 1 else base
+        return out
+
+    def choose(self, tracker: AcceptanceTracker) -> int:
+        """The best k for a session with this acceptance history."""
+        return choose_k(tracker.rates(self.k_max), self.draft_ms_per_token, self.curve(), self.k_max)

@@ -1,0 +1,58 @@
+"""The adaptive-k rule on synthetic acceptance and costs."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.adaptive import AcceptanceTracker, CostModel, choose_k, expected_tokens
+
+
+@pytest.mark.parametrize("a,k", [(0.3, 4), (0.8, 6), (0.5, 1)])
+def test_expected_tokens_matches_closed_form(a, k):
+    assert expected_tokens([a] * k, k) == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+
+
+def test_flat_verify_cost_and_good_draft_takes_long_drafts():
+    verify = [0.0] + [100.0] * 10  # verifying 1..9 tokens costs the same (a GPU)
+    assert choose_k([0.9] * 8, 1.0, verify, 8) == 8
+
+
+def test_verify_cost_linear_in_tokens_never_speculates():
+    verify = [0.0] + [100.0 * n for n in range(1, 11)]  # compute-bound: each token costs a full pass
+    assert choose_k([0.9] * 8, 1.0, verify, 8) == 0
+
+
+def test_useless_draft_turns_speculation_off():
+    verify = [0.0] + [100.0 + 5 * n for n in range(1, 11)]
+    assert choose_k([0.0] * 8, 1.0, verify, 8) == 0
+
+
+def test_moderate_draft_picks_a_middle_k():
+    verify = [0.0] + [100.0, 110.0, 120.0, 140.0, 170.0, 210.0, 260.0, 320.0, 390.0, 470.0]
+    k = choose_k([0.6] * 8, 2.0, verify, 8)
+    assert 1 <= k <= 5
+    rate = lambda kk: expected_tokens([0.6] * 8, kk) / (kk * 2.0 + verify[kk + 1])  # noqa: E731
+    assert all(rate(k) >= rate(other) for other in range(9))
+
+
+def test_tracker_smooths_and_conditions_on_position():
+    tracker = AcceptanceTracker(prior=0.5, prior_weight=2.0)
+    assert tracker.rates(2) == [0.5, 0.5]
+    for _ in range(8):
+        tracker.record(drafted=2, accepted=2)
+    tracker.record(drafted=2, accepted=0)
+    first, second = tracker.rates(3)[:2]
+    assert first == pytest.approx((8 + 1) / (9 + 2))
+    # A position's prior is the estimate of the position before it.
+    assert second == pytest.approx((8 + first * 2) / (9 + 2))
+
+
+def test_cost_model_learns_and_fills_gaps():
+    costs = CostModel(k_max=4)
+    costs.record_verify(100.0, 1)
+    costs.record_verify(130.0, 3)
+    curve = costs.curve()
+    assert curve[1] == 100.0 and curve[3] == 130.0
+    assert curve[1] < curve[2] < curve[3] < curve[4]
+    costs.record_draft(20.0, 5)  # 4 ms per token
+    assert costs.draft_ms_per_token == pytest.approx(2.0 + 0.2 * (4.0 - 2.0))
