@@ -176,6 +176,10 @@ def _register(servicer: CoordinatorServicer) -> Callable[[grpc.aio.Server], None
     return register
 
 
+class IncompatibleReplicas(RuntimeError):
+    """A replica serves a model whose tokenizer differs from the coordinator's."""
+
+
 async def check_replicas(
     fingerprint: str, drafts: list[DraftReplica], targets: list[TargetReplica], timeout_s: float
 ) -> ModelFacts:
@@ -184,7 +188,7 @@ async def check_replicas(
     facts = await asyncio.gather(*(r.facts() for r in [*drafts, *targets]))
     for replica, fact in zip([*drafts, *targets], facts):
         if fact.fingerprint != fingerprint:
-            raise SystemExit(
+            raise IncompatibleReplicas(
                 f"{replica.service} at {replica.address} serves {fact.name!r}, whose tokenizer differs from the "
                 "coordinator's: draft and target must share one tokenizer"
             )
@@ -196,7 +200,7 @@ async def start_coordinator(
 ) -> tuple[RunningServer, RoundLoop]:
     """Connects to the replicas, checks them, and starts the coordinator server."""
     if not config.draft_addresses or not config.target_addresses:
-        raise SystemExit("the coordinator needs at least one draft and one target address")
+        raise ValueError("the coordinator needs at least one draft and one target address")
     tokenizer = load_tokenizer(resolve_model_path(config.tokenizer.model, config.tokenizer.cache_dir))
     max_bytes = config.server.max_message_bytes
     drafts = [DraftReplica(a, config.rpc_timeout_s, max_bytes) for a in config.draft_addresses]
@@ -218,4 +222,7 @@ def main(config: CoordinatorConfig) -> None:
         running, _ = await start_coordinator(config, tracer)
         return running
 
-    asyncio.run(serve_forever(config.server, "coordinator", start))
+    try:
+        asyncio.run(serve_forever(config.server, "coordinator", start))
+    except (IncompatibleReplicas, ValueError) as exc:
+        raise SystemExit(f"specdec coordinator: {exc}") from None

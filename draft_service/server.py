@@ -6,12 +6,19 @@ import asyncio
 
 import torch
 from opentelemetry import trace
-from transformers import AutoConfig
 
 from draft_service.engine import DraftEngine, ModelDrafter, NgramDrafter
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
-from specdec.models import ModelFacts, load_model, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+from specdec.models import (
+    ModelFacts,
+    load_config,
+    load_model,
+    load_tokenizer,
+    max_context,
+    resolve_model_path,
+    tokenizer_fingerprint,
+)
 from specdec.rpc import RunningServer, call_core, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -62,12 +69,12 @@ def build_drafter(config: DraftConfig) -> DraftEngine:
         raise ValueError(f"unknown draft kind {config.kind!r} (expected 'ngram' or 'model')")
     path = resolve_model_path(config.model.model, config.model.cache_dir)
     tokenizer = load_tokenizer(path)
-    model_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name) if path.suffix == ".gguf" else AutoConfig.from_pretrained(path)
+    model_config = load_config(path)
     facts = ModelFacts(
         name=f"ngram:{config.model.model}",
         kind="ngram",
         vocab_size=int(model_config.vocab_size),
-        max_context=int(getattr(model_config, "max_position_embeddings", 2048)),
+        max_context=max_context(model_config),
         eos_token_ids=(),
         fingerprint=tokenizer_fingerprint(tokenizer),
     )

@@ -107,6 +107,18 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def load_config(path: Path):
+    """The model config of a folder or GGUF file, without loading weights."""
+    if path.suffix == ".gguf":
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoConfig.from_pretrained(path)
+
+
+def max_context(config) -> int:
+    """Longest sequence a model accepts, from its config."""
+    return int(getattr(config, "max_position_embeddings", 2048))
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """SHA-256 over the vocabulary and special tokens: equal fingerprints mean equal tokenizers."""
     payload = {
@@ -140,13 +152,12 @@ def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32, p
     if pack:
         pack_linears(model)
     tokenizer = load_tokenizer(path)
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name) if path.suffix == ".gguf" else model.config
     return LoadedModel(
         name=spec,
         model=model,
         tokenizer=tokenizer,
         vocab_size=int(model.config.vocab_size),
-        max_context=int(getattr(config, "max_position_embeddings", 2048)),
+        max_context=max_context(model.config),
         eos_token_ids=eos_ids(model, tokenizer),
         fingerprint=tokenizer_fingerprint(tokenizer),
     )

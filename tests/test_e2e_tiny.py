@@ -273,3 +273,60 @@ def test_unreachable_service_is_unavailable(tiny_target, tiny_draft, tiny_dir, r
                 c.complete("w1 w2", max_new_tokens=5, k=2, timeout=20)
     finally:
         s.close()
+
+
+def test_context_limit_ends_generation(client, tiny_target):
+    prompt = " ".join(["w4"] * 250)  # the tiny model's context is 256
+    result = client.complete(prompt, max_new_tokens=50, k=3)
+    if result.finish_reason != "stop":  # EOS can come first; otherwise the context must end it
+        assert result.finish_reason == "context"
+        assert result.stats.prompt_tokens + len(result.token_ids) == tiny_target.max_context
+
+
+def test_health_and_reflection(stack):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    for address, service in ((stack.address, "specdec.v1.Coordinator"), (stack.draft_address, "specdec.v1.DraftService"),
+                             (stack.target_address, "specdec.v1.TargetService")):
+        with grpc.insecure_channel(address) as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert status.status == health_pb2.HealthCheckResponse.SERVING
+            replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+            )
+            names = {s.name for reply in replies for s in reply.list_services_response.service}
+            assert service in names and "grpc.health.v1.Health" in names
+
+
+def test_async_client(stack, tiny_target):
+    import asyncio
+
+    from specdec import AsyncClient
+
+    async def scenario():
+        async with AsyncClient(stack.address) as c:
+            done = await c.complete(PROMPTS[0], max_new_tokens=12, k=2)
+            streamed = [chunk async for chunk in c.stream(PROMPTS[0], max_new_tokens=12, k=2)]
+            with pytest.raises(InvalidArgument):
+                await c.complete("", max_new_tokens=3)
+        return done, streamed
+
+    done, streamed = asyncio.run(scenario())
+    assert done.token_ids == hf_greedy(tiny_target, PROMPTS[0], 12)
+    assert [t for c in streamed for t in c.token_ids] == done.token_ids
+
+
+def test_mismatched_tokenizer_is_refused(tiny_target, tiny_dir, redis_url, tmp_path):
+    from tiny import make_model
+
+    from coordinator.server import IncompatibleReplicas
+    from specdec.models import load_model
+
+    other = load_model(str(make_model(tmp_path / "other", seed=3, words=[f"v{i}" for i in range(30)])), tmp_path)
+    s = InProcessStack(TargetEngine(tiny_target, 8), NgramDrafter(other.facts("ngram"), 8, 3, 1), tiny_dir / "target", redis_url)
+    try:
+        with pytest.raises(IncompatibleReplicas, match="tokenizer"):
+            s.start()
+    finally:
+        s.close()

@@ -12,9 +12,10 @@ WORDS = ["<unk>", "<eos>"] + [f"w{i}" for i in range(30)]
 EOS_ID = 1
 
 
-def make_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over WORDS, saved to ``folder``."""
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+def make_tokenizer(folder: Path, words: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer over ``<unk>``, ``<eos>`` and ``words``, saved to ``folder``."""
+    vocab = WORDS if words is None else ["<unk>", "<eos>", *words]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="<eos>")
@@ -22,7 +23,9 @@ def make_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def make_model(folder: Path, seed: int, layers: int = 2, logit_scale: float = 15.0) -> Path:
+def make_model(
+    folder: Path, seed: int, layers: int = 2, logit_scale: float = 15.0, words: list[str] | None = None
+) -> Path:
     """A random Llama saved with the shared tokenizer; ``logit_scale`` sharpens its distributions."""
     torch.manual_seed(seed)
     config = LlamaConfig(
@@ -45,5 +48,5 @@ def make_model(folder: Path, seed: int, layers: int = 2, logit_scale: float = 15
     model.generation_config.pad_token_id = EOS_ID
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
-    make_tokenizer(folder)
+    make_tokenizer(folder, words)
     return folder

@@ -1,0 +1,58 @@
+"""The `specdec` command: `up` starts a whole stack and stops every process it started on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from specdec import Client
+from specdec.stack import free_port
+
+
+def _processes_mentioning(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def test_up_serves_and_sigterm_stops_everything(tiny_dir, tmp_path):
+    port = free_port()
+    marker = str(tmp_path / "cache")  # a unique string on every child's command line
+    model = str(tiny_dir / "target")
+    log = open(tmp_path / "up.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specdec.cli", "up", "--port", str(port), "--cache-dir", marker,
+         "--target-model", model, "--draft-model", model, "--target-threads", "1"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while b"specdec is up" not in (tmp_path / "up.log").read_bytes():
+            assert proc.poll() is None, (tmp_path / "up.log").read_text()
+            assert time.monotonic() < deadline, "stack did not come up"
+            time.sleep(0.2)
+        assert len(_processes_mentioning(marker)) >= 3  # draft, target, coordinator
+        with Client(f"127.0.0.1:{port}") as client:
+            assert client.complete("w1 w2 w3", max_new_tokens=5).token_ids
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) is not None
+        deadline = time.monotonic() + 30
+        while _processes_mentioning(marker):
+            assert time.monotonic() < deadline, f"left running: {_processes_mentioning(marker)}"
+            time.sleep(0.2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
