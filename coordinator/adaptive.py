@@ -78,7 +78,9 @@ class CostModel:
     """
 
     k_max: int
+    # Priors, in milliseconds, until measurements replace them: a CPU-sized target step and a cheap draft.
     draft_ms_per_token: float = 2.0
+    step_ms: float = 100.0
     verify_ms: list[float] = field(default_factory=list)
     smoothing: float = 0.2
     # Assumed growth per extra verified token before it is measured (fraction of a one-token pass).
@@ -106,7 +108,7 @@ class CostModel:
     def curve(self) -> list[float]:
         """verify_ms by tokens verified, gaps filled by the growth assumption."""
         out = list(self.verify_ms)
-        base = next((out[n] for n in range(1, len(out)) if self._seen[n]), 1.0)
+        base = next((out[n] for n in range(1, len(out)) if self._seen[n]), self.step_ms)
         for n in range(1, len(out)):
             if not self._seen[n]:
                 previous = out[n - 1] if n > 1 else base

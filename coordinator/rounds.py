@@ -197,36 +197,12 @@ class RoundLoop:
                 if fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY:
                     k = 1  # probe now and then, so a session whose draft improves can win it back
                 k_round = max(0, min(k, room - 1))
-                with self._tracer.start_as_current_span("specdec.round") as round_span:
-                    draft = None
-                    if k_round > 0:
-                        t0 = time.perf_counter()
-                        draft, draft_ref = await self._propose(
-                            draft_ref, committed, k_round, sampling, round_index, remaining_s
-                        )
-                        stats.draft_ms += (draft_ms := (time.perf_counter() - t0) * 1000)
-                    else:
-                        draft_ms = 0.0
-                    t0 = time.perf_counter()
-                    verdict, target_ref = await self._verify(
-                        target_ref, committed, draft, sampling, round_index, remaining_s
-                    )
-                    stats.verify_ms += (verify_ms := (time.perf_counter() - t0) * 1000)
-                    drafted = len(draft.tokens) if draft else 0
-                    if draft is not None:
-                        self._costs.record_draft(draft_ms, drafted)
-                    self._costs.record_verify(verify_ms, drafted + 1)
-                    tracker.record(drafted, verdict.accepted)
-                    rounds_without_draft = 0 if drafted else rounds_without_draft + 1
-                    round_span.set_attributes(
-                        {
-                            "specdec.round": round_index,
-                            "specdec.k": drafted,
-                            "specdec.accepted": verdict.accepted,
-                            "specdec.draft_ms": draft_ms,
-                            "specdec.verify_ms": verify_ms,
-                        }
-                    )
+                draft, verdict, draft_ref, target_ref = await self._round(
+                    round_index, k_round, committed, sampling, draft_ref, target_ref, stats, remaining_s
+                )
+                drafted = len(draft.tokens) if draft else 0
+                tracker.record(drafted, verdict.accepted)
+                rounds_without_draft = 0 if drafted else rounds_without_draft + 1
                 if _moved(record.draft, draft_ref) or _moved(record.target, target_ref):
                     # A new cache was made: record where it lives, so another coordinator finds it.
                     record.draft, record.target, record.tokens = draft_ref, target_ref, list(committed)
@@ -271,6 +247,43 @@ class RoundLoop:
                 }
             )
             yield Chunk(record.session_id, tail.text, tail.token_ids, finish, stats)
+
+    async def _round(
+        self,
+        round_index: int,
+        k: int,
+        committed: list[int],
+        sampling: Sampling,
+        draft_ref: CacheRef | None,
+        target_ref: CacheRef,
+        stats: Stats,
+        remaining_s: Callable[[], float | None],
+    ) -> tuple[DraftResult | None, VerifyResult, CacheRef | None, CacheRef]:
+        """One round in its own span: draft k tokens (if k > 0), verify, and time both."""
+        with self._tracer.start_as_current_span("specdec.round") as span:
+            draft, draft_ms = None, 0.0
+            if k > 0:
+                t0 = time.perf_counter()
+                draft, draft_ref = await self._propose(draft_ref, committed, k, sampling, round_index, remaining_s)
+                draft_ms = (time.perf_counter() - t0) * 1000
+                self._costs.record_draft(draft_ms, len(draft.tokens))
+            t0 = time.perf_counter()
+            verdict, target_ref = await self._verify(target_ref, committed, draft, sampling, round_index, remaining_s)
+            verify_ms = (time.perf_counter() - t0) * 1000
+            drafted = len(draft.tokens) if draft else 0
+            self._costs.record_verify(verify_ms, drafted + 1)
+            stats.draft_ms += draft_ms
+            stats.verify_ms += verify_ms
+            span.set_attributes(
+                {
+                    "specdec.round": round_index,
+                    "specdec.k": drafted,
+                    "specdec.accepted": verdict.accepted,
+                    "specdec.draft_ms": draft_ms,
+                    "specdec.verify_ms": verify_ms,
+                }
+            )
+        return draft, verdict, draft_ref, target_ref
 
     async def _propose(
         self,
