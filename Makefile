@@ -23,7 +23,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-$(MODEL_STAMP): $(STAMP)
+$(MODEL_STAMP): | $(STAMP)
 	$(PY) -c "from pathlib import Path; from specdec.models import ensure_default_model; ensure_default_model(Path('$(CACHE_DIR)'))"
 
 .PHONY: redis

@@ -1,0 +1,241 @@
+"""The small token-level draft: a few Llama layers over the target's frozen embedding, with a
+reduced-vocabulary head (the FR-Spec / EAGLE-3 idea).
+
+- The embedding is the target's own matrix, taken from the loaded target at start-up and never stored
+  in the draft's files.
+- The head scores only the N most frequent target tokens (``head_ids``). Its rows are cut from the
+  target's tied embedding at start-up (only the ids are stored), plus a small trainable bias.
+- ``forward`` is drop-in for a Hugging Face causal LM as ``ModelDrafter`` drives it: it takes
+  ``input_ids``, a ``cache`` (any transformers ``Cache``, e.g. ``GrowableCache``) and
+  ``logits_to_keep``, and returns full-vocabulary logits with ``-inf`` outside the head's ids, so the
+  draft's q is exactly zero there and speculative sampling stays exact.
+
+Files of a draft folder: ``draft.safetensors`` (layer weights, final norm, head ids and bias; fp16)
+and ``draft_card.json`` (kind, target identity, recipe, held-out metrics; see ``specdec.distill``).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_causal_mask
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from specdec.models import LoadedModel
+
+KIND = "token"
+CARD_FILE = "draft_card.json"
+WEIGHTS_FILE = "draft.safetensors"
+STORED_DTYPE = torch.float16
+
+
+@dataclass(frozen=True)
+class TokenDraftArch:
+    """What a token draft is made of; the target's config supplies every other dimension."""
+
+    layers: int = 2
+    """Decoder layers (1 or 2 keeps a step at a few ms)."""
+    init_from: tuple[int, ...] = (0, 1)
+    """Target layers the draft's layers were initialised from, one per layer (recorded, for the card)."""
+    head_size: int = 8192
+    """N: the head scores the N most frequent target tokens of the distillation data."""
+
+    def to_json(self) -> dict:
+        """The architecture as it goes into the card."""
+        return {**asdict(self), "init_from": list(self.init_from), "head": "frozen rows of the tied embedding + trainable bias"}
+
+    @classmethod
+    def from_json(cls, data: dict) -> TokenDraftArch:
+        """Reads the card's ``architecture`` entry."""
+        return cls(layers=int(data["layers"]), init_from=tuple(int(i) for i in data["init_from"]),
+                   head_size=int(data["head_size"]))
+
+
+def target_weights_hash(model: nn.Module) -> str:
+    """SHA-256 over the target's state dict: every entry's name, dtype, shape and bytes, in name order.
+
+    Tied tensors (embedding and LM head) are hashed under each name. Call it on the model as loaded
+    for drafting (fp32, linear layers not prepacked): prepacked linears keep no weight in the state
+    dict, so they are refused rather than hashed to a different value.
+    """
+    if any(type(m).__name__ == "PackedLinear" for m in model.modules()):
+        raise ValueError("target_weights_hash needs the unpacked target (load it with pack=False)")
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _draft_config(target_config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    config = copy.deepcopy(target_config)
+    config.num_hidden_layers = layers
+    if hasattr(config, "layer_types") and config.layer_types is not None:
+        config.layer_types = list(config.layer_types)[:layers]
+    config.use_cache = True
+    return config
+
+
+class TokenDraft(nn.Module):
+    """A causal LM: frozen target embedding → ``layers`` Llama decoder layers → RMSNorm → reduced head."""
+
+    def __init__(self, target_config: PretrainedConfig, embedding: nn.Embedding, head_ids: torch.Tensor,
+                 arch: TokenDraftArch) -> None:
+        super().__init__()
+        if len(arch.init_from) != arch.layers:
+            raise ValueError(f"init_from names {len(arch.init_from)} target layers for {arch.layers} draft layers")
+        self.arch = arch
+        self.config = _draft_config(target_config, arch.layers)
+        self.vocab_size = int(embedding.weight.shape[0])
+        # Kept out of the module tree so the target's matrix is neither trained nor saved with the draft.
+        self.__dict__["embedding"] = embedding
+        self.layers = nn.ModuleList(LlamaDecoderLayer(self.config, i) for i in range(arch.layers))
+        self.norm = LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=self.config)
+        head_ids = head_ids.to(torch.long)
+        if head_ids.ndim != 1 or len(head_ids) == 0 or len(set(head_ids.tolist())) != len(head_ids):
+            raise ValueError("head_ids must be distinct token ids")
+        if int(head_ids.min()) < 0 or int(head_ids.max()) >= self.vocab_size:
+            raise ValueError(f"head_ids must lie in [0, {self.vocab_size})")
+        self.register_buffer("head_ids", head_ids, persistent=True)  # [N]
+        self.register_buffer("head_weight", embedding.weight.detach()[head_ids], persistent=False)  # [N, D]
+        self.head_bias = nn.Parameter(torch.zeros(len(head_ids)))  # [N]
+        # Where each full-vocabulary id sits in the head, -1 outside it.
+        index = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        index[head_ids] = torch.arange(len(head_ids))
+        self.register_buffer("vocab_to_head", index, persistent=False)  # [V]
+
+    @property
+    def device(self) -> torch.device:
+        return self.head_weight.device
+
+    def init_from_target(self, target: nn.Module) -> None:
+        """Copies the target layers ``arch.init_from`` and the target's final norm into the draft."""
+        base = target.model
+        for layer, src in zip(self.layers, self.arch.init_from):
+            layer.load_state_dict(base.layers[src].state_dict())
+        self.norm.load_state_dict(base.norm.state_dict())
+
+    def trainable_state(self) -> dict[str, torch.Tensor]:
+        """What the draft's files hold: everything but the target-derived buffers."""
+        return {k: v for k, v in self.state_dict().items()}
+
+    def hidden(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False,
+               attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final-norm hidden states ``[B, T, D]``."""
+        embeds = torch.nn.functional.embedding(input_ids, self.embedding.weight.detach())  # [B, T, D], frozen
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + past).unsqueeze(0)  # [1, T]
+        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
+                                  cache=cache, position_ids=position_ids)
+        position_embeddings = self.rotary_emb(embeds, position_ids=position_ids)
+        h = embeds
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
+                      cache=cache, use_cache=use_cache)
+        return self.norm(h)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Reduced-vocabulary logits ``[..., N]`` of final-norm hidden states ``[..., D]``."""
+        return torch.nn.functional.linear(hidden, self.head_weight, self.head_bias)
+
+    def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False, logits_to_keep: int = 0,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                past_key_values=None, **_: object) -> CausalLMOutputWithPast:
+        """Full-vocabulary logits ``[B, m, V]`` of the last ``logits_to_keep`` positions (0: all).
+
+        Ids outside the head get ``-inf``, so softmax gives them probability exactly zero.
+        """
+        cache = cache if cache is not None else past_key_values
+        hidden = self.hidden(input_ids, cache, use_cache, attention_mask, position_ids)  # [B, T, D]
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]  # [B, m, D]
+        reduced = self.head_logits(hidden)  # [B, m, N]
+        logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))  # [B, m, V]
+        logits[..., self.head_ids] = reduced
+        return CausalLMOutputWithPast(logits=logits, cache=cache if use_cache else None)
+
+
+def build_token_draft(target: nn.Module, head_ids: torch.Tensor, arch: TokenDraftArch) -> TokenDraft:
+    """A fresh draft around a loaded target (a HF causal LM), its layers copied from the target."""
+    draft = TokenDraft(target.config, target.get_input_embeddings(), head_ids, arch)
+    draft.init_from_target(target)
+    return draft.float()
+
+
+def save_token_draft(draft: TokenDraft, folder: Path) -> Path:
+    """Writes the draft's own weights (fp16; never the target's) into ``folder``; returns the file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in draft.trainable_state().items():
+        tensor = tensor.detach().cpu().contiguous()
+        tensors[name] = tensor.to(STORED_DTYPE) if tensor.is_floating_point() else tensor.to(torch.int32)
+    path = folder / WEIGHTS_FILE
+    save_file(tensors, str(path), metadata={"kind": KIND, "arch": json.dumps(draft.arch.to_json())})
+    return path
+
+
+def read_card(folder: Path) -> dict:
+    """The draft card of a draft folder."""
+    path = Path(folder) / CARD_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: not a draft folder")
+    return json.loads(path.read_text())
+
+
+def load_token_draft(draft_dir: Path, target: LoadedModel) -> LoadedModel:
+    """Builds the draft stored in ``draft_dir`` around an already loaded (unpacked) target.
+
+    Checks that the target's weights hash to the card's ``target.weights_sha256`` and raises
+    ``ValueError`` naming both hashes when they differ. The result shares the target's tokenizer and
+    facts; its ``model`` is the draft (fp32, eval mode, no gradients).
+    """
+    draft_dir = Path(draft_dir)
+    card = read_card(draft_dir)
+    if card.get("kind") != KIND:
+        raise ValueError(f"{draft_dir} holds a draft of kind {card.get('kind')!r}, not {KIND!r}")
+    expected = card["target"]["weights_sha256"]
+    actual = target_weights_hash(target.model)
+    if actual != expected:
+        raise ValueError(
+            f"draft {draft_dir} was distilled for target {card['target'].get('name', '?')} with weights "
+            f"sha256 {expected}, but the loaded target {target.name} has weights sha256 {actual}; "
+            "serve the matching target or distill a draft for this one (specdec distill)"
+        )
+    return wrap_token_draft(load_token_draft_module(draft_dir, target.model, card), target, str(draft_dir))
+
+
+def load_token_draft_module(draft_dir: Path, target_model: nn.Module, card: dict | None = None) -> TokenDraft:
+    """The draft module from ``draft_dir`` (no identity check), upcast to fp32, ready for inference."""
+    card = card if card is not None else read_card(draft_dir)
+    arch = TokenDraftArch.from_json(card["architecture"])
+    tensors = load_file(str(Path(draft_dir) / WEIGHTS_FILE))
+    draft = TokenDraft(target_model.config, target_model.get_input_embeddings(), tensors["head_ids"], arch)
+    state = {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}
+    draft.load_state_dict(state, strict=True)
+    draft.float().eval().requires_grad_(False)
+    return draft
+
+
+def wrap_token_draft(draft: TokenDraft, target: LoadedModel, name: str) -> LoadedModel:
+    """A ``LoadedModel`` for the draft that shares the target's tokenizer and facts."""
+    return LoadedModel(
+        name=name,
+        model=draft,
+        tokenizer=target.tokenizer,
+        vocab_size=target.vocab_size,
+        max_context=target.max_context,
+        eos_token_ids=target.eos_token_ids,
+        fingerprint=target.fingerprint,
+    )

@@ -1,0 +1,98 @@
+"""``specdec distill``: train a draft for a target from the target's own continuations.
+
+    specdec distill --target default --out drafts/smollm2-135m-token [--kind token] [--minutes 15]
+                    [--tokens 80000] [--seed 0] [--resume]
+
+Builds a prompt set (templates and standard-library docstrings), collects the target's greedy and
+sampled continuations, trains the draft, evaluates it on held-out prompts and writes the draft with
+its card. Data and checkpoints live in ``--work`` so ``--resume`` continues a stopped run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+from specdec.distill.config import DistillConfig
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``specdec distill`` argument parser."""
+    d = DistillConfig(target="", out=Path(), work=Path(), cache_dir=Path(), command="")
+    p = argparse.ArgumentParser(prog="specdec distill", description=__doc__.splitlines()[0])
+    p.add_argument("--target", required=True, help="'default', a HF folder or a .gguf file")
+    p.add_argument("--out", type=Path, required=True, help="folder to write the draft and its card to")
+    p.add_argument("--kind", choices=["token"], default=d.kind, help="draft kind")
+    p.add_argument("--minutes", type=float, default=d.minutes, help="compute budget for collection + training")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="generated target tokens to collect for training")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the prompt set, sampling and training")
+    p.add_argument("--resume", action="store_true", help="continue from the data and checkpoint in --work")
+    p.add_argument("--work", type=Path, default=None,
+                   help="data and checkpoints (default: <cache-dir>/distill/<out folder name>)")
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec", help="converted model cache")
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    g = p.add_argument_group("data")
+    g.add_argument("--prompts", type=int, default=d.prompts, help="prompts to build (used in seeded order)")
+    g.add_argument("--held-out", type=int, default=d.held_out, help="prompts held out for evaluation")
+    g.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts continued together")
+    g.add_argument("--max-new", type=int, default=d.max_new, help="tokens generated per training prompt")
+    g.add_argument("--eval-max-new", type=int, default=d.eval_max_new, help="tokens generated per held-out prompt")
+    g.add_argument("--temperatures", type=_floats, default=d.temperatures, help="cycled per batch, 0 = greedy")
+    g.add_argument("--collect-share", type=float, default=d.collect_share, help="share of --minutes for collection")
+    g.add_argument("--extra-eval", type=Path, action="append", default=[],
+                   help="JSONL prompts to evaluate on as well (never trained on)")
+    g = p.add_argument_group("draft")
+    g.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
+    g.add_argument("--init-from", type=_ints, default=d.init_from, help="target layers to initialise them from")
+    g.add_argument("--head-size", type=int, default=d.head_size, help="reduced vocabulary size N")
+    g = p.add_argument_group("training")
+    g.add_argument("--lr", type=float, default=d.lr)
+    g.add_argument("--epochs", type=float, default=d.epochs, help="at most this many passes over the data")
+    g.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per training batch")
+    g.add_argument("--max-len", type=int, default=d.max_len, help="training sequence length cap")
+    return p
+
+
+def config_from_args(argv: list[str]) -> DistillConfig:
+    """Parses ``argv`` (without the program and subcommand names) into a config."""
+    args = parser().parse_args(argv)
+    if len(args.init_from) != args.layers:
+        raise SystemExit(f"--init-from names {len(args.init_from)} layers, --layers is {args.layers}")
+    work = args.work or args.cache_dir / "distill" / args.out.resolve().name
+    return DistillConfig(
+        target=args.target, out=args.out, work=work, cache_dir=args.cache_dir,
+        command="specdec distill " + shlex.join(argv), kind=args.kind, minutes=args.minutes, tokens=args.tokens,
+        seed=args.seed, resume=args.resume, threads=args.threads, prompts=args.prompts, held_out=args.held_out,
+        batch_size=args.batch_size, max_new=args.max_new, eval_max_new=args.eval_max_new,
+        temperatures=args.temperatures, collect_share=args.collect_share, layers=args.layers,
+        init_from=args.init_from, head_size=args.head_size, lr=args.lr, epochs=args.epochs,
+        batch_tokens=args.batch_tokens, max_len=args.max_len, extra_eval=tuple(args.extra_eval),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``specdec distill``; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(list(sys.argv[1:] if argv is None else argv))
+    from specdec.distill.pipeline import run  # torch and transformers load only once the flags parse
+
+    card = run(config)
+    held = card["metrics"]["held_out"]
+    print(f"draft written to {config.out}: top-1 agreement {held['top1_agreement']}, "
+          f"mean accepted length at k={held['k']} {held['mean_accepted_length']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

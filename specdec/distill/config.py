@@ -1,0 +1,61 @@
+"""The settings of one distillation run, parsed once at the edge and passed down frozen."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """Everything ``specdec distill`` does is decided by these fields (and the machine's speed)."""
+
+    target: str
+    """Target model: ``default``, a Hugging Face folder or a ``.gguf`` file."""
+    out: Path
+    """Folder the draft (weights + card) is written to."""
+    work: Path
+    """Folder for data shards and training checkpoints (``--resume`` continues from it)."""
+    cache_dir: Path
+    """Where converted models are cached."""
+    command: str
+    """The command line as given, recorded in the card."""
+    kind: str = "token"
+    minutes: float = 15.0
+    """Compute budget for collection + training (evaluation comes on top)."""
+    tokens: int = 80_000
+    """Generated target tokens to collect for training (the time budget may stop sooner)."""
+    seed: int = 0
+    resume: bool = False
+    threads: int = 2
+    # data
+    prompts: int = 20_000
+    """Prompts built (in a seeded order; collection uses as many as the budgets allow)."""
+    held_out: int = 48
+    """Prompts held out for evaluation (never trained on)."""
+    batch_size: int = 32
+    max_new: int = 128
+    eval_max_new: int = 128
+    temperatures: tuple[float, ...] = (0.0, 0.8)
+    """Cycled over collection batches; 0.0 is greedy."""
+    collect_share: float = 0.6
+    """Share of ``minutes`` that collection may take at most."""
+    # draft
+    layers: int = 2
+    init_from: tuple[int, ...] = (0, 1)
+    head_size: int = 8192
+    # training
+    lr: float = 1e-3
+    epochs: float = 4.0
+    batch_tokens: int = 6144
+    max_len: int = 512
+    extra_eval: tuple[Path, ...] = field(default_factory=tuple)
+    """JSONL prompt files evaluated on (never trained on), e.g. the benchmark's prompts."""
+
+    def recipe(self) -> dict:
+        """The settings as JSON-friendly values, for the card."""
+        out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+        out["extra_eval"] = [str(p) for p in self.extra_eval]
+        for k in ("out", "work", "cache_dir", "resume", "command"):
+            out.pop(k)
+        return out

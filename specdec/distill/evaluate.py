@@ -1,0 +1,92 @@
+"""Held-out figures of a draft along the target's own greedy trajectories.
+
+- *Top-1 agreement*: how often the draft's argmax equals the target's next token, teacher-forced on
+  the target's greedy continuation (a target token outside the draft's head counts as a miss).
+- *Greedy speculative rounds at k*: from the end of the prompt, the draft proposes k tokens, the
+  leading ones equal to the target's are accepted, and the round commits accepted + 1 tokens (the
+  +1 is the target's recovered or bonus token). Under greedy decoding, draft token i + 1 only
+  matters when tokens 1..i were accepted, that is when they equal the target's; so it is the
+  draft's argmax after the target's own prefix, the teacher-forced prediction. Rounds therefore
+  follow exactly from the teacher-forced matches, with no draft cache replay. Only full rounds
+  (k + 1 reference tokens left) are counted.
+- *Acceptance by position* i (1..k): the share of rounds whose first i draft tokens were all
+  accepted (as ``specdec bench`` reports it); *conditional* acceptance divides by the rounds that
+  reached position i. *Mean accepted length* counts tokens committed per round, bonus included.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from draft_service.token_draft import TokenDraft
+from specdec.distill.collect import Sample
+from specdec.kvcache import SessionCache
+
+
+@torch.inference_mode()
+def teacher_forced_matches(draft: TokenDraft, sample: Sample) -> torch.Tensor:
+    """``[C]`` booleans: whether the draft's argmax before continuation token i equals that token."""
+    tokens = torch.tensor([sample.tokens[:-1]], dtype=torch.long)  # [1, T]
+    start = sample.prompt_len - 1
+    hidden = draft.hidden(tokens)[0, start:]  # [C, D]
+    guess = draft.head_ids[draft.head_logits(hidden).argmax(-1)]  # [C] full-vocabulary ids
+    return guess == torch.tensor(sample.tokens[sample.prompt_len:], dtype=torch.long)
+
+
+def rounds_from_matches(matches: list[bool], k: int) -> list[int]:
+    """Accepted counts of the greedy rounds at ``k`` over one continuation's teacher-forced matches."""
+    accepted_counts = []
+    pos = 0  # continuation tokens committed so far
+    while pos + k < len(matches):  # k proposals and the bonus token all lie in the continuation
+        accepted = 0
+        while accepted < k and matches[pos + accepted]:
+            accepted += 1
+        accepted_counts.append(accepted)
+        pos += accepted + 1
+    return accepted_counts
+
+
+def evaluate(draft: TokenDraft, references: list[Sample], k: int = 4) -> dict:
+    """Top-1 agreement and greedy round statistics at ``k`` over greedy ``references``."""
+    draft.eval()
+    correct = total = 0
+    rounds: list[int] = []
+    for sample in references:
+        if sample.generated == 0:
+            continue
+        matches = teacher_forced_matches(draft, sample)
+        correct += int(matches.sum())
+        total += len(matches)
+        rounds += rounds_from_matches(matches.tolist(), k)
+    reached = [sum(1 for a in rounds if a >= i) for i in range(k + 1)]  # reached[i]: rounds with >= i accepted
+    n = max(1, len(rounds))
+    return {
+        "top1_agreement": round(correct / max(1, total), 4),
+        "positions": total,
+        "sequences": len(references),
+        "k": k,
+        "rounds": len(rounds),
+        "acceptance_by_position": [round(reached[i] / n, 4) for i in range(1, k + 1)],
+        "conditional_acceptance_by_position": [round(reached[i] / max(1, reached[i - 1]), 4) for i in range(1, k + 1)],
+        "mean_accepted_length": round(sum(a + 1 for a in rounds) / n, 4),
+    }
+
+
+@torch.inference_mode()
+def ms_per_step(model, context: list[int], steps: int = 64) -> float:
+    """Median milliseconds of one cached one-token draft step (as ``ModelDrafter`` takes it)."""
+    cache = SessionCache(committed=list(context))
+    cache.prefill(model)
+    times = []
+    for i in range(steps):
+        started = time.perf_counter()
+        logits = cache.forward(model, [], logits_to_keep=1)  # [1, V]
+        token = int(logits[0].argmax())
+        times.append(time.perf_counter() - started)
+        cache.sync(len(cache.committed), [token])
+        if len(cache.committed) > len(context) + 32:
+            cache.sync(len(context), [])
+    times.sort()
+    return round(1000 * times[len(times) // 2], 3)

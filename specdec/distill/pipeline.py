@@ -1,0 +1,160 @@
+"""One distillation run: prompts → target continuations → training → held-out evaluation → card."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from draft_service.token_draft import (CARD_FILE, KIND, TokenDraftArch, build_token_draft, save_token_draft,
+                                       target_weights_hash)
+from specdec.distill.collect import CollectPlan, collect, load_shards
+from specdec.distill.config import DistillConfig
+from specdec.distill.evaluate import evaluate, ms_per_step
+from specdec.distill.prompts import Prompt, build_prompts, harvest_stdlib, split_prompts
+from specdec.distill.train import TrainConfig, make_examples, top_tokens, train
+from specdec.models import LoadedModel, load_model
+
+log = logging.getLogger(__name__)
+
+
+def read_prompt_file(path: Path) -> list[Prompt]:
+    """Prompts of a JSONL file with ``{"prompt": ...}`` or ``{"messages": [...]}`` lines."""
+    prompts = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            category = str(obj.get("category", "extra"))
+            if "prompt" in obj:
+                prompts.append(Prompt(category, text=obj["prompt"]))
+            else:
+                prompts.append(Prompt(category, messages=tuple((m["role"], m["content"]) for m in obj["messages"])))
+    return prompts
+
+
+def _references(target: LoadedModel, prompts: list[Prompt], folder: Path, config: DistillConfig, pad_id: int) -> list:
+    """The target's greedy continuations of evaluation prompts (collected once, then reused)."""
+    ids = [p.render(target.tokenizer) for p in prompts]
+    plan = CollectPlan(config.batch_size, config.eval_max_new, (0.0,), config.seed)
+    collect(target.model, ids, folder, plan, target.eos_token_ids, pad_id, desc=f"references {folder.name}")
+    return load_shards(folder)
+
+
+def _card(config: DistillConfig, target: LoadedModel, target_hash: str, arch: TokenDraftArch, data: dict,
+          training: dict, metrics: dict, timing: dict) -> dict:
+    return {
+        "kind": KIND,
+        "format": 1,
+        "target": {"name": config.target, "weights_sha256": target_hash, "vocab_size": target.vocab_size,
+                   "tokenizer_fingerprint": target.fingerprint},
+        "architecture": arch.to_json(),
+        "recipe": {"command": config.command, "seed": config.seed, "settings": config.recipe(), "data": data},
+        "training": training,
+        "timing": timing,
+        "metrics": metrics,
+    }
+
+
+def run(config: DistillConfig) -> dict:
+    """Runs the whole pipeline and writes the draft and its card to ``config.out``; returns the card."""
+    if config.kind != KIND:
+        raise ValueError(f"unknown draft kind {config.kind!r}")
+    torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    started = time.monotonic()
+    budget_end = started + 60 * config.minutes
+    config.work.mkdir(parents=True, exist_ok=True)
+    if not config.resume and any(config.work.iterdir()):
+        raise FileExistsError(f"{config.work} holds an earlier run: pass --resume to continue it, or remove it")
+
+    target = load_model(config.target, config.cache_dir)
+    target.model.requires_grad_(False)
+    target_hash = target_weights_hash(target.model)
+    tokenizer = target.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (target.eos_token_ids or (0,))[0]
+
+    # Prompts: a seeded set, split into training and held-out prompts.
+    stdlib = harvest_stdlib()
+    prompts = build_prompts(config.prompts, config.seed, stdlib)
+    train_prompts, held_prompts = split_prompts(prompts, config.held_out, config.seed)
+    log.info("%d prompts (%d stdlib functions harvested), %d held out", len(prompts), len(stdlib), len(held_prompts))
+
+    references = _references(target, held_prompts, config.work / "eval-held-out", config, pad_id)
+    t_collect = time.monotonic()
+    train_ids = [p.render(tokenizer) for p in train_prompts]
+    plan = CollectPlan(config.batch_size, config.max_new, config.temperatures, config.seed)
+    collect_deadline = started + 60 * config.minutes * config.collect_share
+    collect(target.model, train_ids, config.work / "data", plan, target.eos_token_ids, pad_id,
+            token_budget=config.tokens, deadline=collect_deadline, desc="collect")
+    samples = load_shards(config.work / "data")
+    collect_s = time.monotonic() - t_collect
+    used = train_prompts[: len(samples)]
+    data = {
+        "prompts": "templated instructions (code, chat, summarisation, QA, maths, translation) and Python "
+                   "standard-library signatures/docstrings/sources, built by specdec.distill.prompts with the seed",
+        "continuations": f"target's own, batch {config.batch_size}, left padding, up to {config.max_new} new tokens, "
+                         f"temperatures cycled per batch {list(config.temperatures)} (0 = greedy); labels are the "
+                         "target's argmax at every generated position",
+        "train_prompts": len(samples),
+        "train_prompt_categories": _counts(p.category for p in used),
+        "train_generated_tokens": sum(s.generated for s in samples),
+        "train_total_tokens": sum(len(s.tokens) for s in samples),
+        "held_out_prompts": len(held_prompts),
+        "held_out_generated_tokens": sum(s.generated for s in references),
+    }
+    log.info("training data: %s", {k: v for k, v in data.items() if isinstance(v, int)})
+
+    # The draft: head = the most frequent target tokens of the training data (frozen once chosen).
+    arch = TokenDraftArch(config.layers, config.init_from, config.head_size)
+    head_path = config.work / "head_ids.pt"
+    if config.resume and head_path.exists():
+        head_ids = torch.load(head_path)
+    else:
+        head_ids = top_tokens(samples, min(config.head_size, target.vocab_size), target.eos_token_ids)
+        torch.save(head_ids, head_path)
+    arch = TokenDraftArch(config.layers, config.init_from, len(head_ids))
+    draft = build_token_draft(target.model, head_ids, arch)
+    untrained = evaluate(draft, references)
+    coverage = _coverage(samples, head_ids)
+
+    examples = make_examples(samples, draft.vocab_to_head, config.max_len)
+    tconf = TrainConfig(lr=config.lr, epochs=config.epochs, batch_tokens=config.batch_tokens, max_len=config.max_len,
+                        seed=config.seed)
+    t_train = time.monotonic()
+    training = train(draft, examples, tconf, config.work / "checkpoint.pt", deadline=budget_end, resume=config.resume)
+    train_s = time.monotonic() - t_train
+    draft.requires_grad_(False)
+
+    metrics = {"held_out": evaluate(draft, references), "held_out_untrained": untrained,
+               "head_coverage_of_train_labels": coverage}
+    for path in config.extra_eval:
+        refs = _references(target, read_prompt_file(path), config.work / f"eval-{Path(path).stem}", config, pad_id)
+        metrics[f"extra:{Path(path).name}"] = evaluate(draft, refs)
+    context = references[0].tokens[: references[0].prompt_len] if references else [0, 1, 2]
+    timing = {"collect_s": round(collect_s, 1), "train_s": round(train_s, 1),
+              "total_s": round(time.monotonic() - started, 1), "threads": config.threads,
+              "ms_per_draft_step": ms_per_step(draft, context)}
+
+    save_token_draft(draft, config.out)
+    card = _card(config, target, target_hash, arch, data, training, metrics, timing)
+    (config.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
+    log.info("held-out: %s", metrics["held_out"])
+    return card
+
+
+def _counts(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[item] = out.get(item, 0) + 1
+    return dict(sorted(out.items()))
+
+
+def _coverage(samples, head_ids: torch.Tensor) -> float:
+    head = set(head_ids.tolist())
+    labels = [t for s in samples for t in s.labels]
+    return round(sum(t in head for t in labels) / max(1, len(labels)), 4)
+
+
