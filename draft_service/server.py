@@ -8,9 +8,11 @@ import torch
 from opentelemetry import trace
 
 from draft_service.engine import DraftEngine, ModelDrafter, NgramDrafter
+from draft_service.token_draft import CARD_FILE, load_token_draft
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
 from specdec.models import (
+    LoadedModel,
     ModelFacts,
     load_config,
     load_model,
@@ -19,6 +21,7 @@ from specdec.models import (
     resolve_model_path,
     tokenizer_fingerprint,
 )
+from specdec.packed_linear import pack_linears
 from specdec.rpc import RunningServer, call_core, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -57,14 +60,26 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
             )
 
 
+def load_draft_model(config: DraftConfig) -> LoadedModel:
+    """A model draft: a distilled token draft (a folder with a draft card) or any causal LM folder/file.
+
+    A token draft is built around the target's own embedding, so the target is loaded too, unpacked,
+    because the card pins the hash of its plain weights.
+    """
+    path = resolve_model_path(config.model.model, config.model.cache_dir)
+    if not (path / CARD_FILE).is_file():
+        return load_model(config.model.model, config.model.cache_dir, pack=config.model.pack)
+    target = load_model(config.target_model, config.model.cache_dir)
+    loaded = load_token_draft(path, target)
+    if config.model.pack:
+        pack_linears(loaded.model)
+    return loaded
+
+
 def build_drafter(config: DraftConfig) -> DraftEngine:
     """The drafter a deployment asked for: a model draft, or n-gram lookup in the model's tokenizer."""
     if config.kind == "model":
-        return ModelDrafter(
-            load_model(config.model.model, config.model.cache_dir, pack=config.model.pack),
-            config.model.max_sessions,
-            config.sample_top_k,
-        )
+        return ModelDrafter(load_draft_model(config), config.model.max_sessions, config.sample_top_k)
     if config.kind != "ngram":
         raise ValueError(f"unknown draft kind {config.kind!r} (expected 'ngram' or 'model')")
     path = resolve_model_path(config.model.model, config.model.cache_dir)

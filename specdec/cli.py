@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
+    p.add_argument("--target-model", default=_env("TARGET_MODEL", "default"),
+                   help="the target a distilled token draft was made for (it lends the draft its embedding)")
     p.add_argument("--ngram-max", type=int, default=3)
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--sample-top-k", type=int, default=64, help="a model draft samples among its top tokens only")
@@ -102,6 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--session-id")
     _add_stack(p)
+
+    sub.add_parser("distill", help="train a draft for a target (specdec distill --help)", add_help=False)
 
     p = sub.add_parser("bench", help="tokens/s of hf-target, hf-assisted, specdec-k0 and specdec, side by side")
     p.add_argument("--prompts", type=Path, default=Path("bench/prompts.jsonl"), help="JSONL prompt file")
@@ -190,7 +194,7 @@ def _bench(args) -> None:
     import torch
 
     from specdec.bench import MODES, load_prompts, plot, run_hf, run_specdec, summarize
-    from specdec.models import load_model
+    from specdec.models import load_model, resolve_model_path
     from specdec.stack import LocalStack
 
     modes = [m for m in args.modes.split(",") if m]
@@ -201,7 +205,16 @@ def _bench(args) -> None:
     prompts = load_prompts(args.prompts, args.n)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.target_model, args.cache_dir)
-    draft = load_model(args.draft_model, args.cache_dir).model if args.draft_kind == "model" else None
+    draft = None
+    if args.draft_kind == "model":
+        from draft_service.token_draft import CARD_FILE
+
+        if (resolve_model_path(args.draft_model, args.cache_dir) / CARD_FILE).is_file():
+            # A distilled token draft is no transformers model: assisted generation cannot drive it.
+            print("hf-assisted skipped: transformers cannot drive a distilled token draft", file=sys.stderr)
+            modes = [m for m in modes if m != "hf-assisted"]
+        else:
+            draft = load_model(args.draft_model, args.cache_dir).model
     stack = None
     address = args.address
     if address is None and any(m.startswith("specdec") for m in modes):
@@ -232,6 +245,11 @@ def _bench(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Parses the command line and runs the chosen command."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["distill"]:
+        from specdec.distill.cli import main as distill
+
+        raise SystemExit(distill(argv[1:]))
     args = _parser().parse_args(argv)
     # SIGTERM unwinds like Ctrl-C, so a local stack this command started is always stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -243,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "serve-draft":
         from draft_service.server import main as serve
 
-        serve(DraftConfig(server=_server(args), kind=args.kind, model=_model(args, args.model),
+        serve(DraftConfig(server=_server(args), kind=args.kind, model=_model(args, args.model), target_model=args.target_model,
                           ngram_max=args.ngram_max, ngram_min=args.ngram_min, sample_top_k=args.sample_top_k))
     elif args.command == "serve-coordinator":
         from coordinator.server import main as serve

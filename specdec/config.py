@@ -56,6 +56,8 @@ class DraftConfig:
     kind: str = "ngram"
     # For kind "model", the draft model; for "ngram", the model whose tokenizer it speaks.
     model: ModelConfig = ModelConfig()
+    # The target a distilled token draft was made for: it lends the draft its embedding.
+    target_model: str = "default"
     # Longest and shortest suffix the n-gram drafter looks up.
     ngram_max: int = 3
     ngram_min: int = 1

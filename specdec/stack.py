@@ -142,6 +142,7 @@ class LocalStack:
             draft = self._spawn(
                 "draft",
                 [*exe, "serve-draft", "--port", "0", "--kind", c.draft_kind, "--model", c.draft_model,
+                 "--target-model", c.target_model,
                  "--threads", str(c.draft_threads), *common],
                 c.draft_threads,
             )
