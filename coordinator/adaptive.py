@@ -18,6 +18,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def add_counts(total: list[int], more: list[int]) -> None:
+    """Adds per-position counts into ``total`` in place, growing it as needed."""
+    total.extend([0] * (len(more) - len(total)))
+    for i, n in enumerate(more):
+        total[i] += n
+
+
 def expected_tokens(accept: list[float], k: int) -> float:
     """E(k): tokens a round commits, bonus included, from conditional acceptance by position."""
     total, reach = 1.0, 1.0
@@ -53,10 +60,8 @@ class AcceptanceTracker:
 
     def record(self, drafted: int, accepted: int) -> None:
         """Counts one round: positions 1..drafted were tried, 1..accepted passed."""
-        for counts, n in ((self.drafted, drafted), (self.accepted, accepted)):
-            counts.extend([0] * (n - len(counts)))
-            for i in range(n):
-                counts[i] += 1
+        add_counts(self.drafted, [1] * drafted)
+        add_counts(self.accepted, [1] * accepted)
 
     def rates(self, k_max: int) -> list[float]:
         """Smoothed acceptance for positions 1..k_max; untried positions inherit the last estimate."""

@@ -67,9 +67,8 @@ class Stats:
     time_to_first_token_ms: float = 0.0
     # Committed tokens per round, summed: accepted + 1 before any truncation at a stop.
     committed_in_rounds: int = 0
-    # Index i counts rounds that drafted (accepted) at least i + 1 tokens.
-    drafted_at_position: list[int] = field(default_factory=list)
-    accepted_at_position: list[int] = field(default_factory=list)
+    # Acceptance by draft position; it also steers the adaptive choice of k.
+    positions: AcceptanceTracker = field(default_factory=AcceptanceTracker)
 
     def add_round(self, drafted: int, accepted: int, committed: int) -> None:
         """Counts one finished round."""
@@ -77,10 +76,7 @@ class Stats:
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.committed_in_rounds += committed
-        for counts, n in ((self.drafted_at_position, drafted), (self.accepted_at_position, accepted)):
-            counts.extend([0] * (n - len(counts)))
-            for i in range(n):
-                counts[i] += 1
+        self.positions.record(drafted, accepted)
 
     @property
     def acceptance_rate(self) -> float:
@@ -176,7 +172,6 @@ class RoundLoop:
             )
             fixed_k = self._default_k if request.k is None else request.k
             costs = self._costs if sampling.greedy else self._prior_costs
-            tracker = AcceptanceTracker()
             rounds_without_draft = 0
             span.set_attributes(
                 _request_attributes(self._facts, request, record.session_id, prompt_len, fixed_k)
@@ -193,7 +188,7 @@ class RoundLoop:
             round_index = 0
             while finish is None:
                 room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
-                k = fixed_k if fixed_k is not None else costs.choose(tracker)
+                k = fixed_k if fixed_k is not None else costs.choose(stats.positions)
                 if fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY:
                     k = 1  # probe now and then, so a session whose draft improves can win it back
                 k_round = max(0, min(k, room - 1))
@@ -201,7 +196,6 @@ class RoundLoop:
                     round_index, k_round, committed, sampling, draft_ref, target_ref, stats, remaining_s
                 )
                 drafted = len(draft.tokens) if draft else 0
-                tracker.record(drafted, verdict.accepted)
                 rounds_without_draft = 0 if drafted else rounds_without_draft + 1
                 if _moved(record.draft, draft_ref) or _moved(record.target, target_ref):
                     # A new cache was made: record where it lives, so another coordinator finds it.

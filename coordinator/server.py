@@ -97,8 +97,8 @@ def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
         other_ms=stats.other_ms,
         total_ms=stats.total_ms,
         time_to_first_token_ms=stats.time_to_first_token_ms,
-        drafted_at_position=stats.drafted_at_position,
-        accepted_at_position=stats.accepted_at_position,
+        drafted_at_position=stats.positions.drafted,
+        accepted_at_position=stats.positions.accepted,
     )
 
 

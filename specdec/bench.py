@@ -107,6 +107,7 @@ def run_hf(mode: str, loaded, draft, prompts: list[BenchPrompt], max_new_tokens:
 
 def run_specdec(mode: str, address: str, prompts: list[BenchPrompt], max_new_tokens: int, temperature: float, k: int | None) -> ModeResult:
     """Runs the prompts through a specdec coordinator, one request at a time."""
+    from coordinator.adaptive import add_counts
     from specdec.client import Client
 
     result = ModeResult()
@@ -125,10 +126,8 @@ def run_specdec(mode: str, address: str, prompts: list[BenchPrompt], max_new_tok
             result.draft_ms += s.draft_ms
             result.verify_ms += s.verify_ms
             result.other_ms += s.other_ms
-            for mine, theirs in ((result.drafted_at, s.drafted_at_position), (result.accepted_at, s.accepted_at_position)):
-                mine.extend([0] * (len(theirs) - len(mine)))
-                for j, count in enumerate(theirs):
-                    mine[j] += count
+            add_counts(result.drafted_at, s.drafted_at_position)
+            add_counts(result.accepted_at, s.accepted_at_position)
             if s.rounds:
                 result.round_overheads_ms.append(s.other_ms / s.rounds)
             _progress(mode, i + 1, len(prompts), result.tokens, result.seconds)
