@@ -64,7 +64,8 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
         raise ValueError("temperature: must be >= 0")
     if request.top_k < 0:
         raise ValueError("top_k: must be >= 0")
-    if not 0 <= request.top_p <= 1:
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    if not 0 < top_p <= 1:
         raise ValueError("top_p: must lie in (0, 1]")
     k = request.k if request.HasField("k") else None
     if k is not None and not 0 <= k <= MAX_K:
@@ -75,7 +76,7 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
         max_new_tokens=request.max_new_tokens,
         temperature=request.temperature,
         top_k=request.top_k,
-        top_p=request.top_p if request.top_p > 0 else 1.0,
+        top_p=top_p,
         seed=request.seed if request.HasField("seed") else None,
         stop=tuple(request.stop),
         session_id=request.session_id or None,

@@ -226,6 +226,7 @@ BAD = [
     (dict(temperature=-0.5), "temperature"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_p=-0.1), "top_p"),
+    (dict(top_p=0.0), "top_p"),
     (dict(top_k=-1), "top_k"),
     (dict(k=33), "k"),
     (dict(k=-1), "k"),
