@@ -8,6 +8,3 @@ class CacheNotFound(LookupError):
 class CacheBehind(ValueError):
     """The caller expects more committed tokens than the cache has seen; it must prefill again."""
 
-
-class CachesFull(RuntimeError):
-    """Every cache slot is taken by a session that is in use."""

@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from specdec.config import ServerConfig
-from specdec.errors import CacheBehind, CacheNotFound, CachesFull
+from specdec.errors import CacheBehind, CacheNotFound
 from specdec.tracing import make_tracer_provider
 
 log = logging.getLogger(__name__)
@@ -26,7 +26,6 @@ T = TypeVar("T")
 _STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (CacheNotFound, grpc.StatusCode.NOT_FOUND),
     (CacheBehind, grpc.StatusCode.FAILED_PRECONDITION),
-    (CachesFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 

@@ -42,6 +42,8 @@ def parser() -> argparse.ArgumentParser:
                    help="data and checkpoints (default: <cache-dir>/distill/<out folder name>)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec", help="converted model cache")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    p.add_argument("--collect-only", action="store_true",
+                   help="stop after collecting the data (train later with --resume)")
     g = p.add_argument_group("data")
     g.add_argument("--prompts", type=int, default=d.prompts, help="prompts to build (used in seeded order)")
     g.add_argument("--held-out", type=int, default=d.held_out, help="prompts held out for evaluation")
@@ -78,6 +80,7 @@ def config_from_args(argv: list[str]) -> DistillConfig:
         temperatures=args.temperatures, collect_share=args.collect_share, layers=args.layers,
         init_from=args.init_from, head_size=args.head_size, lr=args.lr, epochs=args.epochs,
         batch_tokens=args.batch_tokens, max_len=args.max_len, extra_eval=tuple(args.extra_eval),
+        collect_only=args.collect_only,
     )
 
 
@@ -88,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     from specdec.distill.pipeline import run  # torch and transformers load only once the flags parse
 
     card = run(config)
+    if card is None:
+        print(f"data collected in {config.work}; train with the same command plus --resume")
+        return 0
     held = card["metrics"]["held_out"]
     print(f"draft written to {config.out}: top-1 agreement {held['top1_agreement']}, "
           f"mean accepted length at k={held['k']} {held['mean_accepted_length']}")

@@ -27,6 +27,8 @@ class DistillConfig:
     """Generated target tokens to collect for training (the time budget may stop sooner)."""
     seed: int = 0
     resume: bool = False
+    collect_only: bool = False
+    """Stop once the data is collected (a later ``--resume`` trains on it)."""
     threads: int = 2
     # data
     prompts: int = 20_000
@@ -56,6 +58,6 @@ class DistillConfig:
         """The settings as JSON-friendly values, for the card."""
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
         out["extra_eval"] = [str(p) for p in self.extra_eval]
-        for k in ("out", "work", "cache_dir", "resume", "command"):
+        for k in ("out", "work", "cache_dir", "resume", "command", "collect_only"):
             out.pop(k)
         return out

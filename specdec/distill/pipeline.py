@@ -58,8 +58,9 @@ def _card(config: DistillConfig, target: LoadedModel, target_hash: str, arch: To
     }
 
 
-def run(config: DistillConfig) -> dict:
-    """Runs the whole pipeline and writes the draft and its card to ``config.out``; returns the card."""
+def run(config: DistillConfig) -> dict | None:
+    """Runs the whole pipeline and writes the draft and its card to ``config.out``; returns the card
+    (``None`` when ``config.collect_only`` stops it after collection)."""
     if config.kind != KIND:
         raise ValueError(f"unknown draft kind {config.kind!r}")
     torch.set_num_threads(config.threads)
@@ -89,6 +90,8 @@ def run(config: DistillConfig) -> dict:
     collect_deadline = started + 60 * config.minutes * config.collect_share
     collect(target.model, train_ids, config.work / "data", plan, target.eos_token_ids, pad_id,
             token_budget=config.tokens, deadline=collect_deadline, desc="collect")
+    if config.collect_only:
+        return None
     samples = load_shards(config.work / "data")
     collect_s = time.monotonic() - t_collect
     used = train_prompts[: len(samples)]

@@ -9,6 +9,7 @@ library's own sources with ``ast``; no published evaluation set and not ``bench/
 from __future__ import annotations
 
 import ast
+import functools
 import random
 import sysconfig
 import textwrap
@@ -255,7 +256,8 @@ class StdlibFunction:
     source: str
 
 
-def harvest_stdlib(max_files: int | None = None) -> list[StdlibFunction]:
+@functools.lru_cache(maxsize=4)
+def harvest_stdlib(max_files: int | None = None) -> tuple[StdlibFunction, ...]:
     """Public functions with docstrings from the standard library's own ``.py`` files, via ``ast``.
 
     Sorted by module and name so the result does not depend on the filesystem's order.
@@ -288,7 +290,7 @@ def harvest_stdlib(max_files: int | None = None) -> list[StdlibFunction]:
             body = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno])) if short else ""
             found.append(StdlibFunction(module, node.name, signature, doc, body))
     found.sort(key=lambda f: (f.module, f.name, f.signature))
-    return found
+    return tuple(found)
 
 
 def stdlib_prompt(r: random.Random, fn: StdlibFunction) -> Prompt:
@@ -331,7 +333,7 @@ STDLIB_SHARE = 0.15
 """Share of prompts harvested from the standard library (the rest are templated)."""
 
 
-def build_prompts(n: int, seed: int, stdlib: list[StdlibFunction] | None = None) -> list[Prompt]:
+def build_prompts(n: int, seed: int, stdlib: tuple[StdlibFunction, ...] | None = None) -> list[Prompt]:
     """``n`` distinct prompts, deterministic in ``seed``, mixed across categories."""
     r = random.Random(seed)
     functions = stdlib if stdlib is not None else harvest_stdlib()

@@ -35,64 +35,119 @@ def top_tokens(samples: list[Sample], n: int, always: tuple[int, ...] = ()) -> t
 
 @dataclass(frozen=True)
 class Example:
-    """Draft inputs ``[T]`` and reduced-vocabulary targets ``[T]`` (IGNORE where none)."""
+    """One training sequence: draft inputs and what the draft should predict after each of them.
+
+    ``targets[t]`` is the target's argmax in head coordinates (IGNORE where none or outside the
+    head), ``weights[t]`` its loss weight, and ``soft_ids`` / ``soft_logits`` ``[T, K]`` the target's
+    top-K logits in head coordinates (-1 where absent) for distillation on its distribution.
+    """
 
     inputs: torch.Tensor
     targets: torch.Tensor
+    weights: torch.Tensor
+    soft_ids: torch.Tensor
+    soft_logits: torch.Tensor
 
 
-def make_examples(samples: list[Sample], vocab_to_head: torch.Tensor, max_len: int) -> list[Example]:
-    """One example per sample: inputs are all tokens but the last, targets the target's argmax."""
+def make_examples(samples: list[Sample], vocab_to_head: torch.Tensor, max_len: int, prompt_weight: float = 0.0,
+                  topk: int = 16) -> list[Example]:
+    """One example per sample: inputs are all tokens but the last.
+
+    Generated positions get weight 1; prompt positions (the target's argmax teacher-forced over the
+    prompt, where collected) get ``prompt_weight``.
+    """
     examples = []
     for s in samples:
         if s.generated == 0:
             continue
         tokens = torch.tensor(s.tokens[:-1], dtype=torch.long)  # [T]
-        targets = torch.full_like(tokens, IGNORE)
-        head = vocab_to_head[torch.tensor(s.labels, dtype=torch.long)]  # [C]
-        targets[s.prompt_len - 1:] = torch.where(head >= 0, head, IGNORE)
+        start = s.prompt_len - 1
+        labels = torch.full_like(tokens, IGNORE)
+        weights = torch.zeros(len(tokens))
+        labels[start:] = torch.tensor(s.labels, dtype=torch.long)
+        weights[start:] = 1.0
+        if prompt_weight > 0 and s.prompt_labels:
+            labels[:start] = torch.tensor(s.prompt_labels[:start], dtype=torch.long)
+            weights[:start] = prompt_weight
+        head = torch.where(labels >= 0, vocab_to_head[labels.clamp(min=0)], -1)
+        targets = torch.where(head >= 0, head, IGNORE)
+        weights = torch.where(targets != IGNORE, weights, 0.0)
+        soft_ids = torch.full((len(tokens), topk), -1, dtype=torch.long)  # [T, K]
+        soft_logits = torch.zeros((len(tokens), topk))  # [T, K]
+        if s.topk_ids is not None:
+            k = min(topk, s.topk_ids.shape[1])
+            soft_ids[start:, :k] = vocab_to_head[s.topk_ids[:, :k].long()]
+            soft_logits[start:, :k] = s.topk_logits[:, :k].float()
         if len(tokens) > max_len:  # keep the end: drop the start of a long prompt
-            tokens, targets = tokens[-max_len:], targets[-max_len:]
-        if bool((targets != IGNORE).any()):
-            examples.append(Example(tokens, targets))
+            tokens, targets, weights = tokens[-max_len:], targets[-max_len:], weights[-max_len:]
+            soft_ids, soft_logits = soft_ids[-max_len:], soft_logits[-max_len:]
+        if bool((weights > 0).any()):
+            examples.append(Example(tokens, targets, weights, soft_ids, soft_logits))
     return examples
 
 
-def make_batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> list[tuple[torch.Tensor, torch.Tensor]]:
+@dataclass(frozen=True)
+class Batch:
+    """Right-padded examples: ``inputs`` / ``targets`` / ``weights`` ``[B, T]``, soft targets ``[B, T, K]``."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    weights: torch.Tensor
+    soft_ids: torch.Tensor
+    soft_logits: torch.Tensor
+
+
+def make_batches(examples: list[Example], batch_tokens: int, rng: random.Random) -> list[Batch]:
     """Length-bucketed, right-padded batches of at most ``batch_tokens`` (padded) tokens, shuffled."""
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i].inputs), rng.random()))
-    batches, current = [], []
+    groups, current = [], []
     for i in order:
         longest = max([len(examples[j].inputs) for j in current] + [len(examples[i].inputs)])
         if current and longest * (len(current) + 1) > batch_tokens:
-            batches.append(current)
+            groups.append(current)
             current = []
         current.append(i)
     if current:
-        batches.append(current)
-    rng.shuffle(batches)
+        groups.append(current)
+    rng.shuffle(groups)
     out = []
-    for members in batches:
+    for members in groups:
         width = max(len(examples[i].inputs) for i in members)
+        k = examples[members[0]].soft_ids.shape[1]
         inputs = torch.zeros((len(members), width), dtype=torch.long)  # [B, T]
         targets = torch.full((len(members), width), IGNORE, dtype=torch.long)  # [B, T]
+        weights = torch.zeros((len(members), width))  # [B, T]
+        soft_ids = torch.full((len(members), width, k), -1, dtype=torch.long)  # [B, T, K]
+        soft_logits = torch.zeros((len(members), width, k))  # [B, T, K]
         for row, i in enumerate(members):
-            n = len(examples[i].inputs)
-            inputs[row, :n] = examples[i].inputs
-            targets[row, :n] = examples[i].targets
-        out.append((inputs, targets))
+            e = examples[i]
+            n = len(e.inputs)
+            inputs[row, :n], targets[row, :n], weights[row, :n] = e.inputs, e.targets, e.weights
+            soft_ids[row, :n], soft_logits[row, :n] = e.soft_ids, e.soft_logits
+        out.append(Batch(inputs, targets, weights, soft_ids, soft_logits))
     return out
 
 
-def draft_loss(draft: TokenDraft, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-    """Mean cross-entropy over labelled positions; also (correct top-1, labelled positions)."""
-    hidden = draft.hidden(inputs)  # [B, T, D]; right padding needs no mask under causal attention
-    keep = targets != IGNORE  # [B, T]
-    logits = draft.head_logits(hidden[keep])  # [M, N]
-    labels = targets[keep]  # [M]
-    loss = torch.nn.functional.cross_entropy(logits, labels)
-    correct = int((logits.detach().argmax(-1) == labels).sum())
-    return loss, correct, int(labels.numel())
+def draft_loss(draft: TokenDraft, batch: Batch, soft_weight: float = 0.0) -> tuple[torch.Tensor, int, int]:
+    """Weighted cross-entropy against the target's argmax, plus ``soft_weight`` × cross-entropy against
+    the target's top-K distribution (restricted to the head, renormalised); also (correct top-1,
+    labelled generated positions)."""
+    hidden = draft.hidden(batch.inputs)  # [B, T, D]; right padding needs no mask under causal attention
+    keep = batch.weights > 0  # [B, T]
+    logp = torch.log_softmax(draft.head_logits(hidden[keep]), dim=-1)  # [M, N]
+    labels, weights = batch.targets[keep], batch.weights[keep]  # [M]
+    hard = -(logp.gather(1, labels[:, None])[:, 0] * weights).sum() / weights.sum()
+    loss = hard
+    if soft_weight > 0:
+        ids, logits = batch.soft_ids[keep], batch.soft_logits[keep]  # [M, K]
+        valid = ids >= 0
+        p = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1).nan_to_num(0.0)  # [M, K]
+        rows = valid.any(-1)
+        soft = -(p * logp.gather(1, ids.clamp(min=0)).masked_fill(~valid, 0.0)).sum(-1)  # [M]
+        loss = hard + soft_weight * (soft[rows].sum() / max(1, int(rows.sum())))
+    generated = weights == 1.0
+    correct = int((logp.detach().argmax(-1)[generated] == labels[generated]).sum())
+    return loss, correct, int(generated.sum())
 
 
 @dataclass(frozen=True)
@@ -106,6 +161,8 @@ class TrainConfig:
     max_len: int = 512
     epochs: float = 4.0
     """Upper bound on passes over the data; the time budget may end training sooner."""
+    soft_weight: float = 0.0
+    """Weight of distillation on the target's top-K distribution (0: argmax labels only)."""
     seed: int = 0
 
 
@@ -151,11 +208,12 @@ def train(draft: TokenDraft, examples: list[Example], config: TrainConfig, ckpt:
         while state["total_steps"] is None or state["step"] < state["total_steps"]:
             if not batches:
                 batches = make_batches(examples, config.batch_tokens, rng)
-            inputs, targets = batches.pop()
+            batch = batches.pop()
             started = time.monotonic()
             for group in optimizer.param_groups:
-                group["lr"] = config.lr * _lr_factor(state["step"], state["total_steps"] or planned, config.warmup_steps)
-            loss, correct, count = draft_loss(draft, inputs, targets)
+                total = state["total_steps"] or planned
+                group["lr"] = config.lr * _lr_factor(state["step"], total, min(config.warmup_steps, total // 10 + 1))
+            loss, correct, count = draft_loss(draft, batch, config.soft_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -164,7 +222,7 @@ def train(draft: TokenDraft, examples: list[Example], config: TrainConfig, ckpt:
             state["step"] += 1
             state["seconds"] += elapsed
             state["seen_tokens"] += count
-            window.append((float(loss), correct, count))
+            window.append((float(loss.detach()), correct, count))
             if state["total_steps"] is None and state["step"] == 5:
                 # Fix the schedule's length from the measured step time and the time left.
                 fits = planned if deadline is None else int(max(0.0, deadline - time.monotonic()) / (state["seconds"] / 5)) + 5
