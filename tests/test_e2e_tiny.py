@@ -331,3 +331,40 @@ def test_mismatched_tokenizer_is_refused(tiny_target, tiny_dir, redis_url, tmp_p
             s.start()
     finally:
         s.close()
+
+
+def test_random_requests_get_only_documented_statuses(stack, client):
+    import random
+
+    from specdec.client import build_request
+    from specdec.v1 import coordinator_pb2_grpc
+
+    rng = random.Random(0)
+    words = ["w1", "w2", "w30", "zz", "", " ", "\u00e9\u00e8", "<eos>"]
+    allowed = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
+    seen = set()
+    with grpc.insecure_channel(stack.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        for i in range(300):
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(0, 6)))
+            if rng.random() < 0.2:
+                prompt = [{"role": rng.choice(["user", "assistant", "system", "robot"]), "content": prompt}]
+            request = build_request(
+                prompt,
+                max_new_tokens=rng.choice([-1, 0, 1, 3, 300, 2**31 - 1]) % 2**32,
+                temperature=rng.choice([0.0, 0.7, -1.0, float("nan"), 1e9]),
+                top_k=rng.choice([0, 1, 5, -3, 2**31 - 1]),
+                top_p=rng.choice([1.0, 0.5, 0.0, 1.5, -0.1]),
+                seed=rng.choice([None, 0, 2**64 - 1]),
+                stop=rng.choice([(), ("w2",), ("",)]),
+                session_id=rng.choice([None, "nope", ""]),
+                k=rng.choice([None, 0, 3, 32, 33, -5]),
+            )
+            try:
+                stub.Complete(request, timeout=30)
+                seen.add("OK")
+            except grpc.RpcError as err:
+                assert err.code() in allowed, (i, request, err.code(), err.details())
+                seen.add(err.code())
+    assert "OK" in seen and grpc.StatusCode.INVALID_ARGUMENT in seen
+    assert client.complete("w1 w2", max_new_tokens=3).token_ids
