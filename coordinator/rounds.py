@@ -63,6 +63,7 @@ class Stats:
     accepted_tokens: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
+    prefill_ms: float = 0.0
     total_ms: float = 0.0
     time_to_first_token_ms: float = 0.0
     # Committed tokens per round, summed: accepted + 1 before any truncation at a stop.
@@ -90,8 +91,8 @@ class Stats:
 
     @property
     def other_ms(self) -> float:
-        """Time not spent waiting on draft or target."""
-        return max(0.0, self.total_ms - self.draft_ms - self.verify_ms)
+        """Time not spent waiting on draft or target: the coordinator's own overhead."""
+        return max(0.0, self.total_ms - self.draft_ms - self.verify_ms - self.prefill_ms)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,9 @@ class RoundLoop:
 
             target = self._pick(self._targets, target_ref)
             if target_ref is None or target_ref.address != target.address:
+                t0 = time.perf_counter()
                 target_ref = await target.prefill(committed, remaining_s())
+                stats.prefill_ms = (time.perf_counter() - t0) * 1000
             record.tokens, record.target = committed, target_ref
             await self._store.put(record)
 

@@ -95,6 +95,7 @@ def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
         mean_accepted_length=stats.mean_accepted_length,
         draft_ms=stats.draft_ms,
         verify_ms=stats.verify_ms,
+        prefill_ms=stats.prefill_ms,
         other_ms=stats.other_ms,
         total_ms=stats.total_ms,
         time_to_first_token_ms=stats.time_to_first_token_ms,

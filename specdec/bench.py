@@ -46,6 +46,7 @@ class ModeResult:
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     other_ms: float = 0.0
+    prefill_ms: float = 0.0
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     round_overheads_ms: list[float] = field(default_factory=list)
@@ -126,6 +127,7 @@ def run_specdec(mode: str, address: str, prompts: list[BenchPrompt], max_new_tok
             result.draft_ms += s.draft_ms
             result.verify_ms += s.verify_ms
             result.other_ms += s.other_ms
+            result.prefill_ms += s.prefill_ms
             add_counts(result.drafted_at, s.drafted_at_position)
             add_counts(result.accepted_at, s.accepted_at_position)
             if s.rounds:
@@ -156,6 +158,7 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
                 "draft": round(r.draft_ms / r.rounds, 2),
                 "verify": round(r.verify_ms / r.rounds, 2),
                 "other": round(r.other_ms / r.rounds, 2),
+                "prefill_per_request": round(r.prefill_ms / len(r.outputs), 1),
                 "median_other": round(statistics.median(r.round_overheads_ms), 2) if r.round_overheads_ms else 0.0,
             }
         if mode == "specdec" and r.rounds:
@@ -169,6 +172,7 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
                 # One k0 round is one target step through the same stack: the cost unit of the formula.
                 step_ms = (k0.draft_ms + k0.verify_ms + k0.other_ms) / k0.rounds
                 round_ms = (r.draft_ms + r.verify_ms + r.other_ms) / r.rounds
+                # Prefill is the same work in both modes, outside the rounds the formula describes.
                 predicted = expected_tokens_per_round(alpha, mean_k) * step_ms / round_ms
                 measured = r.tokens_per_s / k0.tokens_per_s if k0.tokens_per_s else 0.0
                 entry["predicted_speedup_vs_k0"] = round(predicted, 3)

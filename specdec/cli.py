@@ -177,7 +177,8 @@ def _generate(args) -> None:
                     print(f"\n\n[finish: {chunk.finish_reason}] {s.generated_tokens} tokens in {s.total_ms / 1000:.2f}s "
                           f"({s.tokens_per_second:.1f} tok/s); rounds {s.rounds}, acceptance {s.acceptance_rate:.2f}, "
                           f"mean accepted length {s.mean_accepted_length:.2f}; draft {s.draft_ms:.0f} ms, "
-                          f"verify {s.verify_ms:.0f} ms, other {s.other_ms:.0f} ms; session {chunk.session_id}")
+                          f"verify {s.verify_ms:.0f} ms, prefill {s.prefill_ms:.0f} ms, other {s.other_ms:.0f} ms; "
+                          f"session {chunk.session_id}")
 
     if args.local:
         from specdec.stack import LocalStack

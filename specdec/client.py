@@ -74,6 +74,7 @@ class Stats:
     time_to_first_token_ms: float
     drafted_at_position: list[int]
     accepted_at_position: list[int]
+    prefill_ms: float
 
     @property
     def tokens_per_second(self) -> float:

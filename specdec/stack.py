@@ -69,10 +69,14 @@ class Process:
         self._log.close()
 
 
-def _child_env(threads: int) -> dict[str, str]:
+def _child_env(threads: int, passive: bool) -> dict[str, str]:
     env = dict(os.environ)
-    # Idle OpenMP threads must sleep, not spin: draft and target share the cores.
-    env.update({"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false"})
+    env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})
+    if passive:
+        # The draft waits while the target verifies: its idle OpenMP threads must sleep, not spin.
+        # The target keeps the default (brief spinning): sleeping between its ~500 ops per pass
+        # measured 10-15% slower here.
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     return env
 
 
@@ -93,8 +97,8 @@ class LocalStack:
         """The (first) coordinator's address."""
         return self.coordinator_addresses[0]
 
-    def _spawn(self, name: str, argv: list[str], threads: int = 1) -> Process:
-        proc = Process(name, argv, self.log_dir, _child_env(threads))
+    def _spawn(self, name: str, argv: list[str], threads: int = 1, passive: bool = True) -> Process:
+        proc = Process(name, argv, self.log_dir, _child_env(threads, passive))
         self.processes.append(proc)
         return proc
 
@@ -138,6 +142,7 @@ class LocalStack:
                 "target",
                 [*exe, "serve-target", "--port", "0", "--model", c.target_model, "--threads", str(c.target_threads), *common],
                 c.target_threads,
+                passive=False,
             )
             draft = self._spawn(
                 "draft",
