@@ -4,7 +4,8 @@ reduced-vocabulary head (the FR-Spec / EAGLE-3 idea).
 - The embedding is the target's own matrix, taken from the loaded target at start-up and never stored
   in the draft's files.
 - The head scores only the N most frequent target tokens (``head_ids``). Its rows are cut from the
-  target's tied embedding at start-up (only the ids are stored), plus a small trainable bias.
+  target's LM head (the tied embedding for SmolLM2) at start-up (only the ids are stored), plus a
+  small trainable bias.
 - ``forward`` is drop-in for a Hugging Face causal LM as ``ModelDrafter`` drives it: it takes
   ``input_ids``, a ``cache`` (any transformers ``Cache``, e.g. ``GrowableCache``) and
   ``logits_to_keep``, and returns full-vocabulary logits with ``-inf`` outside the head's ids, so the
@@ -51,7 +52,7 @@ class TokenDraftArch:
 
     def to_json(self) -> dict:
         """The architecture as it goes into the card."""
-        return {**asdict(self), "init_from": list(self.init_from), "head": "frozen rows of the tied embedding + trainable bias"}
+        return {**asdict(self), "init_from": list(self.init_from), "head": "frozen rows of the target LM head (tied embedding) + trainable bias"}
 
     @classmethod
     def from_json(cls, data: dict) -> TokenDraftArch:
@@ -89,8 +90,8 @@ def _draft_config(target_config: PretrainedConfig, layers: int) -> PretrainedCon
 class TokenDraft(nn.Module):
     """A causal LM: frozen target embedding → ``layers`` Llama decoder layers → RMSNorm → reduced head."""
 
-    def __init__(self, target_config: PretrainedConfig, embedding: nn.Embedding, head_ids: torch.Tensor,
-                 arch: TokenDraftArch) -> None:
+    def __init__(self, target_config: PretrainedConfig, embedding: nn.Embedding, output_weight: torch.Tensor,
+                 head_ids: torch.Tensor, arch: TokenDraftArch) -> None:
         super().__init__()
         if len(arch.init_from) != arch.layers:
             raise ValueError(f"init_from names {len(arch.init_from)} target layers for {arch.layers} draft layers")
@@ -108,7 +109,7 @@ class TokenDraft(nn.Module):
         if int(head_ids.min()) < 0 or int(head_ids.max()) >= self.vocab_size:
             raise ValueError(f"head_ids must lie in [0, {self.vocab_size})")
         self.register_buffer("head_ids", head_ids, persistent=True)  # [N]
-        self.register_buffer("head_weight", embedding.weight.detach()[head_ids], persistent=False)  # [N, D]
+        self.register_buffer("head_weight", output_weight.detach()[head_ids].clone(), persistent=False)  # [N, D]
         self.head_bias = nn.Parameter(torch.zeros(len(head_ids)))  # [N]
         # Where each full-vocabulary id sits in the head, -1 outside it.
         index = torch.full((self.vocab_size,), -1, dtype=torch.long)
@@ -167,9 +168,15 @@ class TokenDraft(nn.Module):
         return CausalLMOutputWithPast(logits=logits, cache=cache if use_cache else None)
 
 
+def _output_weight(target: nn.Module) -> torch.Tensor:
+    """The target's LM head matrix ``[V, D]`` (for tied models, the embedding itself)."""
+    head = target.get_output_embeddings()
+    return (head if head is not None else target.get_input_embeddings()).weight
+
+
 def build_token_draft(target: nn.Module, head_ids: torch.Tensor, arch: TokenDraftArch) -> TokenDraft:
     """A fresh draft around a loaded target (a HF causal LM), its layers copied from the target."""
-    draft = TokenDraft(target.config, target.get_input_embeddings(), head_ids, arch)
+    draft = TokenDraft(target.config, target.get_input_embeddings(), _output_weight(target), head_ids, arch)
     draft.init_from_target(target)
     return draft.float()
 
@@ -221,7 +228,8 @@ def load_token_draft_module(draft_dir: Path, target_model: nn.Module, card: dict
     card = card if card is not None else read_card(draft_dir)
     arch = TokenDraftArch.from_json(card["architecture"])
     tensors = load_file(str(Path(draft_dir) / WEIGHTS_FILE))
-    draft = TokenDraft(target_model.config, target_model.get_input_embeddings(), tensors["head_ids"], arch)
+    draft = TokenDraft(target_model.config, target_model.get_input_embeddings(), _output_weight(target_model),
+                       tensors["head_ids"], arch)
     state = {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}
     draft.load_state_dict(state, strict=True)
     draft.float().eval().requires_grad_(False)
