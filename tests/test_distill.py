@@ -165,6 +165,23 @@ def test_model_drafter_drop_in(tiny_target, tmp_path):
         assert abs(sum(probs) - 1) < 1e-4
 
 
+def test_int8_draft_keeps_the_contract(tiny_target, tmp_path):
+    head = torch.arange(4, 28)
+    draft = build_token_draft(tiny_target.model, head, TokenDraftArch(2, (0, 1), len(head)))
+    folder = _write_draft(tmp_path / "d", draft, tiny_target)
+    fp32 = load_token_draft(folder, tiny_target)
+    int8 = load_token_draft(folder, tiny_target, int8=True)
+    ids = torch.tensor([[3, 9, 14, 22, 5, 7]])
+    with torch.inference_mode():
+        a, b = fp32.model(input_ids=ids).logits, int8.model(input_ids=ids).logits  # [1, 6, V]
+    assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+    assert torch.isfinite(b[0, :, head]).all()
+    assert (a[torch.isfinite(a)] - b[torch.isfinite(b)]).abs().max() < 0.5  # close, not equal
+    drafter = ModelDrafter(int8, 4, 64)
+    cache_id, committed = drafter.prefill([3, 9, 14])
+    assert all(4 <= t < 28 for t in drafter.propose(cache_id, committed, [], 4, Sampling(), 0).tokens)
+
+
 def test_target_hash_mismatch_raises(tiny_target, tmp_path):
     draft = build_token_draft(tiny_target.model, torch.arange(32), TokenDraftArch(1, (0,), 32))
     folder = _write_draft(tmp_path / "d", draft, tiny_target)

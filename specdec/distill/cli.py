@@ -63,6 +63,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=float, default=d.epochs, help="at most this many passes over the data")
     g.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per training batch")
     g.add_argument("--max-len", type=int, default=d.max_len, help="training sequence length cap")
+    g.add_argument("--soft-weight", type=float, default=d.soft_weight, help="weight of top-16 distribution distillation")
+    g.add_argument("--prompt-weight", type=float, default=d.prompt_weight, help="loss weight of prompt positions")
     return p
 
 
@@ -79,7 +81,8 @@ def config_from_args(argv: list[str]) -> DistillConfig:
         batch_size=args.batch_size, max_new=args.max_new, eval_max_new=args.eval_max_new,
         temperatures=args.temperatures, collect_share=args.collect_share, layers=args.layers,
         init_from=args.init_from, head_size=args.head_size, lr=args.lr, epochs=args.epochs,
-        batch_tokens=args.batch_tokens, max_len=args.max_len, extra_eval=tuple(args.extra_eval),
+        batch_tokens=args.batch_tokens, max_len=args.max_len, soft_weight=args.soft_weight,
+        prompt_weight=args.prompt_weight, extra_eval=tuple(args.extra_eval),
         collect_only=args.collect_only,
     )
 

@@ -35,7 +35,7 @@ class DistillConfig:
     """Prompts built (in a seeded order; collection uses as many as the budgets allow)."""
     held_out: int = 48
     """Prompts held out for evaluation (never trained on)."""
-    batch_size: int = 32
+    batch_size: int = 48
     max_new: int = 128
     eval_max_new: int = 128
     temperatures: tuple[float, ...] = (0.0, 0.8)
@@ -47,9 +47,13 @@ class DistillConfig:
     init_from: tuple[int, ...] = (0, 1)
     head_size: int = 8192
     # training
-    lr: float = 1e-3
+    lr: float = 3e-3
     epochs: float = 4.0
-    batch_tokens: int = 6144
+    batch_tokens: int = 4096
+    soft_weight: float = 0.5
+    """Weight of distillation on the target's top-16 distribution, besides its argmax."""
+    prompt_weight: float = 0.0
+    """Loss weight of the target's argmax teacher-forced over prompt tokens (0: generated tokens only)."""
     max_len: int = 512
     extra_eval: tuple[Path, ...] = field(default_factory=tuple)
     """JSONL prompt files evaluated on (never trained on), e.g. the benchmark's prompts."""

@@ -100,7 +100,7 @@ def run(config: DistillConfig) -> dict | None:
                    "standard-library signatures/docstrings/sources, built by specdec.distill.prompts with the seed",
         "continuations": f"target's own, batch {config.batch_size}, left padding, up to {config.max_new} new tokens, "
                          f"temperatures cycled per batch {list(config.temperatures)} (0 = greedy); labels are the "
-                         "target's argmax at every generated position",
+                         "target's argmax (and top-16 logits) at every generated position, and its argmax over the prompt",
         "train_prompts": len(samples),
         "train_prompt_categories": _counts(p.category for p in used),
         "train_generated_tokens": sum(s.generated for s in samples),
@@ -123,9 +123,9 @@ def run(config: DistillConfig) -> dict | None:
     untrained = evaluate(draft, references)
     coverage = _coverage(samples, head_ids)
 
-    examples = make_examples(samples, draft.vocab_to_head, config.max_len)
+    examples = make_examples(samples, draft.vocab_to_head, config.max_len, prompt_weight=config.prompt_weight)
     tconf = TrainConfig(lr=config.lr, epochs=config.epochs, batch_tokens=config.batch_tokens, max_len=config.max_len,
-                        seed=config.seed)
+                        soft_weight=config.soft_weight, seed=config.seed)
     t_train = time.monotonic()
     training = train(draft, examples, tconf, config.work / "checkpoint.pt", deadline=budget_end, resume=config.resume)
     train_s = time.monotonic() - t_train
