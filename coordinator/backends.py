@@ -24,6 +24,7 @@ class BackendUnavailable(RuntimeError):
     def __init__(self, service: str, address: str, detail: str) -> None:
         super().__init__(f"{service} service at {address} is unavailable: {detail}")
         self.service = service
+        self.address = address
 
 
 class CacheLost(RuntimeError):
@@ -58,11 +59,31 @@ class DraftResult:
 
 @dataclass(frozen=True)
 class VerifyResult:
-    """What the target committed this round."""
+    """What the target committed this round, and the hidden states it fed when asked for them."""
 
     accepted: int
     tokens: list[int]
     committed: int
+    hidden: common_pb2.HiddenStates | None = None
+
+
+def merge_hidden(pending: common_pb2.HiddenStates | None,
+                 new: common_pb2.HiddenStates | None) -> common_pb2.HiddenStates | None:
+    """Hidden states not yet sent to the draft, plus newer ones from the target.
+
+    Rows that continue or overlap the pending ones join them (newer rows win); after a gap only the
+    newer rows are kept, and the draft starts afresh from them. The bytes are passed on undecoded.
+    """
+    if new is None or not new.fp16:
+        return pending
+    if pending is None or not pending.fp16 or pending.dim != new.dim:
+        return new
+    row = 2 * pending.dim
+    end = pending.start + len(pending.fp16) // row
+    if not pending.start <= new.start <= end:
+        return new
+    keep = (new.start - pending.start) * row
+    return common_pb2.HiddenStates(start=pending.start, dim=new.dim, fp16=pending.fp16[:keep] + new.fp16)
 
 
 def _translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
@@ -126,11 +147,13 @@ class DraftReplica(_Replica):
         self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
 
     async def propose(
-        self, ref: CacheRef, committed: list[int], k: int, sampling: Sampling, round_index: int, remaining_s: float | None
+        self, ref: CacheRef, committed: list[int], k: int, sampling: Sampling, round_index: int,
+        remaining_s: float | None, hidden: common_pb2.HiddenStates | None = None,
     ) -> DraftResult:
-        """Syncs the cache to ``committed`` and asks for up to ``k`` tokens."""
+        """Syncs the cache to ``committed`` (and hands over target hidden states) and asks for up to
+        ``k`` tokens."""
         request = draft_pb2.ProposeRequest(
-            sync=_sync(ref, committed), k=k, sampling=sampling_to_pb(sampling), round=round_index
+            sync=_sync(ref, committed), k=k, sampling=sampling_to_pb(sampling), round=round_index, hidden=hidden
         )
         reply = await self._call(self._stub.Propose, request, remaining_s)
         q = [(list(d.token_ids), list(d.probs)) for d in reply.q]
@@ -146,6 +169,14 @@ class TargetReplica(_Replica):
         super().__init__(address, timeout_s, max_message_bytes)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
 
+    async def prefill_with_hidden(
+        self, tokens: list[int], remaining_s: float | None, with_hidden: bool
+    ) -> tuple[CacheRef, common_pb2.HiddenStates | None]:
+        """``prefill``, also returning the hidden states of the fed positions when ``with_hidden``."""
+        request = common_pb2.PrefillRequest(tokens=tokens, return_hidden=with_hidden)
+        reply = await self._call(self._stub.Prefill, request, remaining_s)
+        return CacheRef(self.address, reply.cache_id, reply.committed), (reply.hidden if with_hidden else None)
+
     async def verify(
         self,
         ref: CacheRef,
@@ -154,13 +185,14 @@ class TargetReplica(_Replica):
         sampling: Sampling,
         round_index: int,
         remaining_s: float | None,
+        with_hidden: bool = False,
     ) -> VerifyResult:
         """Syncs the cache to ``committed``, verifies the draft tokens, commits accepted + 1."""
         request = target_pb2.VerifyRequest(
-            sync=_sync(ref, committed), sampling=sampling_to_pb(sampling), round=round_index
+            sync=_sync(ref, committed), sampling=sampling_to_pb(sampling), round=round_index, return_hidden=with_hidden
         )
         if draft is not None:
             request.draft_tokens.extend(draft.tokens)
             request.q.extend(draft_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in draft.q)
         reply = await self._call(self._stub.Verify, request, remaining_s)
-        return VerifyResult(reply.accepted, list(reply.tokens), reply.committed)
+        return VerifyResult(reply.accepted, list(reply.tokens), reply.committed, reply.hidden if with_hidden else None)

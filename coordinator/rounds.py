@@ -9,6 +9,7 @@ costs time, never correctness.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 import uuid
@@ -18,13 +19,26 @@ from dataclasses import dataclass, field, replace
 from opentelemetry import trace
 
 from coordinator.adaptive import AcceptanceTracker, CostModel
-from coordinator.backends import CacheLost, CacheRef, DraftReplica, DraftResult, TargetReplica, VerifyResult
+from coordinator.backends import (
+    BackendRejected,
+    BackendUnavailable,
+    CacheLost,
+    CacheRef,
+    DraftReplica,
+    DraftResult,
+    TargetReplica,
+    VerifyResult,
+    merge_hidden,
+)
 from coordinator.prompts import build_turn
 from coordinator.sessions import SessionRecord, SessionStore
 from coordinator.textstream import TextStream
 from specdec.kvcache import common_prefix_len
 from specdec.models import ModelFacts
 from specdec.sampling import Sampling
+from specdec.v1.common_pb2 import HiddenStates
+
+log = logging.getLogger(__name__)
 
 
 # Rounds of target-only decoding after which an adaptive session tries k = 1 again.
@@ -119,6 +133,8 @@ class RoundLoop:
         tracer: trace.Tracer,
         default_k: int | None,
         max_auto_k: int = 8,
+        want_hidden: bool = False,
+        draft_retry_s: float = 5.0,
     ) -> None:
         self._tokenizer = tokenizer
         self._facts = target_facts
@@ -128,6 +144,11 @@ class RoundLoop:
         self._tracer = tracer
         self._default_k = default_k
         self._next_replica = 0
+        # A feature draft reads the target's hidden states: ask the target for them, carry them over.
+        self._want_hidden = want_hidden
+        # A draft replica that failed is left alone this long; rounds meanwhile run target-only.
+        self._draft_retry_s = draft_retry_s
+        self._draft_down_until: dict[str, float] = {}
         # Measured costs steer greedy requests. Seeded sampled requests use the fixed prior curve,
         # so their k sequence, and hence their tokens, never depend on timing.
         self._costs = CostModel(k_max=max_auto_k)
@@ -179,9 +200,10 @@ class RoundLoop:
             )
 
             target = self._pick(self._targets, target_ref)
+            hidden = None  # target hidden states the draft has not been sent yet
             if target_ref is None or target_ref.address != target.address:
                 t0 = time.perf_counter()
-                target_ref = await target.prefill(committed, remaining_s())
+                target_ref, hidden = await target.prefill_with_hidden(committed, remaining_s(), self._want_hidden)
                 stats.prefill_ms = (time.perf_counter() - t0) * 1000
             record.tokens, record.target = committed, target_ref
             await self._store.put(record)
@@ -195,8 +217,8 @@ class RoundLoop:
                 if fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY:
                     k = 1  # probe now and then, so a session whose draft improves can win it back
                 k_round = max(0, min(k, room - 1))
-                draft, verdict, draft_ref, target_ref = await self._round(
-                    round_index, k_round, committed, sampling, draft_ref, target_ref, stats, remaining_s
+                draft, verdict, draft_ref, target_ref, hidden = await self._round(
+                    round_index, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s
                 )
                 drafted = len(draft.tokens) if draft else 0
                 rounds_without_draft = 0 if drafted else rounds_without_draft + 1
@@ -253,19 +275,32 @@ class RoundLoop:
         sampling: Sampling,
         draft_ref: CacheRef | None,
         target_ref: CacheRef,
+        hidden: HiddenStates | None,
         stats: Stats,
         remaining_s: Callable[[], float | None],
-    ) -> tuple[DraftResult | None, VerifyResult, CacheRef | None, CacheRef]:
-        """One round in its own span: draft k tokens (if k > 0), verify, and time both."""
+    ) -> tuple[DraftResult | None, VerifyResult, CacheRef | None, CacheRef, HiddenStates | None]:
+        """One round in its own span: draft k tokens (if k > 0), verify, and time both.
+
+        ``hidden`` holds target hidden states the draft has not been sent; the round returns what is
+        still unsent afterwards. A draft that fails costs this round its speculation, never the request.
+        """
         with self._tracer.start_as_current_span("specdec.round") as span:
             draft, draft_ms = None, 0.0
-            if k > 0:
+            if k > 0 and self._draft_usable(draft_ref):
                 t0 = time.perf_counter()
-                draft, draft_ref = await self._propose(draft_ref, committed, k, sampling, round_index, remaining_s)
+                try:
+                    draft, draft_ref = await self._propose(
+                        draft_ref, committed, k, sampling, round_index, remaining_s, hidden
+                    )
+                    hidden = None
+                except (BackendUnavailable, BackendRejected) as error:
+                    self._draft_failed(draft_ref, error, span)
                 draft_ms = (time.perf_counter() - t0) * 1000
-                self._costs.record_draft(draft_ms, len(draft.tokens))
+                if draft is not None:
+                    self._costs.record_draft(draft_ms, len(draft.tokens))
             t0 = time.perf_counter()
-            verdict, target_ref = await self._verify(target_ref, committed, draft, sampling, round_index, remaining_s)
+            verdict, target_ref, fed = await self._verify(target_ref, committed, draft, sampling, round_index, remaining_s)
+            hidden = merge_hidden(hidden, fed)
             verify_ms = (time.perf_counter() - t0) * 1000
             drafted = len(draft.tokens) if draft else 0
             self._costs.record_verify(verify_ms, drafted + 1)
@@ -280,7 +315,22 @@ class RoundLoop:
                     "specdec.verify_ms": verify_ms,
                 }
             )
-        return draft, verdict, draft_ref, target_ref
+        return draft, verdict, draft_ref, target_ref, hidden
+
+    def _draft_usable(self, ref: CacheRef | None) -> bool:
+        """False while the replica that would draft for this session is backing off after a failure."""
+        address = ref.address if ref is not None and ref.address in self._drafts else None
+        if address is None:
+            return any(time.monotonic() >= self._draft_down_until.get(a, 0.0) for a in self._drafts)
+        return time.monotonic() >= self._draft_down_until.get(address, 0.0)
+
+    def _draft_failed(self, ref: CacheRef | None, error: Exception, span: trace.Span) -> None:
+        """Notes a failed draft call: the round goes on target-only and the replica rests a while."""
+        address = getattr(error, "address", None) or (ref.address if ref is not None else None)
+        if address is not None:
+            self._draft_down_until[address] = time.monotonic() + self._draft_retry_s
+        span.add_event("specdec.draft_failed", {"error": str(error)})
+        log.warning("draft failed, this round runs target-only: %s", error)
 
     async def _propose(
         self,
@@ -290,17 +340,18 @@ class RoundLoop:
         sampling: Sampling,
         round_index: int,
         remaining_s: Callable[[], float | None],
+        hidden: HiddenStates | None,
     ) -> tuple[DraftResult, CacheRef]:
         """Asks the session's draft replica for k tokens, prefilling it first if it lost the cache."""
         draft = self._pick(self._drafts, ref)
         if ref is not None and ref.address == draft.address:
             try:
-                result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s())
+                result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden)
                 return result, replace(ref, committed=result.committed)
             except CacheLost:
                 pass
         ref = await draft.prefill(committed, remaining_s())
-        result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s())
+        result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden)
         return result, replace(ref, committed=result.committed)
 
     async def _verify(
@@ -311,15 +362,19 @@ class RoundLoop:
         sampling: Sampling,
         round_index: int,
         remaining_s: Callable[[], float | None],
-    ) -> tuple[VerifyResult, CacheRef]:
-        """Verifies on the session's target replica, prefilling it again if it lost the cache."""
+    ) -> tuple[VerifyResult, CacheRef, HiddenStates | None]:
+        """Verifies on the session's target replica, prefilling it again if it lost the cache; also
+        returns the hidden states the target fed (when the draft wants them)."""
         target = self._targets[ref.address]
+        want = self._want_hidden
         try:
-            result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s())
+            result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
+            fed = result.hidden
         except CacheLost:
-            ref = await target.prefill(committed, remaining_s())
-            result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s())
-        return result, replace(ref, committed=result.committed)
+            ref, fed = await target.prefill_with_hidden(committed, remaining_s(), want)
+            result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
+            fed = merge_hidden(fed, result.hidden)
+        return result, replace(ref, committed=result.committed), fed
 
     async def close(self) -> None:
         """Closes every replica channel."""

@@ -14,7 +14,7 @@ from coordinator.backends import BackendRejected, BackendUnavailable, DraftRepli
 from coordinator.rounds import Chunk, GenerationRequest, RoundLoop, SessionNotFound, Stats
 from coordinator.sessions import SessionStore, open_store
 from specdec.config import MAX_K, CoordinatorConfig
-from specdec.models import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+from specdec.models import FEATURE_KIND, ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 from specdec.rpc import RunningServer, serve_forever, start_server, wait_ready
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -184,8 +184,9 @@ class IncompatibleReplicas(RuntimeError):
 
 async def check_replicas(
     fingerprint: str, drafts: list[DraftReplica], targets: list[TargetReplica], timeout_s: float
-) -> ModelFacts:
-    """Waits for every replica to be ready and refuses to start unless all share the tokenizer."""
+) -> tuple[ModelFacts, list[ModelFacts]]:
+    """Waits for every replica to be ready and refuses to start unless all share the tokenizer;
+    returns the (first) target's facts and each draft's."""
     await asyncio.gather(*(wait_ready(r.address, timeout_s) for r in [*drafts, *targets]))
     facts = await asyncio.gather(*(r.facts() for r in [*drafts, *targets]))
     for replica, fact in zip([*drafts, *targets], facts):
@@ -194,7 +195,7 @@ async def check_replicas(
                 f"{replica.service} at {replica.address} serves {fact.name!r}, whose tokenizer differs from the "
                 "coordinator's: draft and target must share one tokenizer"
             )
-    return facts[len(drafts)]
+    return facts[len(drafts)], facts[: len(drafts)]
 
 
 async def start_coordinator(
@@ -207,10 +208,14 @@ async def start_coordinator(
     max_bytes = config.server.max_message_bytes
     drafts = [DraftReplica(a, config.rpc_timeout_s, max_bytes) for a in config.draft_addresses]
     targets = [TargetReplica(a, config.rpc_timeout_s, max_bytes) for a in config.target_addresses]
-    target_facts = await check_replicas(tokenizer_fingerprint(tokenizer), drafts, targets, config.startup_timeout_s)
+    target_facts, draft_facts = await check_replicas(
+        tokenizer_fingerprint(tokenizer), drafts, targets, config.startup_timeout_s
+    )
     store = store or open_store(config.redis_url, config.session_ttl_s)
     await store.ping()
-    loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k, config.max_auto_k)
+    want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
+    loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k, config.max_auto_k,
+                     want_hidden=want_hidden)
     servicer = CoordinatorServicer(loop, target_facts.max_context)
     running = await start_server(config.server, _register(servicer), (SERVICE_NAME,))
     await running.set_serving()

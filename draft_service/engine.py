@@ -1,17 +1,21 @@
 """The draft's core: keep session caches in step with the committed tokens and propose k tokens.
 
-Two drafters share one interface: ``ModelDrafter`` (a small causal LM that shares the target's
-tokenizer) and ``NgramDrafter`` (prompt lookup). No gRPC here.
+Three drafters share one interface: ``ModelDrafter`` (a small causal LM that shares the target's
+tokenizer), ``FeatureDrafter`` (EAGLE-style, from the target's hidden states) and ``NgramDrafter``
+(prompt lookup). No gRPC here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
+from draft_service.feature_draft import KIND as FEATURE_KIND
+from draft_service.feature_draft import FeatureDraft, FeatureSession
 from draft_service.ngram import propose_ngram
-from specdec.kvcache import CacheTable, SessionCache
+from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel, ModelFacts
 from specdec.sampling import Sampling, dense_to_sparse, round_generator, warp_probs
 
@@ -31,6 +35,8 @@ class DraftEngine:
     """Session caches plus a drafting rule; subclasses implement ``_draft``."""
 
     kind = "draft"
+    # Width of the target hidden states the drafter reads; None: it reads none.
+    hidden_size: int | None = None
 
     def __init__(self, facts: ModelFacts, max_sessions: int) -> None:
         self._facts = facts
@@ -56,12 +62,16 @@ class DraftEngine:
         return cache_id, len(cache.committed)
 
     def propose(
-        self, cache_id: str, start: int, new_tokens: list[int], k: int, sampling: Sampling, round_index: int
+        self, cache_id: str, start: int, new_tokens: list[int], k: int, sampling: Sampling, round_index: int,
+        hidden: HiddenRows | None = None,
     ) -> Proposal:
-        """Syncs the cache with the committed tokens, then proposes up to ``k`` tokens."""
+        """Syncs the cache with the committed tokens (and, for a feature draft, the target's hidden
+        states), then proposes up to ``k`` tokens."""
         self._check_tokens(new_tokens, "sync.tokens")
         cache = self._caches.get(cache_id)
         cache.sync(start, new_tokens)
+        if hidden is not None:
+            self._take_hidden(cache, hidden)
         k = min(k, self._facts.max_context - len(cache.committed) - 1)
         if k <= 0:
             return Proposal([], [], len(cache.committed))
@@ -80,6 +90,9 @@ class DraftEngine:
 
     def _prefill(self, cache: SessionCache) -> None:
         """Hook: builds whatever state a new cache needs."""
+
+    def _take_hidden(self, cache, hidden: HiddenRows) -> None:
+        """Hook: a feature draft stores the target's hidden states; other drafts ignore them."""
 
     def _draft(
         self, cache: SessionCache, k: int, sampling: Sampling, round_index: int
@@ -118,18 +131,64 @@ class ModelDrafter(DraftEngine):
 
     def _draft(self, cache, k, sampling, round_index):
         model = self._loaded.model
-        generator = None if sampling.greedy else round_generator(sampling.seed, round_index, DRAFT_STREAM)
+        pick = token_picker(sampling, round_index, self._sample_top_k)
         tokens: list[int] = []
         q: list[tuple[list[int], list[float]]] = []
         logits = cache.forward(model, [], logits_to_keep=1)  # [1, V]
         for i in range(k):
-            if generator is None:
-                token = int(logits[0].argmax())
-            else:
-                probs = warp_probs(logits, sampling, extra_top_k=self._sample_top_k)[0]  # [V]
-                token = int(torch.multinomial(probs, 1, generator=generator))
-                q.append(dense_to_sparse(probs))
+            token, dist = pick(logits)
             tokens.append(token)
+            if dist is not None:
+                q.append(dist)
             if i + 1 < k:
                 logits = cache.forward(model, [token], logits_to_keep=1)  # [1, V]
         return tokens, q
+
+
+class FeatureDrafter(DraftEngine):
+    """An EAGLE-style draft: it reads the target's hidden states, which arrive with each proposal."""
+
+    kind = FEATURE_KIND
+
+    def __init__(self, draft: FeatureDraft, facts: ModelFacts, max_sessions: int, sample_top_k: int) -> None:
+        super().__init__(replace(facts, kind=FEATURE_KIND), max_sessions)
+        self._caches = CacheTable(max_sessions, factory=FeatureSession)
+        self._draft_model = draft
+        self._sample_top_k = sample_top_k
+
+    @property
+    def hidden_size(self) -> int:
+        """Width of the hidden states it reads."""
+        return self._draft_model.hidden_size
+
+    def warmup(self) -> None:
+        cache_id, committed = self.prefill([0, 1, 2, 0, 1])
+        rows = torch.zeros(committed - 1, self.hidden_size)
+        self.propose(cache_id, committed, [], 2, Sampling(), 0, HiddenRows(0, rows))
+        self.release(cache_id)
+
+    def _take_hidden(self, cache, hidden: HiddenRows) -> None:
+        if hidden.rows.shape[1] != self.hidden_size:
+            raise ValueError(f"hidden.dim: this draft reads hidden states of width {self.hidden_size}")
+        if hidden.start + len(hidden.rows) > len(cache.committed):
+            raise ValueError("hidden: rows reach past the committed tokens")
+        cache.add_features(hidden.start, hidden.rows)
+
+    def _draft(self, cache, k, sampling, round_index):
+        if not cache.ready():  # no hidden state before the newest token yet: nothing to draft from
+            return [], []
+        return cache.propose(self._draft_model, k, token_picker(sampling, round_index, self._sample_top_k))
+
+
+def token_picker(sampling: Sampling, round_index: int, sample_top_k: int) -> Callable:
+    """``pick(logits [1, V]) -> (token, q)``: argmax for greedy requests (q None), else a draw from the
+    warped distribution with the round's draft stream (q its sparse form, exactly what was sampled)."""
+    if sampling.greedy:
+        return lambda logits: (int(logits[0].argmax()), None)
+    generator = round_generator(sampling.seed, round_index, DRAFT_STREAM)
+
+    def pick(logits: torch.Tensor):
+        probs = warp_probs(logits, sampling, extra_top_k=sample_top_k)[0]  # [V]
+        return int(torch.multinomial(probs, 1, generator=generator)), dense_to_sparse(probs)
+
+    return pick

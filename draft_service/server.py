@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import torch
 from opentelemetry import trace
 
-from draft_service.engine import DraftEngine, ModelDrafter, NgramDrafter
-from draft_service.token_draft import CARD_FILE, load_token_draft
+from draft_service.engine import DraftEngine, FeatureDrafter, ModelDrafter, NgramDrafter
+from draft_service.feature_draft import KIND as FEATURE_KIND
+from draft_service.feature_draft import load_feature_draft
+from draft_service.token_draft import CARD_FILE, load_token_draft, target_weights_hash
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
 from specdec.models import (
@@ -25,7 +28,7 @@ from specdec.packed_linear import pack_linears
 from specdec.rpc import RunningServer, call_core, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.wire import sampling_from_pb
+from specdec.wire import hidden_from_pb, sampling_from_pb
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -50,6 +53,7 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
                     request.k,
                     sampling_from_pb(request.sampling),
                     request.round,
+                    hidden_from_pb(request.hidden, self._draft.hidden_size) if self._draft.hidden_size else None,
                 ),
             )
             span.set_attribute("specdec.proposed", len(proposal.tokens))
@@ -76,12 +80,25 @@ def load_draft_model(config: DraftConfig) -> LoadedModel:
     return loaded
 
 
+def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
+    """A distilled feature draft around the target it was made for (loaded unpacked: the card pins the
+    hash of its plain weights, and the draft borrows its embedding and LM head rows)."""
+    target = load_model(config.target_model, config.model.cache_dir)
+    path = resolve_model_path(config.model.model, config.model.cache_dir)
+    draft = load_feature_draft(path, target.model, target_weights_hash(target.model))
+    facts = replace(target.facts(FEATURE_KIND), name=str(path))
+    return FeatureDrafter(draft, facts, config.model.max_sessions, config.sample_top_k)
+
+
 def build_drafter(config: DraftConfig) -> DraftEngine:
-    """The drafter a deployment asked for: a model draft, or n-gram lookup in the model's tokenizer."""
+    """The drafter a deployment asked for: a model or feature draft, or n-gram lookup in the model's
+    tokenizer."""
     if config.kind == "model":
         return ModelDrafter(load_draft_model(config), config.model.max_sessions, config.sample_top_k)
+    if config.kind == FEATURE_KIND:
+        return load_feature_drafter(config)
     if config.kind != "ngram":
-        raise ValueError(f"unknown draft kind {config.kind!r} (expected 'ngram' or 'model')")
+        raise ValueError(f"unknown draft kind {config.kind!r} (expected 'ngram', 'model' or 'feature')")
     path = resolve_model_path(config.model.model, config.model.cache_dir)
     tokenizer = load_tokenizer(path)
     model_config = load_config(path)

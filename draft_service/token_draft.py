@@ -225,6 +225,17 @@ def read_card(folder: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def check_target(card: dict, draft_dir: Path, actual: str) -> None:
+    """Raises ``ValueError`` naming both hashes when a draft was distilled for other target weights."""
+    expected = card["target"]["weights_sha256"]
+    if actual != expected:
+        raise ValueError(
+            f"draft {draft_dir} was distilled for target {card['target'].get('name', '?')} with weights "
+            f"sha256 {expected}, but the loaded target has weights sha256 {actual}; "
+            "serve the matching target or distill a draft for this one (specdec distill)"
+        )
+
+
 def load_token_draft(draft_dir: Path, target: LoadedModel, *, int8: bool = False) -> LoadedModel:
     """Builds the draft stored in ``draft_dir`` around an already loaded (unpacked) target.
 
@@ -237,14 +248,7 @@ def load_token_draft(draft_dir: Path, target: LoadedModel, *, int8: bool = False
     card = read_card(draft_dir)
     if card.get("kind") != KIND:
         raise ValueError(f"{draft_dir} holds a draft of kind {card.get('kind')!r}, not {KIND!r}")
-    expected = card["target"]["weights_sha256"]
-    actual = target_weights_hash(target.model)
-    if actual != expected:
-        raise ValueError(
-            f"draft {draft_dir} was distilled for target {card['target'].get('name', '?')} with weights "
-            f"sha256 {expected}, but the loaded target {target.name} has weights sha256 {actual}; "
-            "serve the matching target or distill a draft for this one (specdec distill)"
-        )
+    check_target(card, draft_dir, target_weights_hash(target.model))
     draft = load_token_draft_module(draft_dir, target.model, card)
     if int8:
         draft.quantize_int8()

@@ -63,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve-draft", help="run the draft service")
     _add_server(p, 50051)
-    p.add_argument("--kind", choices=("ngram", "model"), default=_env("DRAFT_KIND", "ngram"))
+    p.add_argument("--kind", choices=("ngram", "model", "feature"), default=_env("DRAFT_KIND", "ngram"))
     p.add_argument("--model", default=_env("DRAFT_MODEL", "default"),
                    help="draft model (kind=model), or the model whose tokenizer n-gram drafting speaks")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 def _add_stack(p: argparse.ArgumentParser) -> None:
     _add_common(p)
     p.add_argument("--target-model", default=_env("TARGET_MODEL", "default"))
-    p.add_argument("--draft-kind", choices=("ngram", "model"), default=_env("DRAFT_KIND", "ngram"))
+    p.add_argument("--draft-kind", choices=("ngram", "model", "feature"), default=_env("DRAFT_KIND", "ngram"))
     p.add_argument("--draft-model", default=_env("DRAFT_MODEL", "default"))
     p.add_argument("--target-threads", type=int, default=2)
     p.add_argument("--draft-threads", type=int, default=1)

@@ -52,7 +52,8 @@ class DraftConfig:
     """The draft service."""
 
     server: ServerConfig = ServerConfig()
-    # "ngram" (prompt lookup, no model) or "model" (a small causal LM sharing the target's tokenizer).
+    # "ngram" (prompt lookup, no model), "model" (a small causal LM sharing the target's tokenizer, or a
+    # distilled token draft) or "feature" (a distilled EAGLE-style draft reading the target's hidden states).
     kind: str = "ngram"
     # For kind "model", the draft model; for "ngram", the model whose tokenizer it speaks.
     model: ModelConfig = ModelConfig()

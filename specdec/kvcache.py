@@ -95,6 +95,14 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class HiddenRows:
+    """The target's final-norm hidden states ``rows [n, D]`` at committed positions ``start ..``."""
+
+    start: int
+    rows: torch.Tensor
+
+
 @dataclass
 class SessionCache:
     """The committed tokens a service knows for one session, and its KV cache over them."""
@@ -143,10 +151,37 @@ class SessionCache:
         return out.logits[0].float()  # [logits_to_keep, V]
 
     @torch.inference_mode()
-    def prefill(self, model: PreTrainedModel) -> None:
-        """Caches every committed token but the last, so the next call starts with one pending."""
-        if len(self.committed) > 1:
-            self.forward_without_logits(model, self.committed[:-1])
+    def forward_with_hidden(self, model: PreTrainedModel, extra: list[int],
+                            logits_to_keep: int) -> tuple[torch.Tensor, HiddenRows]:
+        """``forward``, also returning the final-norm hidden states of every fed position.
+
+        The same decoder pass and LM head as the model's own forward, run in two calls so the hidden
+        states are at hand; the logits are the same numbers.
+        """
+        start = len(self.kv_tokens)
+        fed = self.pending() + list(extra)
+        input_ids = torch.tensor([fed], dtype=torch.long)  # [1, n]
+        hidden = model.get_decoder()(input_ids=input_ids, cache=self.kv, use_cache=True).last_hidden_state[0]  # [n, D]
+        logits = model.get_output_embeddings()(hidden[-logits_to_keep:])  # [logits_to_keep, V]
+        self.kv_tokens.extend(fed)
+        return logits.float(), HiddenRows(start, hidden)
+
+    @torch.inference_mode()
+    def prefill(self, model: PreTrainedModel, with_hidden: bool = False) -> HiddenRows | None:
+        """Caches every committed token but the last, so the next call starts with one pending.
+
+        With ``with_hidden``, returns the hidden states of the positions it fed.
+        """
+        if len(self.committed) <= 1:
+            return HiddenRows(0, torch.zeros(0, model.config.hidden_size)) if with_hidden else None
+        if with_hidden:
+            start = len(self.kv_tokens)
+            input_ids = torch.tensor([self.committed[:-1]], dtype=torch.long)  # [1, n]
+            hidden = model.get_decoder()(input_ids=input_ids, cache=self.kv, use_cache=True).last_hidden_state[0]
+            self.kv_tokens.extend(self.committed[:-1])
+            return HiddenRows(start, hidden)  # [n, D]
+        self.forward_without_logits(model, self.committed[:-1])
+        return None
 
     def forward_without_logits(self, model: PreTrainedModel, tokens: list[int]) -> None:
         """Feeds tokens into the KV cache, computing as few logits as the model allows."""
@@ -158,8 +193,9 @@ class SessionCache:
 class CacheTable:
     """Session caches of one service by id, evicting the least recently used past ``capacity``."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, factory=SessionCache) -> None:
         self._capacity = capacity
+        self._factory = factory
         self._caches: OrderedDict[str, SessionCache] = OrderedDict()
         self._ids = itertools.count()
 
@@ -171,7 +207,7 @@ class CacheTable:
         while len(self._caches) >= self._capacity:
             self._caches.popitem(last=False)
         cache_id = f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
-        cache = SessionCache(committed=list(committed))
+        cache = self._factory(committed=list(committed))
         self._caches[cache_id] = cache
         return cache_id, cache
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.kvcache import CacheTable
+from specdec.kvcache import CacheTable, HiddenRows
 from specdec.models import LoadedModel, ModelFacts
 from specdec.sampling import Sampling, Verdict, round_generator, sparse_to_dense, verify_greedy, verify_sampled, warp_probs
 
@@ -31,6 +31,7 @@ class VerifyOutcome:
     accepted: int
     tokens: list[int]
     committed: int
+    hidden: HiddenRows | None = None
 
 
 class TargetEngine:
@@ -50,16 +51,17 @@ class TargetEngine:
         if any(t < 0 or t >= vocab for t in tokens):
             raise ValueError(f"{what}: token ids must lie in [0, {vocab})")
 
-    def prefill(self, tokens: list[int]) -> tuple[str, int]:
-        """Creates a session cache over ``tokens`` and returns its id and committed length."""
+    def prefill(self, tokens: list[int], with_hidden: bool = False) -> tuple[str, int, HiddenRows | None]:
+        """Creates a session cache over ``tokens``; returns its id, committed length and, when asked,
+        the hidden states of the positions it fed."""
         if not tokens:
             raise ValueError("tokens: prefill needs at least one token")
         if len(tokens) >= self._loaded.max_context:
             raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._loaded.max_context}")
         self._check_tokens(tokens, "tokens")
         cache_id, cache = self._caches.create(tokens)
-        cache.prefill(self._loaded.model)
-        return cache_id, len(cache.committed)
+        hidden = cache.prefill(self._loaded.model, with_hidden)
+        return cache_id, len(cache.committed), hidden
 
     def verify(
         self,
@@ -70,8 +72,12 @@ class TargetEngine:
         q: list[SparseQ],
         sampling: Sampling,
         round_index: int,
+        with_hidden: bool = False,
     ) -> VerifyOutcome:
-        """Scores ``draft_tokens`` after the committed tokens and commits accepted + 1 tokens."""
+        """Scores ``draft_tokens`` after the committed tokens and commits accepted + 1 tokens.
+
+        With ``with_hidden``, the outcome carries the hidden states of the committed positions fed.
+        """
         self._check_tokens(new_tokens, "sync.tokens")
         self._check_tokens(draft_tokens, "draft_tokens")
         if not sampling.greedy:
@@ -86,14 +92,20 @@ class TargetEngine:
         if len(cache.committed) + len(draft_tokens) >= self._loaded.max_context:
             raise ValueError(f"draft_tokens: the round would exceed the context of {self._loaded.max_context}")
         k = len(draft_tokens)
-        logits = cache.forward(self._loaded.model, draft_tokens, logits_to_keep=k + 1)  # [k + 1, V]
+        hidden = None
+        if with_hidden:
+            logits, hidden = cache.forward_with_hidden(self._loaded.model, draft_tokens, logits_to_keep=k + 1)
+        else:
+            logits = cache.forward(self._loaded.model, draft_tokens, logits_to_keep=k + 1)  # [k + 1, V]
         if sampling.greedy:
             verdict = verify_greedy(logits, draft_tokens)
         else:
             verdict = self._verify_sampled(logits, draft_tokens, q, sampling, round_index)
         cache.committed.extend(verdict.tokens)
         cache.trim()
-        return VerifyOutcome(verdict.accepted, verdict.tokens, len(cache.committed))
+        if hidden is not None:  # keep fed positions that were committed; the newest token is fed next round
+            hidden = HiddenRows(hidden.start, hidden.rows[: len(cache.committed) - 1 - hidden.start])
+        return VerifyOutcome(verdict.accepted, verdict.tokens, len(cache.committed), hidden)
 
     def _verify_sampled(
         self, logits: torch.Tensor, draft_tokens: list[int], q: list[SparseQ], sampling: Sampling, round_index: int
@@ -110,6 +122,6 @@ class TargetEngine:
 
     def warmup(self) -> None:
         """Runs a prefill and a verify once so the first real request pays no start-up costs."""
-        cache_id, committed = self.prefill([0, 1, 2, 3])
-        self.verify(cache_id, committed, [], [4, 5], [], Sampling(), 0)
+        cache_id, committed, _ = self.prefill([0, 1, 2, 3], with_hidden=True)
+        self.verify(cache_id, committed, [], [4, 5], [], Sampling(), 0, with_hidden=True)
         self.release(cache_id)

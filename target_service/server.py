@@ -12,8 +12,8 @@ from specdec.config import TargetConfig
 from specdec.models import load_model
 from specdec.rpc import RunningServer, call_core, serve_forever, start_server
 from specdec.tracing import server_span
-from specdec.v1 import target_pb2, target_pb2_grpc
-from specdec.wire import sampling_from_pb
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specdec.wire import hidden_to_pb, sampling_from_pb
 from target_service.engine import SparseQ, TargetEngine
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -25,6 +25,17 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     def __init__(self, engine: TargetEngine, tracer: trace.Tracer) -> None:
         super().__init__(engine, tracer, "TargetService")
         self._target = engine
+
+    async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
+        with server_span(self._tracer, "TargetService/Prefill", context) as span:
+            span.set_attribute("specdec.tokens", len(request.tokens))
+            cache_id, committed, hidden = await call_core(
+                context, self._executor, lambda: self._target.prefill(list(request.tokens), request.return_hidden)
+            )
+            reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
+            if hidden is not None:
+                reply.hidden.CopyFrom(hidden_to_pb(hidden))
+            return reply
 
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
         with server_span(self._tracer, "TargetService/Verify", context) as span:
@@ -41,10 +52,14 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                     q,
                     sampling_from_pb(request.sampling),
                     request.round,
+                    request.return_hidden,
                 ),
             )
             span.set_attribute("specdec.accepted", outcome.accepted)
-            return target_pb2.VerifyReply(accepted=outcome.accepted, tokens=outcome.tokens, committed=outcome.committed)
+            reply = target_pb2.VerifyReply(accepted=outcome.accepted, tokens=outcome.tokens, committed=outcome.committed)
+            if outcome.hidden is not None:
+                reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))
+            return reply
 
 
 async def start_target(config: TargetConfig, engine: TargetEngine, tracer: trace.Tracer) -> RunningServer:

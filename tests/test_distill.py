@@ -94,7 +94,7 @@ def test_card_records_recipe_and_resume(distilled):
     assert 1500 <= data["train_generated_tokens"] < 1500 + 32 * 24
     assert card["training"]["steps"] >= 10
     assert len(card["metrics"]["held_out"]["acceptance_by_position"]) == 4
-    assert (distilled / "work" / "checkpoint.pt").exists()
+    assert (distilled / "work" / "checkpoint-token.pt").exists()
 
 
 def test_logits_are_minus_inf_outside_head(tiny_target):

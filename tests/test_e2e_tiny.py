@@ -106,20 +106,20 @@ def _chi_square_critical(df: int, z: float = 3.09) -> float:
     return df * (1 - a + z * math.sqrt(a)) ** 3
 
 
-@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_k=10, top_p=0.9)], ids=["plain", "warped"])
-def test_sampled_tokens_follow_target_distribution(client, tiny_target, sampling):
+def chi_square_passes(client, loaded, sampling: Sampling, n: int, k: int = 3) -> tuple[int, int]:
+    """Samples the first token after a prompt ``n`` times through the stack, checks it against the
+    target's own distribution (chi-square, p = 0.001), and returns (accepted, drafted) tokens."""
     prompt = "w1 w2 w3"
-    ids = tiny_target.tokenizer.encode(prompt, add_special_tokens=False)
+    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
     with torch.inference_mode():
-        logits = tiny_target.model(torch.tensor([ids])).logits[0, -1:]
+        logits = loaded.model(torch.tensor([ids])).logits[0, -1:]
     p = warp_probs(logits, sampling)[0]
-    n = 2000
     counts = torch.zeros_like(p)
     accepted = drafted = 0
     for seed in range(n):
         result = client.complete(
             prompt, max_new_tokens=2, temperature=sampling.temperature, top_k=sampling.top_k,
-            top_p=sampling.top_p, seed=seed, k=3,
+            top_p=sampling.top_p, seed=seed, k=k,
         )
         counts[result.token_ids[0]] += 1
         accepted += result.stats.accepted_tokens
@@ -133,6 +133,12 @@ def test_sampled_tokens_follow_target_distribution(client, tiny_target, sampling
     keep = expected_bins > 0
     chi2 = float(((observed_bins[keep] - expected_bins[keep]) ** 2 / expected_bins[keep]).sum())
     assert chi2 < _chi_square_critical(int(keep.sum()) - 1), f"chi2={chi2:.1f}"
+    return accepted, drafted
+
+
+@pytest.mark.parametrize("sampling", [Sampling(1.0), Sampling(0.8, top_k=10, top_p=0.9)], ids=["plain", "warped"])
+def test_sampled_tokens_follow_target_distribution(client, tiny_target, sampling):
+    accepted, drafted = chi_square_passes(client, tiny_target, sampling, n=2000)
     # Both acceptance and resampling were exercised.
     assert 0 < accepted < drafted
 
@@ -262,16 +268,30 @@ def test_garbled_and_oversized_messages(stack, client):
     assert client.complete("w1 w2", max_new_tokens=3).token_ids
 
 
-@pytest.mark.parametrize("victim", ["draft", "target"])
-def test_unreachable_service_is_unavailable(tiny_target, tiny_draft, tiny_dir, redis_url, victim):
+def test_unreachable_target_is_unavailable(tiny_target, tiny_draft, tiny_dir, redis_url):
     s = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
     s.start()
     try:
-        index = 1 if victim == "draft" else 0
-        s.run(s._servers[index].stop(0))
+        s.run(s._servers[0].stop(0))
         with Client(s.address) as c:
-            with pytest.raises(Unavailable, match=victim):
+            with pytest.raises(Unavailable, match="target"):
                 c.complete("w1 w2", max_new_tokens=5, k=2, timeout=20)
+    finally:
+        s.close()
+
+
+def test_unreachable_draft_costs_speed_not_the_request(tiny_target, tiny_draft, tiny_dir, redis_url):
+    s = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
+    s.start()
+    try:
+        s.run(s._servers[1].stop(0))
+        with Client(s.address) as c:
+            for prompt in PROMPTS[:2]:
+                result = c.complete(prompt, max_new_tokens=20, k=2, timeout=20)
+                assert result.token_ids == hf_greedy(tiny_target, prompt, 20)
+                assert result.stats.drafted_tokens == 0
+        spans = [sp for sp in s.exporter.get_finished_spans() if sp.name == "specdec.round"]
+        assert any(e.name == "specdec.draft_failed" for sp in spans for e in sp.events)
     finally:
         s.close()
 

@@ -33,7 +33,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specdec distill", description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True, help="'default', a HF folder or a .gguf file")
     p.add_argument("--out", type=Path, required=True, help="folder to write the draft and its card to")
-    p.add_argument("--kind", choices=["token"], default=d.kind, help="draft kind")
+    p.add_argument("--kind", choices=["token", "feature"], default=d.kind,
+                   help="token: a small LM over the target embedding; feature: EAGLE-style, reads the target hidden states")
     p.add_argument("--minutes", type=float, default=d.minutes, help="compute budget for collection + training")
     p.add_argument("--tokens", type=int, default=d.tokens, help="generated target tokens to collect for training")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the prompt set, sampling and training")

@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from draft_service.feature_draft import FeatureDraft, FeatureSession
 from draft_service.token_draft import TokenDraft
 from specdec.distill.collect import Sample
 from specdec.kvcache import SessionCache
@@ -60,18 +61,7 @@ def evaluate(draft: TokenDraft, references: list[Sample], k: int = 4) -> dict:
         correct += int(matches.sum())
         total += len(matches)
         rounds += rounds_from_matches(matches.tolist(), k)
-    reached = [sum(1 for a in rounds if a >= i) for i in range(k + 1)]  # reached[i]: rounds with >= i accepted
-    n = max(1, len(rounds))
-    return {
-        "top1_agreement": round(correct / max(1, total), 4),
-        "positions": total,
-        "sequences": len(references),
-        "k": k,
-        "rounds": len(rounds),
-        "acceptance_by_position": [round(reached[i] / n, 4) for i in range(1, k + 1)],
-        "conditional_acceptance_by_position": [round(reached[i] / max(1, reached[i - 1]), 4) for i in range(1, k + 1)],
-        "mean_accepted_length": round(sum(a + 1 for a in rounds) / n, 4),
-    }
+    return _summary(correct, total, rounds, len(references), k)
 
 
 @torch.inference_mode()
@@ -90,3 +80,61 @@ def ms_per_step(model, context: list[int], steps: int = 64) -> float:
             cache.sync(len(context), [])
     times.sort()
     return round(1000 * times[len(times) // 2], 3)
+
+
+def _summary(correct: int, total: int, rounds: list[int], sequences: int, k: int) -> dict:
+    reached = [sum(1 for a in rounds if a >= i) for i in range(k + 1)]  # reached[i]: rounds with >= i accepted
+    n = max(1, len(rounds))
+    return {
+        "top1_agreement": round(correct / max(1, total), 4),
+        "positions": total,
+        "sequences": sequences,
+        "k": k,
+        "rounds": len(rounds),
+        "acceptance_by_position": [round(reached[i] / n, 4) for i in range(1, k + 1)],
+        "conditional_acceptance_by_position": [round(reached[i] / max(1, reached[i - 1]), 4) for i in range(1, k + 1)],
+        "mean_accepted_length": round(sum(a + 1 for a in rounds) / n, 4),
+    }
+
+
+@torch.inference_mode()
+def evaluate_feature(draft: FeatureDraft, references: list[Sample], features: list[torch.Tensor], k: int = 4) -> dict:
+    """Top-1 agreement (teacher-forced on the target's features) and greedy rounds at ``k``.
+
+    A feature draft's later proposals read its own predicted features, so rounds cannot be derived
+    from teacher-forced matches: they are replayed through ``FeatureSession`` exactly as the draft
+    service runs them, with the target's features arriving for committed tokens only.
+    """
+    draft.eval()
+    correct = total = 0
+    rounds: list[int] = []
+    for sample, feats in zip(references, features):
+        if sample.generated == 0:
+            continue
+        tokens = torch.tensor([sample.tokens])  # [1, T]
+        predicted = draft.predict(feats[None, :-1].float(), tokens[:, 1:])  # [1, T-1, D]: f_{i+1} for i < T-1
+        guess = draft.head_ids[draft.head_logits(predicted[0, sample.prompt_len - 2:-1]).argmax(-1)]  # [C]
+        matches = guess == tokens[0, sample.prompt_len:]
+        correct += int(matches.sum())
+        total += len(matches)
+        rounds += replay_rounds(draft, sample, feats, k)
+    return _summary(correct, total, rounds, len(references), k)
+
+
+def replay_rounds(draft: FeatureDraft, sample: Sample, feats: torch.Tensor, k: int) -> list[int]:
+    """Accepted counts of greedy rounds at ``k`` along one reference, drafted as the service drafts."""
+    session = FeatureSession(committed=list(sample.tokens[: sample.prompt_len]))
+    session.add_features(0, feats[: sample.prompt_len - 1].float())
+    greedy = lambda logits: (int(logits[0].argmax()), None)  # noqa: E731
+    out = []
+    while len(session.committed) + k < len(sample.tokens):
+        n = len(session.committed)
+        proposal, _ = session.propose(draft, k, greedy)
+        reference = sample.tokens[n: n + k + 1]
+        accepted = 0
+        while accepted < k and proposal[accepted] == reference[accepted]:
+            accepted += 1
+        out.append(accepted)
+        session.sync(n, reference[: accepted + 1])
+        session.add_features(n - 1, feats[n - 1: n + accepted].float())
+    return out

@@ -9,13 +9,17 @@ from pathlib import Path
 
 import torch
 
+from draft_service.feature_draft import KIND as FEATURE_KIND
+from draft_service.feature_draft import FeatureDraftArch, build_feature_draft, save_feature_draft
 from draft_service.token_draft import (CARD_FILE, KIND, TokenDraftArch, build_token_draft, save_token_draft,
                                        target_weights_hash)
 from specdec.distill.collect import CollectPlan, collect, load_shards
 from specdec.distill.config import DistillConfig
-from specdec.distill.evaluate import evaluate, ms_per_step
+from specdec.distill.evaluate import evaluate, evaluate_feature, ms_per_step
+from specdec.distill.feature_train import feature_batcher, feature_loss, make_feature_examples
+from specdec.distill.features import extract_features
 from specdec.distill.prompts import Prompt, build_prompts, harvest_stdlib, split_prompts
-from specdec.distill.train import TrainConfig, make_examples, top_tokens, train
+from specdec.distill.train import TrainConfig, make_examples, token_batcher, token_loss, top_tokens, train
 from specdec.models import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -43,10 +47,10 @@ def _references(target: LoadedModel, prompts: list[Prompt], folder: Path, config
     return load_shards(folder)
 
 
-def _card(config: DistillConfig, target: LoadedModel, target_hash: str, arch: TokenDraftArch, data: dict,
+def _card(config: DistillConfig, target: LoadedModel, target_hash: str, arch, data: dict,
           training: dict, metrics: dict, timing: dict) -> dict:
     return {
-        "kind": KIND,
+        "kind": config.kind,
         "format": 1,
         "target": {"name": config.target, "weights_sha256": target_hash, "vocab_size": target.vocab_size,
                    "tokenizer_fingerprint": target.fingerprint},
@@ -61,8 +65,8 @@ def _card(config: DistillConfig, target: LoadedModel, target_hash: str, arch: To
 def run(config: DistillConfig) -> dict | None:
     """Runs the whole pipeline and writes the draft and its card to ``config.out``; returns the card
     (``None`` when ``config.collect_only`` stops it after collection)."""
-    if config.kind != KIND:
-        raise ValueError(f"unknown draft kind {config.kind!r}")
+    if config.kind not in (KIND, FEATURE_KIND):
+        raise ValueError(f"unknown draft kind {config.kind!r} (expected {KIND!r} or {FEATURE_KIND!r})")
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     started = time.monotonic()
@@ -110,42 +114,69 @@ def run(config: DistillConfig) -> dict | None:
     }
     log.info("training data: %s", {k: v for k, v in data.items() if isinstance(v, int)})
 
-    # The draft: head = the most frequent target tokens of the training data (frozen once chosen).
-    arch = TokenDraftArch(config.layers, config.init_from, config.head_size)
+    # The draft's head: the most frequent target tokens of the training data (frozen once chosen).
     head_path = config.work / "head_ids.pt"
     if config.resume and head_path.exists():
         head_ids = torch.load(head_path)
     else:
         head_ids = top_tokens(samples, min(config.head_size, target.vocab_size), target.eos_token_ids)
         torch.save(head_ids, head_path)
-    arch = TokenDraftArch(config.layers, config.init_from, len(head_ids))
-    draft = build_token_draft(target.model, head_ids, arch)
-    untrained = evaluate(draft, references)
-    coverage = _coverage(samples, head_ids)
-
-    examples = make_examples(samples, draft.vocab_to_head, config.max_len, prompt_weight=config.prompt_weight)
+    extra = {Path(path).name: _references(target, read_prompt_file(path), config.work / f"eval-{Path(path).stem}",
+                                          config, pad_id) for path in config.extra_eval}
     tconf = TrainConfig(lr=config.lr, epochs=config.epochs, batch_tokens=config.batch_tokens, max_len=config.max_len,
                         soft_weight=config.soft_weight, seed=config.seed)
-    t_train = time.monotonic()
-    training = train(draft, examples, tconf, config.work / "checkpoint.pt", deadline=budget_end, resume=config.resume)
-    train_s = time.monotonic() - t_train
-    draft.requires_grad_(False)
-
-    metrics = {"held_out": evaluate(draft, references), "held_out_untrained": untrained,
-               "head_coverage_of_train_labels": coverage}
-    for path in config.extra_eval:
-        refs = _references(target, read_prompt_file(path), config.work / f"eval-{Path(path).stem}", config, pad_id)
-        metrics[f"extra:{Path(path).name}"] = evaluate(draft, refs)
-    context = references[0].tokens[: references[0].prompt_len] if references else [0, 1, 2]
+    train_kind = _train_feature if config.kind == FEATURE_KIND else _train_token
+    draft, arch, training, metrics, train_s = train_kind(config, target, samples, references, extra, head_ids, tconf,
+                                                         budget_end)
+    metrics["head_coverage_of_train_labels"] = _coverage(samples, head_ids)
     timing = {"collect_s": round(collect_s, 1), "train_s": round(train_s, 1),
-              "total_s": round(time.monotonic() - started, 1), "threads": config.threads,
-              "ms_per_draft_step": ms_per_step(draft, context)}
-
-    save_token_draft(draft, config.out)
+              "total_s": round(time.monotonic() - started, 1), "threads": config.threads}
     card = _card(config, target, target_hash, arch, data, training, metrics, timing)
     (config.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
     log.info("held-out: %s", metrics["held_out"])
     return card
+
+
+def _train_token(config, target, samples, references, extra, head_ids, tconf, budget_end):
+    """Trains, evaluates and saves a token draft; returns (draft, arch, training, metrics, seconds)."""
+    arch = TokenDraftArch(config.layers, config.init_from, len(head_ids))
+    draft = build_token_draft(target.model, head_ids, arch)
+    untrained = evaluate(draft, references)
+    examples = make_examples(samples, draft.vocab_to_head, config.max_len, prompt_weight=config.prompt_weight)
+    t_train = time.monotonic()
+    training = train(draft, token_batcher(examples, tconf), token_loss(tconf), tconf, config.work / f"checkpoint-{config.kind}.pt",
+                     deadline=budget_end, resume=config.resume)
+    train_s = time.monotonic() - t_train
+    draft.requires_grad_(False)
+    metrics = {"held_out": evaluate(draft, references), "held_out_untrained": untrained}
+    for name, refs in extra.items():
+        metrics[f"extra:{name}"] = evaluate(draft, refs)
+    context = references[0].tokens[: references[0].prompt_len] if references else [0, 1, 2]
+    metrics["ms_per_draft_step"] = ms_per_step(draft, context)
+    save_token_draft(draft, config.out)
+    return draft, arch, training, metrics, train_s
+
+
+def _train_feature(config, target, samples, references, extra, head_ids, tconf, budget_end):
+    """Extracts the target's features, then trains, evaluates and saves a feature draft."""
+    arch = FeatureDraftArch(head_size=len(head_ids))
+    draft = build_feature_draft(target.model, head_ids, arch)
+    features = extract_features(target.model, samples, config.work / "features-data")
+    ref_features = extract_features(target.model, references, config.work / "features-eval-held-out")
+    untrained = evaluate_feature(draft, references, ref_features)
+    examples = make_feature_examples(samples, features, draft.vocab_to_head, config.max_len, config.prompt_weight)
+    t_train = time.monotonic()
+    training = train(draft, feature_batcher(examples, config.batch_tokens),
+                     lambda d, b: feature_loss(d, b, config.soft_weight), tconf, config.work / f"checkpoint-{config.kind}.pt",
+                     deadline=budget_end, resume=config.resume)
+    train_s = time.monotonic() - t_train
+    draft.requires_grad_(False)
+    metrics = {"held_out": evaluate_feature(draft, references, ref_features), "held_out_untrained": untrained}
+    for name, refs in extra.items():
+        feats = extract_features(target.model, refs, config.work / f"features-eval-{Path(name).stem}")
+        metrics[f"extra:{name}"] = evaluate_feature(draft, refs, feats)
+    save_feature_draft(draft, config.out)
+    return draft, arch, training, metrics, train_s
 
 
 def _counts(items) -> dict[str, int]:

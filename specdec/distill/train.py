@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -173,17 +174,29 @@ def _lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(draft: TokenDraft, examples: list[Example], config: TrainConfig, ckpt: Path, deadline: float | None,
-          resume: bool, checkpoint_every_s: float = 60.0) -> dict:
+def token_batcher(examples: list[Example], config: TrainConfig) -> Callable[[random.Random], list]:
+    """Epochs of token-draft batches (``make_batches``)."""
+    return lambda rng: make_batches(examples, config.batch_tokens, rng)
+
+
+def token_loss(config: TrainConfig) -> Callable:
+    """The token draft's loss (``draft_loss``) with the configured soft weight."""
+    return lambda draft, batch: draft_loss(draft, batch, config.soft_weight)
+
+
+def train(draft: torch.nn.Module, batcher: Callable[[random.Random], list], loss_fn: Callable, config: TrainConfig,
+          ckpt: Path, deadline: float | None, resume: bool, checkpoint_every_s: float = 60.0) -> dict:
     """Trains ``draft`` in place, checkpointing to ``ckpt``; returns a summary for the card.
 
-    The schedule's length is fixed on the first run: ``epochs`` passes, or fewer if the steps that fit
-    before ``deadline`` (measured on the first steps) are fewer. ``resume`` continues from ``ckpt``.
+    ``batcher(rng)`` gives one shuffled epoch of batches; ``loss_fn(draft, batch)`` gives
+    (loss, correct top-1, labelled positions). The schedule's length is fixed on the first run:
+    ``epochs`` passes, or fewer if the steps that fit before ``deadline`` (measured on the first
+    steps) are fewer. ``resume`` continues from ``ckpt``.
     """
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
     rng = random.Random(config.seed)
-    per_epoch = len(make_batches(examples, config.batch_tokens, random.Random(0)))
+    per_epoch = len(batcher(random.Random(0)))
     state = {"step": 0, "total_steps": None, "seconds": 0.0, "seen_tokens": 0, "history": []}
     if resume and ckpt.exists():
         saved = torch.load(ckpt, weights_only=False)
@@ -207,13 +220,13 @@ def train(draft: TokenDraft, examples: list[Example], config: TrainConfig, ckpt:
     try:
         while state["total_steps"] is None or state["step"] < state["total_steps"]:
             if not batches:
-                batches = make_batches(examples, config.batch_tokens, rng)
+                batches = batcher(rng)
             batch = batches.pop()
             started = time.monotonic()
             for group in optimizer.param_groups:
                 total = state["total_steps"] or planned
                 group["lr"] = config.lr * _lr_factor(state["step"], total, min(config.warmup_steps, total // 10 + 1))
-            loss, correct, count = draft_loss(draft, batch, config.soft_weight)
+            loss, correct, count = loss_fn(draft, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

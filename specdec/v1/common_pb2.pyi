@@ -1,8 +1,8 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -49,18 +49,32 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("tokens",)
+    __slots__ = ("tokens", "return_hidden")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    return_hidden: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("cache_id", "committed")
+    __slots__ = ("cache_id", "committed", "hidden")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     committed: int
-    def __init__(self, cache_id: _Optional[str] = ..., committed: _Optional[int] = ...) -> None: ...
+    hidden: HiddenStates
+    def __init__(self, cache_id: _Optional[str] = ..., committed: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ...) -> None: ...
+
+class HiddenStates(_message.Message):
+    __slots__ = ("start", "dim", "fp16")
+    START_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    FP16_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    dim: int
+    fp16: bytes
+    def __init__(self, start: _Optional[int] = ..., dim: _Optional[int] = ..., fp16: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("cache_id",)

@@ -1,0 +1,253 @@
+"""The feature-level draft (EAGLE-style): it drafts from the target's last hidden states and the tokens.
+
+At position i the draft reads the pair (f_i, t_{i+1}): the target's final-norm hidden state at i (the
+vector the LM head turns into the distribution of token i + 1) and the token that followed. It
+predicts f_{i+1}; the target's own LM head rows (a reduced vocabulary, as in the token draft) turn
+that into the distribution of t_{i+2}. Drafting further positions feeds the draft's predicted
+feature back in place of the target's, which the target only supplies for committed tokens.
+
+Layout: ``fc`` (2D -> D) over [embedding(t_{i+1}); f_i] -> one Llama decoder layer -> RMSNorm.
+The embedding and head rows are the target's own (frozen, taken from the loaded target at start-up);
+the draft's files hold only ``fc``, the layer, the norm, the head ids and a head bias.
+
+``FeatureSession`` keeps one session's features and the draft's KV cache in step with the committed
+tokens (the committed-prefix invariant of ``specdec.kvcache``, extended to features).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.masking_utils import create_causal_mask
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+from draft_service.token_draft import CARD_FILE, STORED_DTYPE, WEIGHTS_FILE, _output_weight, check_target, read_card
+from specdec.errors import CacheBehind
+from specdec.kvcache import GrowableCache, common_prefix_len
+from specdec.models import FEATURE_KIND
+
+KIND = FEATURE_KIND
+
+
+@dataclass(frozen=True)
+class FeatureDraftArch:
+    """What a feature draft is made of; the target's config supplies every other dimension."""
+
+    head_size: int = 8192
+    """N: the head scores the N most frequent target tokens of the distillation data."""
+    init_from: int = -1
+    """Target layer the draft's decoder layer starts from (-1: the last)."""
+
+    def to_json(self) -> dict:
+        """The architecture as it goes into the card."""
+        return {**asdict(self), "layers": 1, "input": "fc([embedding(t_{i+1}); f_i])",
+                "head": "frozen rows of the target LM head (tied embedding) + trainable bias"}
+
+    @classmethod
+    def from_json(cls, data: dict) -> FeatureDraftArch:
+        """Reads the card's ``architecture`` entry."""
+        return cls(head_size=int(data["head_size"]), init_from=int(data["init_from"]))
+
+
+class FeatureDraft(nn.Module):
+    """Predicts the target's next hidden state from its current one and the next token."""
+
+    def __init__(self, target_config: PretrainedConfig, embedding: nn.Embedding, output_weight: torch.Tensor,
+                 head_ids: torch.Tensor, arch: FeatureDraftArch) -> None:
+        super().__init__()
+        self.arch = arch
+        config = copy.deepcopy(target_config)
+        config.num_hidden_layers = 1
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = list(config.layer_types)[:1]
+        self.config = config
+        dim = int(config.hidden_size)
+        self.hidden_size = dim
+        self.vocab_size = int(embedding.weight.shape[0])
+        # Kept out of the module tree so the target's matrix is neither trained nor saved with the draft.
+        self.__dict__["embedding"] = embedding
+        self.fc = nn.Linear(2 * dim, dim, bias=True)
+        self.layer = LlamaDecoderLayer(config, 0)
+        self.norm = LlamaRMSNorm(dim, eps=config.rms_norm_eps)
+        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        head_ids = head_ids.to(torch.long)
+        if head_ids.ndim != 1 or len(head_ids) == 0 or len(set(head_ids.tolist())) != len(head_ids):
+            raise ValueError("head_ids must be distinct token ids")
+        if int(head_ids.min()) < 0 or int(head_ids.max()) >= self.vocab_size:
+            raise ValueError(f"head_ids must lie in [0, {self.vocab_size})")
+        self.register_buffer("head_ids", head_ids, persistent=True)  # [N]
+        self.register_buffer("head_weight", output_weight.detach()[head_ids].clone(), persistent=False)  # [N, D]
+        self.head_bias = nn.Parameter(torch.zeros(len(head_ids)))  # [N]
+        index = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        index[head_ids] = torch.arange(len(head_ids))
+        self.register_buffer("vocab_to_head", index, persistent=False)  # [V]
+
+    def init_from_target(self, target: nn.Module) -> None:
+        """Starts the decoder layer and norm from the target's; ``fc`` passes the feature through."""
+        base = target.get_decoder()
+        self.layer.load_state_dict(base.layers[self.arch.init_from].state_dict())
+        self.norm.load_state_dict(base.norm.state_dict())
+        dim = self.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, :dim].copy_(torch.eye(dim) * 0.5)
+            self.fc.weight[:, dim:].copy_(torch.eye(dim) * 0.5)
+            self.fc.bias.zero_()
+
+    def predict(self, features: torch.Tensor, tokens: torch.Tensor, cache=None,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Predicted next features ``[B, T, D]`` from features ``[B, T, D]`` and next tokens ``[B, T]``."""
+        embeds = nn.functional.embedding(tokens, self.embedding.weight.detach())  # [B, T, D], frozen
+        x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))  # [B, T, D]
+        if position_ids is None:
+            past = cache.get_seq_length() if cache is not None else 0
+            position_ids = (torch.arange(tokens.shape[1]) + past).unsqueeze(0)  # [1, T]
+        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=cache,
+                                  position_ids=position_ids)
+        rope = self.rotary_emb(x, position_ids=position_ids)
+        h = self.layer(x, attention_mask=mask, position_embeddings=rope, position_ids=position_ids, cache=cache,
+                       use_cache=cache is not None)
+        return self.norm(h)
+
+    def head_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Reduced-vocabulary logits ``[..., N]`` of (predicted or true) features ``[..., D]``."""
+        return nn.functional.linear(features, self.head_weight, self.head_bias)
+
+    def full_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[..., V]``, ``-inf`` outside the head: q is exactly zero there."""
+        reduced = self.head_logits(features)  # [..., N]
+        logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
+        logits[..., self.head_ids] = reduced
+        return logits
+
+
+def build_feature_draft(target: nn.Module, head_ids: torch.Tensor, arch: FeatureDraftArch) -> FeatureDraft:
+    """A fresh draft around a loaded target (a HF causal LM)."""
+    draft = FeatureDraft(target.config, target.get_input_embeddings(), _output_weight(target), head_ids, arch)
+    draft.init_from_target(target)
+    return draft.float()
+
+
+def save_feature_draft(draft: FeatureDraft, folder: Path) -> Path:
+    """Writes the draft's own weights (fp16; never the target's) into ``folder``; returns the file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in draft.state_dict().items():
+        tensor = tensor.detach().cpu().contiguous()
+        tensors[name] = tensor.to(STORED_DTYPE) if tensor.is_floating_point() else tensor.to(torch.int32)
+    path = folder / WEIGHTS_FILE
+    save_file(tensors, str(path), metadata={"kind": KIND, "arch": json.dumps(draft.arch.to_json())})
+    return path
+
+
+def load_feature_draft(draft_dir: Path, target_model: nn.Module, target_hash: str | None = None) -> FeatureDraft:
+    """The draft in ``draft_dir`` around a loaded (unpacked) target, fp32, ready for inference.
+
+    With ``target_hash`` given (the target's ``target_weights_hash``), checks it against the card.
+    """
+    card = read_card(draft_dir)
+    if card.get("kind") != KIND:
+        raise ValueError(f"{draft_dir} holds a draft of kind {card.get('kind')!r}, not {KIND!r}")
+    if target_hash is not None:
+        check_target(card, draft_dir, target_hash)
+    arch = FeatureDraftArch.from_json(card["architecture"])
+    tensors = load_file(str(Path(draft_dir) / WEIGHTS_FILE))
+    draft = FeatureDraft(target_model.config, target_model.get_input_embeddings(), _output_weight(target_model),
+                         tensors["head_ids"], arch)
+    draft.load_state_dict({k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()})
+    return draft.float().eval().requires_grad_(False)
+
+
+@dataclass
+class FeatureSession:
+    """One session's committed tokens, the target's features for a window of them, and the draft's KV.
+
+    ``features[j]`` is the target's hidden state at position ``window + j``. The draft's KV cache holds
+    pairs (f_i, t_{i+1}) for ``i = window .. window + kv_pairs - 1`` computed from true features, then
+    possibly speculative entries from the last proposal, which the next call crops. A gap in the
+    features (a restarted draft cache, a new turn the target has not fed yet) starts a new window: the
+    draft then attends only to what it has features for, which costs acceptance, never exactness.
+    """
+
+    committed: list[int]
+    window: int = 0
+    features: torch.Tensor | None = None
+    kv: GrowableCache = field(default_factory=GrowableCache)
+    kv_pairs: int = 0
+    kv_spec: int = 0
+
+    @property
+    def feature_end(self) -> int:
+        """One past the last position with a target feature."""
+        return self.window + (0 if self.features is None else len(self.features))
+
+    def sync(self, start: int, new_tokens: list[int]) -> None:
+        """Crops to ``start`` committed tokens and appends ``new_tokens`` (see ``CacheSync``)."""
+        if start > len(self.committed):
+            raise CacheBehind(f"cache holds {len(self.committed)} committed tokens, caller expected at least {start}")
+        old = self.committed
+        self.committed = old[:start] + list(new_tokens)
+        # The feature at position i depends on tokens 0..i; the pair at i also on token i + 1.
+        # A feature at the last committed position has no next token to pair with yet: drop it too.
+        same = min(common_prefix_len(old, self.committed), len(self.committed) - 1)
+        self._keep(same - self.window, same - 1 - self.window)
+
+    def add_features(self, start: int, rows: torch.Tensor) -> None:
+        """Takes the target's features ``[n, D]`` for positions ``start .. start + n - 1``."""
+        if len(rows) == 0:
+            return
+        if self.features is None or not self.window <= start <= self.feature_end:
+            self.window, self.features = start, rows
+            self._reset_kv()
+        else:
+            self._keep(start - self.window, start - self.window)
+            self.features = torch.cat([self.features[: start - self.window], rows])
+        # A pair needs the token after its feature: only committed positions before the last count.
+        last = len(self.committed) - 1 - self.window
+        self._keep(last, last)
+
+    def _keep(self, features: int, pairs: int) -> None:
+        """Keeps at most the first ``features`` features and ``pairs`` cached pairs."""
+        if self.features is not None and features < len(self.features):
+            self.features = self.features[: max(0, features)]
+        self.kv_pairs = min(self.kv_pairs, max(0, pairs))
+
+    def _reset_kv(self) -> None:
+        self.kv = GrowableCache()
+        self.kv_pairs = self.kv_spec = 0
+
+    def ready(self) -> bool:
+        """Whether the last committed token has a feature before it, the start every proposal needs."""
+        return self.features is not None and len(self.features) > 0 and self.feature_end == len(self.committed) - 1
+
+    @torch.inference_mode()
+    def propose(self, draft: FeatureDraft, k: int, pick) -> tuple[list[int], list]:
+        """Drafts ``k`` tokens; ``pick(logits [1, V]) -> (token, q or None)`` chooses each one."""
+        drop = self.kv.get_seq_length() - self.kv_pairs
+        if drop > 0:
+            self.kv.crop(-drop)
+        first = self.kv_pairs
+        n = len(self.features)
+        feats = self.features[first:n].unsqueeze(0)  # [1, m, D]
+        toks = torch.tensor([self.committed[self.window + first + 1: self.window + n + 1]])  # [1, m]
+        positions = torch.arange(self.window + first, self.window + n).unsqueeze(0)  # [1, m]
+        predicted = draft.predict(feats, toks, self.kv, positions)[:, -1:]  # [1, 1, D]
+        self.kv_pairs = n
+        tokens, qs = [], []
+        position = self.window + n
+        for i in range(k):
+            token, q = pick(draft.full_logits(predicted[0]).float())
+            tokens.append(token)
+            if q is not None:
+                qs.append(q)
+            if i + 1 < k:
+                predicted = draft.predict(predicted, torch.tensor([[token]]), self.kv, torch.tensor([[position]]))
+                position += 1
+        return tokens, qs

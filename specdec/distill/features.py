@@ -1,0 +1,72 @@
+"""The target's last hidden states over collected samples, for training a feature-level draft.
+
+A feature draft (``draft_service.feature_draft``) reads the target's final-norm hidden state at
+position i, the vector the LM head turns into the distribution of token i + 1. Serving gets these
+from the target service; training gets them here, teacher-forced over each sample in one pass.
+Stored as fp16 ``[T, D]`` per sample, one shard per group of samples, so a stopped run resumes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdec.distill.collect import Sample
+
+FEATURE_DTYPE = torch.float16
+
+
+@torch.inference_mode()
+def sample_features(model, tokens: list[list[int]]) -> list[torch.Tensor]:
+    """Final-norm hidden states ``[T_i, D]`` of each token list, computed in one right-padded batch.
+
+    Right padding needs no mask under causal attention: a real position never sees a later pad.
+    """
+    width = max(len(t) for t in tokens)
+    ids = torch.zeros((len(tokens), width), dtype=torch.long)  # [B, W]
+    for row, t in enumerate(tokens):
+        ids[row, : len(t)] = torch.tensor(t)
+    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state  # [B, W, D]
+    return [hidden[row, : len(t)].to(FEATURE_DTYPE).clone() for row, t in enumerate(tokens)]
+
+
+def extract_features(model, samples: list[Sample], folder: Path, batch_tokens: int = 4096,
+                     shard_samples: int = 64) -> list[torch.Tensor]:
+    """Features of every sample (in order), computing only the shards not yet on disk."""
+    folder.mkdir(parents=True, exist_ok=True)
+    out: list[torch.Tensor] = []
+    bar = tqdm(total=sum(len(s.tokens) for s in samples), desc="features", unit="tok", dynamic_ncols=True)
+    try:
+        for index, first in enumerate(range(0, len(samples), shard_samples)):
+            group = samples[first:first + shard_samples]
+            path = folder / f"features-{index:05d}.pt"
+            if path.exists():
+                feats = torch.load(path)
+            else:
+                feats = _group_features(model, [s.tokens for s in group], batch_tokens)
+                partial = path.with_suffix(".partial")
+                torch.save(feats, partial)
+                partial.rename(path)
+            out.extend(feats)
+            bar.update(sum(len(s.tokens) for s in group))
+    finally:
+        bar.close()
+    return out
+
+
+def _group_features(model, tokens: list[list[int]], batch_tokens: int) -> list[torch.Tensor]:
+    """Features of a group, batched by length so padding stays small; returned in input order."""
+    order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
+    feats: dict[int, torch.Tensor] = {}
+    batch: list[int] = []
+    for i in order + [None]:
+        if i is not None and (not batch or len(tokens[i]) * (len(batch) + 1) <= batch_tokens):
+            batch.append(i)
+            continue
+        if batch:
+            for j, f in zip(batch, sample_features(model, [tokens[j] for j in batch])):
+                feats[j] = f
+        batch = [i] if i is not None else []
+    return [feats[i] for i in range(len(tokens))]

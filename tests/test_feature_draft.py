@@ -1,0 +1,118 @@
+"""The feature-level draft: its session cache drafts exactly what a full recompute drafts, features
+arriving round by round, rolled back, or with gaps; training lowers its loss; evaluation replays rounds."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draft_service.feature_draft import FeatureDraftArch, FeatureSession, build_feature_draft
+from specdec.distill.collect import Sample
+from specdec.distill.evaluate import evaluate_feature
+from specdec.distill.feature_train import feature_batcher, feature_loss, make_feature_examples
+from specdec.distill.features import sample_features
+from specdec.distill.train import TrainConfig, train
+
+
+@pytest.fixture(scope="module")
+def draft(tiny_target):
+    torch.manual_seed(0)
+    d = build_feature_draft(tiny_target.model, torch.arange(4, 28), FeatureDraftArch(head_size=24))
+    with torch.no_grad():  # move off the pass-through start so every input matters
+        for p in d.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return d.eval()
+
+
+def _greedy(logits):
+    return int(logits[0].argmax()), None
+
+
+@torch.no_grad()
+def _reference(draft, committed: list[int], window: int, feats: torch.Tensor, k: int) -> list[int]:
+    """What the draft proposes, computed from scratch: one pass over every pair, then k rollout steps."""
+    seq_feats = feats[window: len(committed) - 1].unsqueeze(0)  # [1, m, D]
+    toks = torch.tensor([committed[window + 1:]])  # [1, m]
+    positions = torch.arange(window, len(committed) - 1).unsqueeze(0)
+    predicted = draft.predict(seq_feats, toks, position_ids=positions)[:, -1:]  # [1, 1, D]
+    out = []
+    all_feats, all_toks = seq_feats, toks
+    for _ in range(k):
+        token = int(draft.full_logits(predicted[0])[0].argmax())
+        out.append(token)
+        all_feats = torch.cat([all_feats, predicted], dim=1)
+        all_toks = torch.cat([all_toks, torch.tensor([[token]])], dim=1)
+        pos = torch.arange(window, window + all_toks.shape[1]).unsqueeze(0)
+        predicted = draft.predict(all_feats, all_toks, position_ids=pos)[:, -1:]
+    return out
+
+
+def test_session_matches_full_recompute(draft, tiny_target):
+    r = random.Random(0)
+    tokens = [r.randrange(4, 30) for _ in range(60)]
+    feats = sample_features(tiny_target.model, [tokens])[0].float()  # [60, D]
+    n = 12
+    session = FeatureSession(committed=tokens[:n])
+    session.add_features(0, feats[: n - 1])
+    while n + 5 < len(tokens):
+        proposal, _ = session.propose(draft, 4, _greedy)
+        assert proposal == _reference(draft, tokens[:n], 0, feats, 4)
+        accepted = r.randrange(0, 5)
+        session.sync(n, tokens[n: n + accepted + 1])
+        session.add_features(n - 1, feats[n - 1: n + accepted])
+        n += accepted + 1
+    # A rollback: the caller crops to fewer committed tokens; features past them go too.
+    n -= 7
+    session.sync(n, [])
+    assert session.ready()
+    assert session.propose(draft, 3, _greedy)[0] == _reference(draft, tokens[:n], 0, feats, 3)
+
+
+def test_session_gap_starts_a_window(draft, tiny_target):
+    r = random.Random(1)
+    tokens = [r.randrange(4, 30) for _ in range(40)]
+    feats = sample_features(tiny_target.model, [tokens])[0].float()
+    session = FeatureSession(committed=tokens[:10])
+    session.add_features(0, feats[:9])
+    session.propose(draft, 2, _greedy)
+    session.sync(10, tokens[10:20])  # a new turn the target has not fed: no features for 9..18
+    assert not session.ready()
+    session.add_features(15, feats[15:19])  # the target fed only some of it: a new window at 15
+    assert session.ready() and session.window == 15
+    assert session.propose(draft, 3, _greedy)[0] == _reference(draft, tokens[:20], 15, feats, 3)
+
+
+def test_training_lowers_loss_and_evaluation_replays(tiny_target, tmp_path):
+    torch.manual_seed(0)
+    r = random.Random(2)
+    head = torch.arange(4, 30)
+    draft = build_feature_draft(tiny_target.model, head, FeatureDraftArch(head_size=len(head)))
+    samples = []
+    for _ in range(24):  # greedy continuations of the tiny target: its own trajectory
+        prompt = [r.randrange(4, 30) for _ in range(6)]
+        out = tiny_target.model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                         min_new_tokens=16)[0].tolist()
+        with torch.no_grad():
+            logits = tiny_target.model(torch.tensor([out])).logits[0]
+        argmax = logits.argmax(-1).tolist()
+        samples.append(Sample(out, 6, argmax[5:-1], 0.0, argmax[:5]))
+    feats = [sample_features(tiny_target.model, [s.tokens])[0] for s in samples]
+    examples = make_feature_examples(samples, feats, draft.vocab_to_head, 64, prompt_weight=1.0)
+    batcher = feature_batcher(examples, 512)
+    before = evaluate_feature(draft, samples[:6], feats[:6], k=3)
+    with torch.no_grad():
+        first = float(feature_loss(draft, batcher(random.Random(0))[0], noise=0)[0])
+    config = TrainConfig(lr=3e-3, epochs=40, batch_tokens=512, warmup_steps=5)
+    train(draft, batcher, feature_loss, config, tmp_path / "ckpt.pt", None, False)
+    with torch.no_grad():
+        last = float(feature_loss(draft, batcher(random.Random(0))[0], noise=0)[0])
+    after = evaluate_feature(draft, samples[:6], feats[:6], k=3)
+    assert last < 0.5 * first
+    assert after["top1_agreement"] > before["top1_agreement"]
+    assert after["top1_agreement"] > 0.6
+    assert after["mean_accepted_length"] > before["mean_accepted_length"]
+    assert after["rounds"] > 0 and len(after["acceptance_by_position"]) == 3
+
