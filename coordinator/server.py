@@ -14,7 +14,8 @@ from coordinator.backends import BackendRejected, BackendUnavailable, DraftRepli
 from coordinator.rounds import Chunk, GenerationRequest, RoundLoop, SessionNotFound, Stats
 from coordinator.sessions import SessionStore, open_store
 from specdec.config import MAX_K, CoordinatorConfig
-from specdec.models import FEATURE_KIND, ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+from specdec.config import FEATURE_KIND
+from specdec.models import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 from specdec.rpc import RunningServer, serve_forever, start_server, wait_ready
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 

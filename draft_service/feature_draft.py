@@ -17,21 +17,27 @@ tokens (the committed-prefix invariant of ``specdec.kvcache``, extended to featu
 from __future__ import annotations
 
 import copy
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from draft_service.token_draft import CARD_FILE, STORED_DTYPE, WEIGHTS_FILE, _output_weight, check_target, read_card
+from draft_service.token_draft import (
+    WEIGHTS_FILE,
+    _output_weight,
+    add_reduced_head,
+    check_target,
+    read_card,
+    save_draft_weights,
+)
 from specdec.errors import CacheBehind
 from specdec.kvcache import GrowableCache, common_prefix_len
-from specdec.models import FEATURE_KIND
+from specdec.config import FEATURE_KIND
 
 KIND = FEATURE_KIND
 
@@ -77,17 +83,7 @@ class FeatureDraft(nn.Module):
         self.layer = LlamaDecoderLayer(config, 0)
         self.norm = LlamaRMSNorm(dim, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
-        head_ids = head_ids.to(torch.long)
-        if head_ids.ndim != 1 or len(head_ids) == 0 or len(set(head_ids.tolist())) != len(head_ids):
-            raise ValueError("head_ids must be distinct token ids")
-        if int(head_ids.min()) < 0 or int(head_ids.max()) >= self.vocab_size:
-            raise ValueError(f"head_ids must lie in [0, {self.vocab_size})")
-        self.register_buffer("head_ids", head_ids, persistent=True)  # [N]
-        self.register_buffer("head_weight", output_weight.detach()[head_ids].clone(), persistent=False)  # [N, D]
-        self.head_bias = nn.Parameter(torch.zeros(len(head_ids)))  # [N]
-        index = torch.full((self.vocab_size,), -1, dtype=torch.long)
-        index[head_ids] = torch.arange(len(head_ids))
-        self.register_buffer("vocab_to_head", index, persistent=False)  # [V]
+        add_reduced_head(self, output_weight, head_ids, self.vocab_size)
 
     def init_from_target(self, target: nn.Module) -> None:
         """Starts the decoder layer and norm from the target's; ``fc`` passes the feature through."""
@@ -137,14 +133,7 @@ def build_feature_draft(target: nn.Module, head_ids: torch.Tensor, arch: Feature
 
 def save_feature_draft(draft: FeatureDraft, folder: Path) -> Path:
     """Writes the draft's own weights (fp16; never the target's) into ``folder``; returns the file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, tensor in draft.state_dict().items():
-        tensor = tensor.detach().cpu().contiguous()
-        tensors[name] = tensor.to(STORED_DTYPE) if tensor.is_floating_point() else tensor.to(torch.int32)
-    path = folder / WEIGHTS_FILE
-    save_file(tensors, str(path), metadata={"kind": KIND, "arch": json.dumps(draft.arch.to_json())})
-    return path
+    return save_draft_weights(draft.state_dict(), folder, KIND, draft.arch.to_json())
 
 
 def load_feature_draft(draft_dir: Path, target_model: nn.Module, target_hash: str | None = None) -> FeatureDraft:

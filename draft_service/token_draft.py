@@ -79,6 +79,37 @@ def target_weights_hash(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def add_reduced_head(module: nn.Module, output_weight: torch.Tensor, head_ids: torch.Tensor, vocab_size: int) -> None:
+    """Gives ``module`` a head over the ``head_ids`` rows of the target's LM head.
+
+    Registers ``head_ids [N]`` (stored), ``head_weight [N, D]`` (cut from the target at start-up, never
+    stored), a trainable ``head_bias [N]``, and ``vocab_to_head [V]`` (each id's row, -1 outside).
+    """
+    head_ids = head_ids.to(torch.long)
+    if head_ids.ndim != 1 or len(head_ids) == 0 or len(set(head_ids.tolist())) != len(head_ids):
+        raise ValueError("head_ids must be distinct token ids")
+    if int(head_ids.min()) < 0 or int(head_ids.max()) >= vocab_size:
+        raise ValueError(f"head_ids must lie in [0, {vocab_size})")
+    module.register_buffer("head_ids", head_ids, persistent=True)  # [N]
+    module.register_buffer("head_weight", output_weight.detach()[head_ids].clone(), persistent=False)  # [N, D]
+    module.head_bias = nn.Parameter(torch.zeros(len(head_ids)))  # [N]
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[head_ids] = torch.arange(len(head_ids))
+    module.register_buffer("vocab_to_head", index, persistent=False)  # [V]
+
+
+def save_draft_weights(state: dict[str, torch.Tensor], folder: Path, kind: str, arch: dict) -> Path:
+    """Writes a draft's own tensors (floats as fp16, ids as int32) to ``folder``; returns the file."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, tensor in state.items():
+        tensor = tensor.detach().cpu().contiguous()
+        tensors[name] = tensor.to(STORED_DTYPE) if tensor.is_floating_point() else tensor.to(torch.int32)
+    path = folder / WEIGHTS_FILE
+    save_file(tensors, str(path), metadata={"kind": kind, "arch": json.dumps(arch)})
+    return path
+
+
 def _draft_config(target_config: PretrainedConfig, layers: int) -> PretrainedConfig:
     config = copy.deepcopy(target_config)
     config.num_hidden_layers = layers
@@ -105,18 +136,7 @@ class TokenDraft(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(self.config, i) for i in range(arch.layers))
         self.norm = LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=self.config)
-        head_ids = head_ids.to(torch.long)
-        if head_ids.ndim != 1 or len(head_ids) == 0 or len(set(head_ids.tolist())) != len(head_ids):
-            raise ValueError("head_ids must be distinct token ids")
-        if int(head_ids.min()) < 0 or int(head_ids.max()) >= self.vocab_size:
-            raise ValueError(f"head_ids must lie in [0, {self.vocab_size})")
-        self.register_buffer("head_ids", head_ids, persistent=True)  # [N]
-        self.register_buffer("head_weight", output_weight.detach()[head_ids].clone(), persistent=False)  # [N, D]
-        self.head_bias = nn.Parameter(torch.zeros(len(head_ids)))  # [N]
-        # Where each full-vocabulary id sits in the head, -1 outside it.
-        index = torch.full((self.vocab_size,), -1, dtype=torch.long)
-        index[head_ids] = torch.arange(len(head_ids))
-        self.register_buffer("vocab_to_head", index, persistent=False)  # [V]
+        add_reduced_head(self, output_weight, head_ids, self.vocab_size)
 
     @property
     def device(self) -> torch.device:
@@ -207,14 +227,7 @@ def build_token_draft(target: nn.Module, head_ids: torch.Tensor, arch: TokenDraf
 
 def save_token_draft(draft: TokenDraft, folder: Path) -> Path:
     """Writes the draft's own weights (fp16; never the target's) into ``folder``; returns the file."""
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, tensor in draft.trainable_state().items():
-        tensor = tensor.detach().cpu().contiguous()
-        tensors[name] = tensor.to(STORED_DTYPE) if tensor.is_floating_point() else tensor.to(torch.int32)
-    path = folder / WEIGHTS_FILE
-    save_file(tensors, str(path), metadata={"kind": KIND, "arch": json.dumps(draft.arch.to_json())})
-    return path
+    return save_draft_weights(draft.trainable_state(), folder, KIND, draft.arch.to_json())
 
 
 def read_card(folder: Path) -> dict:

@@ -143,6 +143,11 @@ def expected_tokens_per_round(alpha: float, k: float) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
+def is_speculative(mode: str) -> bool:
+    """Whether a mode drafts through the stack: ``specdec`` or ``specdec:<draft kind>``."""
+    return mode == "specdec" or mode.startswith("specdec:")
+
+
 def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
     """The JSON report: per-mode figures, speedups, predicted speedup and exactness."""
     base = results.get("hf-target")
@@ -161,7 +166,7 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
                 "prefill_per_request": round(r.prefill_ms / len(r.outputs), 1),
                 "median_other": round(statistics.median(r.round_overheads_ms), 2) if r.round_overheads_ms else 0.0,
             }
-        if mode == "specdec" and r.rounds:
+        if is_speculative(mode) and r.rounds:
             alpha = r.accepted / r.drafted if r.drafted else 0.0
             mean_k = r.drafted / r.rounds
             entry["acceptance_rate"] = round(alpha, 4)
@@ -195,10 +200,16 @@ def plot(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     modes = list(report)
     left.bar(modes, [report[m]["tokens_per_s"] for m in modes], color="tab:blue")
+    left.tick_params(axis="x", rotation=30)
     left.set_ylabel("tokens/s")
     left.set_title("throughput, batch size 1")
-    by_pos = report.get("specdec", {}).get("acceptance_by_position", [])
-    right.bar([str(i + 1) for i in range(len(by_pos))], by_pos, color="tab:green")
+    spec = [m for m in modes if "acceptance_by_position" in report[m]]
+    width = 0.8 / max(1, len(spec))
+    for j, mode in enumerate(spec):
+        by_pos = report[mode]["acceptance_by_position"]
+        right.bar([i + 1 + j * width for i in range(len(by_pos))], by_pos, width=width, label=mode)
+    if spec:
+        right.legend()
     right.set_xlabel("draft position")
     right.set_ylabel("acceptance")
     right.set_ylim(0, 1)

@@ -13,7 +13,16 @@ import signal
 import sys
 from pathlib import Path
 
-from specdec.config import CoordinatorConfig, DraftConfig, ModelConfig, ServerConfig, TargetConfig
+from specdec.config import (
+    DEFAULT_DRAFT_KIND,
+    DRAFT_KINDS,
+    CoordinatorConfig,
+    DraftConfig,
+    ModelConfig,
+    ServerConfig,
+    TargetConfig,
+    default_draft_model,
+)
 
 DEMO_PROMPT = [{"role": "user", "content": "Write a Python function that checks whether a number is prime, then explain it briefly."}]
 
@@ -63,9 +72,10 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve-draft", help="run the draft service")
     _add_server(p, 50051)
-    p.add_argument("--kind", choices=("ngram", "model", "feature"), default=_env("DRAFT_KIND", "ngram"))
-    p.add_argument("--model", default=_env("DRAFT_MODEL", "default"),
-                   help="draft model (kind=model), or the model whose tokenizer n-gram drafting speaks")
+    p.add_argument("--kind", choices=DRAFT_KINDS, default=_env("DRAFT_KIND", DEFAULT_DRAFT_KIND))
+    p.add_argument("--model", default=_env("DRAFT_MODEL", None),
+                   help="draft model or distilled draft folder, or the model whose tokenizer n-gram drafting speaks "
+                        "(default: the draft shipped for the default target)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
@@ -125,20 +135,24 @@ def _parser() -> argparse.ArgumentParser:
 def _add_stack(p: argparse.ArgumentParser) -> None:
     _add_common(p)
     p.add_argument("--target-model", default=_env("TARGET_MODEL", "default"))
-    p.add_argument("--draft-kind", choices=("ngram", "model", "feature"), default=_env("DRAFT_KIND", "ngram"))
-    p.add_argument("--draft-model", default=_env("DRAFT_MODEL", "default"))
+    p.add_argument("--draft-kind", default=_env("DRAFT_KIND", DEFAULT_DRAFT_KIND),
+                   help="ngram: prompt lookup; model: a causal LM or the distilled token draft; feature: the "
+                        "distilled EAGLE-style draft (bench: a comma-separated list, one stack each)")
+    p.add_argument("--draft-model", default=_env("DRAFT_MODEL", None),
+                   help="draft model or distilled draft folder (default: the one shipped for the default target)")
     p.add_argument("--target-threads", type=int, default=2)
     p.add_argument("--draft-threads", type=int, default=1)
     p.add_argument("--default-k", type=_k_arg, default=None, help="server's draft length: N or auto (default)")
 
 
-def _stack_config(args, port: int):
+def _stack_config(args, port: int, draft_kind: str | None = None):
     from specdec.stack import StackConfig
 
+    kind = draft_kind or args.draft_kind
     return StackConfig(
         target_model=args.target_model,
-        draft_kind=args.draft_kind,
-        draft_model=args.draft_model,
+        draft_kind=kind,
+        draft_model=args.draft_model or default_draft_model(kind),
         cache_dir=args.cache_dir,
         coordinator_port=port,
         target_threads=args.target_threads,
@@ -206,34 +220,44 @@ def _bench(args) -> None:
     prompts = load_prompts(args.prompts, args.n)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.target_model, args.cache_dir)
+    kinds = [kind for kind in args.draft_kind.split(",") if kind]
+    if set(kinds) - set(DRAFT_KINDS) or not kinds:
+        raise SystemExit(f"--draft-kind takes a comma-separated list of {DRAFT_KINDS}")
+    if args.draft_model and len(kinds) > 1:
+        raise SystemExit("--draft-model names one draft: give one --draft-kind with it")
+    # Assisted generation is the nearest in-process peer: with a plain causal LM draft it drives that
+    # model; distilled drafts are no transformers models, so it falls back to prompt lookup.
     draft = None
-    if args.draft_kind == "model":
+    if kinds[0] == "model":
         from draft_service.token_draft import CARD_FILE
 
-        if (resolve_model_path(args.draft_model, args.cache_dir) / CARD_FILE).is_file():
-            # A distilled token draft is no transformers model: assisted generation cannot drive it.
-            print("hf-assisted skipped: transformers cannot drive a distilled token draft", file=sys.stderr)
-            modes = [m for m in modes if m != "hf-assisted"]
-        else:
-            draft = load_model(args.draft_model, args.cache_dir).model
-    stack = None
-    address = args.address
-    if address is None and any(m.startswith("specdec") for m in modes):
-        stack = LocalStack(_stack_config(args, 0)).start()
-        address = stack.address
+        path = resolve_model_path(args.draft_model or default_draft_model("model"), args.cache_dir)
+        if not (path / CARD_FILE).is_file():
+            draft = load_model(str(path), args.cache_dir).model
     results = {}
-    try:
-        for mode in modes:
-            if mode.startswith("hf"):
-                results[mode] = run_hf(mode, loaded, draft, prompts, args.max_new_tokens, args.temperature, k)
-            else:
-                results[mode] = run_specdec(mode, address, prompts, args.max_new_tokens, args.temperature, k)
-    finally:
-        if stack is not None:
-            stack.close()
+    for mode in modes:
+        if mode.startswith("hf"):
+            results[mode] = run_hf(mode, loaded, draft, prompts, args.max_new_tokens, args.temperature, k)
+    spec_modes = [m for m in modes if m.startswith("specdec")]
+    for i, kind in enumerate(kinds if spec_modes else []):
+        # specdec-k0 does not draft: it runs once, on the first stack.
+        todo = [m for m in spec_modes if m == "specdec" or (m == "specdec-k0" and i == 0)]
+        stack = None
+        address = args.address
+        if address is None:
+            stack = LocalStack(_stack_config(args, 0, kind)).start()
+            address = stack.address
+        try:
+            for mode in todo:
+                name = mode if mode == "specdec-k0" or len(kinds) == 1 else f"specdec:{kind}"
+                results[name] = run_specdec(name, address, prompts, args.max_new_tokens, args.temperature, k)
+        finally:
+            if stack is not None:
+                stack.close()
     report = {
         "config": {"prompts": str(args.prompts), "n": len(prompts), "max_new_tokens": args.max_new_tokens,
-                   "temperature": args.temperature, "k": "auto" if k is None else k, "draft_kind": args.draft_kind,
+                   "temperature": args.temperature, "k": "auto" if k is None else k, "draft_kinds": kinds,
+                   "hf_assisted": "assistant_model" if draft is not None else "prompt_lookup_num_tokens",
                    "target_threads": args.target_threads, "draft_threads": args.draft_threads},
         "modes": summarize(results, greedy=args.temperature == 0),
     }
@@ -262,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "serve-draft":
         from draft_service.server import main as serve
 
-        serve(DraftConfig(server=_server(args), kind=args.kind, model=_model(args, args.model), target_model=args.target_model,
+        serve(DraftConfig(server=_server(args), kind=args.kind,
+                          model=_model(args, args.model or default_draft_model(args.kind)), target_model=args.target_model,
                           ngram_max=args.ngram_max, ngram_min=args.ngram_min, sample_top_k=args.sample_top_k))
     elif args.command == "serve-coordinator":
         from coordinator.server import main as serve

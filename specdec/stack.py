@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.config import DEFAULT_DRAFT_KIND, default_draft_model
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
@@ -30,8 +32,9 @@ class StackConfig:
     """What a local stack runs."""
 
     target_model: str = "default"
-    draft_kind: str = "ngram"
-    draft_model: str = "default"
+    draft_kind: str = DEFAULT_DRAFT_KIND
+    # None: the draft shipped for the default target (specdec.config.SHIPPED_DRAFTS).
+    draft_model: str | None = None
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "specdec")
     coordinator_port: int = 0
     target_threads: int = 2
@@ -146,7 +149,7 @@ class LocalStack:
             )
             draft = self._spawn(
                 "draft",
-                [*exe, "serve-draft", "--port", "0", "--kind", c.draft_kind, "--model", c.draft_model,
+                [*exe, "serve-draft", "--port", "0", "--kind", c.draft_kind, "--model", c.draft_model or default_draft_model(c.draft_kind),
                  "--target-model", c.target_model,
                  "--threads", str(c.draft_threads), *common],
                 c.draft_threads,

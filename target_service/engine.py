@@ -14,6 +14,8 @@ from specdec.models import LoadedModel, ModelFacts
 from specdec.sampling import Sampling, Verdict, round_generator, sparse_to_dense, verify_greedy, verify_sampled, warp_probs
 
 TARGET_STREAM = 2
+# Most hidden-state rows a prefill returns (2048 x 576 fp16 is 2.4 MB, well inside a message).
+PREFILL_HIDDEN_ROWS = 2048
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,10 @@ class TargetEngine:
         self._check_tokens(tokens, "tokens")
         cache_id, cache = self._caches.create(tokens)
         hidden = cache.prefill(self._loaded.model, with_hidden)
+        if hidden is not None and len(hidden.rows) > PREFILL_HIDDEN_ROWS:
+            # A long prompt's rows would outgrow a message; the draft attends to the newest ones only.
+            cut = len(hidden.rows) - PREFILL_HIDDEN_ROWS
+            hidden = HiddenRows(hidden.start + cut, hidden.rows[cut:])
         return cache_id, len(cache.committed), hidden
 
     def verify(

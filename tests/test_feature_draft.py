@@ -3,12 +3,16 @@ arriving round by round, rolled back, or with gaps; training lowers its loss; ev
 
 from __future__ import annotations
 
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from draft_service.feature_draft import FeatureDraftArch, FeatureSession, build_feature_draft
+from draft_service.feature_draft import FeatureDraftArch, FeatureSession, build_feature_draft, load_feature_draft
+from draft_service.token_draft import CARD_FILE, WEIGHTS_FILE, target_weights_hash
 from specdec.distill.collect import Sample
 from specdec.distill.evaluate import evaluate_feature
 from specdec.distill.feature_train import feature_batcher, feature_loss, make_feature_examples
@@ -116,3 +120,75 @@ def test_training_lowers_loss_and_evaluation_replays(tiny_target, tmp_path):
     assert after["mean_accepted_length"] > before["mean_accepted_length"]
     assert after["rounds"] > 0 and len(after["acceptance_by_position"]) == 3
 
+
+
+def test_target_returns_hidden_states_of_committed_positions(tiny_target):
+    from specdec.sampling import Sampling
+    from target_service.engine import TargetEngine
+
+    engine = TargetEngine(tiny_target, 4)
+    prompt = [5, 9, 12, 7, 20]
+    cache_id, committed, hidden = engine.prefill(prompt, with_hidden=True)
+    assert hidden.start == 0 and len(hidden.rows) == len(prompt) - 1
+    tokens = list(prompt)
+    rows = [hidden.rows]
+    for draft in ([3, 4], [], [8, 8, 8]):
+        outcome = engine.verify(cache_id, committed, [], draft, [], Sampling(), 0, with_hidden=True)
+        assert outcome.hidden.start == len(tokens) - 1
+        tokens += outcome.tokens
+        committed = outcome.committed
+        assert outcome.hidden.start + len(outcome.hidden.rows) == len(tokens) - 1
+        rows.append(outcome.hidden.rows)
+    expected = sample_features(tiny_target.model, [tokens])[0].float()[:-1]  # [T - 1, D]
+    assert torch.allclose(torch.cat(rows), expected, atol=2e-2)  # fp16 storage on one side
+
+
+def test_merge_hidden_joins_overlaps_and_restarts_after_gaps():
+    from coordinator.backends import merge_hidden
+    from specdec.v1.common_pb2 import HiddenStates
+
+    def h(start, rows):
+        return HiddenStates(start=start, dim=1, fp16=bytes(range(start * 2, (start + rows) * 2)))
+
+    assert merge_hidden(None, h(0, 3)) == h(0, 3)
+    assert merge_hidden(h(0, 3), None) == h(0, 3)
+    assert merge_hidden(h(0, 3), h(3, 2)) == h(0, 5)  # contiguous
+    assert merge_hidden(h(0, 3), h(2, 2)) == h(0, 4)  # overlapping: newer rows win
+    assert merge_hidden(h(0, 3), h(5, 1)) == h(5, 1)  # a gap keeps only the newer rows
+    assert merge_hidden(h(0, 3), h(3, 2), max_rows=4) == h(1, 4)  # the oldest rows go past the cap
+
+
+SHIPPED = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-feature"
+MAX_BYTES = 25 * 1024 * 1024
+
+
+def test_shipped_feature_draft_artifact():
+    size = sum(f.stat().st_size for f in SHIPPED.rglob("*") if f.is_file())
+    assert size < MAX_BYTES
+    card = json.loads((SHIPPED / CARD_FILE).read_text())
+    assert card["kind"] == "feature"
+    assert "--kind feature" in card["recipe"]["command"] and card["recipe"]["seed"] == 0
+    assert card["recipe"]["data"]["train_generated_tokens"] > 100_000
+    held = card["metrics"]["held_out"]
+    assert held["k"] == 4 and len(held["acceptance_by_position"]) == 4
+    with safe_open(str(SHIPPED / WEIGHTS_FILE), "pt") as f:
+        for name in f.keys():
+            assert 49152 not in f.get_slice(name).get_shape(), f"{name} looks like target vocabulary weights"
+
+
+def test_shipped_feature_draft_agrees_with_the_real_target(default_model):
+    """Teacher-forced and in replayed rounds, on text the target writes itself; an untrained draft of
+    this shape agrees on well under 5% of tokens."""
+    draft = load_feature_draft(SHIPPED, default_model.model, target_weights_hash(default_model.model))
+    prompts = ["def is_even(n):\n    \"\"\"Return True when n is even.\"\"\"\n",
+               "<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n"]
+    references = []
+    for text in prompts:
+        ids = default_model.tokenizer.encode(text, add_special_tokens=False)
+        with torch.inference_mode():
+            out = default_model.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0].tolist()
+        references.append(Sample(out, len(ids), [], 0.0))
+    feats = [sample_features(default_model.model, [s.tokens])[0] for s in references]
+    metrics = evaluate_feature(draft, references, feats, k=4)
+    assert metrics["top1_agreement"] > 0.3, metrics
+    assert metrics["mean_accepted_length"] > 1.3, metrics

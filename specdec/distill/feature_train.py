@@ -118,28 +118,29 @@ def feature_loss(draft: FeatureDraft, batch: FeatureBatch, soft_weight: float = 
     truth = feats[:, 1:]  # f_{i+1}
     labels, weights = batch.labels[:, 1:], batch.weights[:, 1:]  # argmax at i + 1
     valid = batch.valid[:, 1:]
-    with torch.no_grad():
-        teacher = torch.softmax(nn.functional.linear(truth, draft.head_weight), dim=-1)  # [B, T-1, N]
     first = draft.predict(inputs, tokens)  # [B, T-1, D]
-    loss, correct, count = _targets_loss(draft, first, truth, teacher, labels, weights, valid, soft_weight)
+    loss, correct, count = _targets_loss(draft, first, truth, labels, weights, valid, soft_weight)
     if rollout_weight > 0 and first.shape[1] > 1:
         # Position i + 1 now reads the draft's own prediction of f_{i+1}, as the second draft step does.
         second = draft.predict(first[:, :-1], tokens[:, 1:])  # [B, T-2, D]
-        rolled, _, _ = _targets_loss(draft, second, truth[:, 1:], teacher[:, 1:], labels[:, 1:], weights[:, 1:],
-                                     valid[:, 1:], soft_weight)
+        rolled, _, _ = _targets_loss(draft, second, truth[:, 1:], labels[:, 1:], weights[:, 1:], valid[:, 1:],
+                                     soft_weight)
         loss = loss + rollout_weight * rolled
     return loss, correct, count
 
 
-def _targets_loss(draft: FeatureDraft, predicted: torch.Tensor, truth: torch.Tensor, teacher: torch.Tensor,
-                  labels: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor,
-                  soft_weight: float) -> tuple[torch.Tensor, int, int]:
+def _targets_loss(draft: FeatureDraft, predicted: torch.Tensor, truth: torch.Tensor, labels: torch.Tensor,
+                  weights: torch.Tensor, valid: torch.Tensor, soft_weight: float) -> tuple[torch.Tensor, int, int]:
     reg = nn.functional.smooth_l1_loss(predicted[valid], truth[valid])
-    keep = weights > 0  # [B, T]
+    keep = weights > 0  # [B, T]; the head, the costly part, runs on labelled positions only
     logp = torch.log_softmax(draft.head_logits(predicted[keep]), dim=-1)  # [M, N]
     w = weights[keep]
     hard = -(logp.gather(1, labels[keep][:, None])[:, 0] * w).sum() / w.sum().clamp(min=1e-6)
-    soft = -(teacher[keep] * logp).sum(-1).mean() if bool(keep.any()) else hard * 0
+    soft = hard * 0
+    if soft_weight > 0 and bool(keep.any()):
+        with torch.no_grad():  # the target's own distribution over the head, from its true feature
+            teacher = torch.softmax(nn.functional.linear(truth[keep], draft.head_weight), dim=-1)  # [M, N]
+        soft = -(teacher * logp).sum(-1).mean()
     generated = w == 1.0
     correct = int((logp.detach().argmax(-1)[generated] == labels[keep][generated]).sum())
     return reg + hard + soft_weight * soft, correct, int(generated.sum())
