@@ -32,6 +32,7 @@ from draft_service.token_draft import (
     _output_weight,
     add_reduced_head,
     check_target,
+    quantize_linears,
     read_card,
     save_draft_weights,
 )
@@ -79,6 +80,7 @@ class FeatureDraft(nn.Module):
         self.vocab_size = int(embedding.weight.shape[0])
         # Kept out of the module tree so the target's matrix is neither trained nor saved with the draft.
         self.__dict__["embedding"] = embedding
+        self.__dict__["_int8_head"] = None
         self.fc = nn.Linear(2 * dim, dim, bias=True)
         self.layer = LlamaDecoderLayer(config, 0)
         self.norm = LlamaRMSNorm(dim, eps=config.rms_norm_eps)
@@ -114,7 +116,24 @@ class FeatureDraft(nn.Module):
 
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary logits ``[..., N]`` of (predicted or true) features ``[..., D]``."""
+        if self._int8_head is not None:
+            return self._int8_head(features)
         return nn.functional.linear(features, self.head_weight, self.head_bias)
+
+    def quantize_head_int8(self) -> FeatureDraft:
+        """Inference only: int8 dynamic quantization of the head.
+
+        A one-token draft step on a CPU is bound by the weight bytes it reads, and the head's rows are
+        most of them: int8 makes a step about a third cheaper (5 -> 3.3 ms here). ``fc`` and the layer
+        stay fp32: the features' outliers make int8 activations coarse there (held-out mean accepted
+        length, 24 sequences: fp32 1.76, int8 head 1.74; everything int8 cost 7%). q is still exactly
+        the distribution each token is drawn from, so speculation stays exact.
+        """
+        head = nn.Linear(self.hidden_size, len(self.head_ids))
+        head.weight.data.copy_(self.head_weight)
+        head.bias.data.copy_(self.head_bias.detach())
+        self.__dict__["_int8_head"] = quantize_linears(head)
+        return self
 
     def full_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[..., V]``, ``-inf`` outside the head: q is exactly zero there."""
@@ -219,11 +238,12 @@ class FeatureSession:
     @torch.inference_mode()
     def propose(self, draft: FeatureDraft, k: int, pick) -> tuple[list[int], list]:
         """Drafts ``k`` tokens; ``pick(logits [1, V]) -> (token, q or None)`` chooses each one."""
-        drop = self.kv.get_seq_length() - self.kv_pairs
+        n = len(self.features)
+        # Feed at least the last pair again: its output, the first draft feature, is not kept.
+        first = min(self.kv_pairs, n - 1)
+        drop = self.kv.get_seq_length() - first
         if drop > 0:
             self.kv.crop(-drop)
-        first = self.kv_pairs
-        n = len(self.features)
         feats = self.features[first:n].unsqueeze(0)  # [1, m, D]
         toks = torch.tensor([self.committed[self.window + first + 1: self.window + n + 1]])  # [1, m]
         positions = torch.arange(self.window + first, self.window + n).unsqueeze(0)  # [1, m]

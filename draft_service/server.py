@@ -86,6 +86,8 @@ def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
     target = load_model(config.target_model, config.model.cache_dir)
     path = resolve_model_path(config.model.model, config.model.cache_dir)
     draft = load_feature_draft(path, target.model, target_weights_hash(target.model))
+    if config.int8_head:
+        draft.quantize_head_int8()
     facts = replace(target.facts(FEATURE_KIND), name=str(path))
     return FeatureDrafter(draft, facts, config.model.max_sessions, config.sample_top_k)
 

@@ -79,6 +79,17 @@ def target_weights_hash(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def quantize_linears(module: nn.Module) -> nn.Module:
+    """``module`` with every ``nn.Linear`` (itself included) int8 dynamically quantized, for inference."""
+    with warnings.catch_warnings():  # torch.ao is deprecated in favour of torchao, but works in the pinned torch
+        warnings.simplefilter("ignore")
+        from torch.ao.quantization import quantize_dynamic
+
+        if isinstance(module, nn.Linear):
+            return quantize_dynamic(nn.Sequential(module), {nn.Linear}, dtype=torch.qint8)
+        return quantize_dynamic(module, {nn.Linear}, dtype=torch.qint8)
+
+
 def add_reduced_head(module: nn.Module, output_weight: torch.Tensor, head_ids: torch.Tensor, vocab_size: int) -> None:
     """Gives ``module`` a head over the ``head_ids`` rows of the target's LM head.
 
@@ -183,16 +194,12 @@ class TokenDraft(nn.Module):
         bound by. The draft's logits change slightly (its card's figures were measured in fp32);
         exactness of speculative decoding does not depend on them.
         """
-        with warnings.catch_warnings():  # torch.ao is deprecated in favour of torchao, but works in the pinned torch
-            warnings.simplefilter("ignore")
-            from torch.ao.quantization import quantize_dynamic
-
-            for i, layer in enumerate(self.layers):
-                self.layers[i] = quantize_dynamic(layer, {nn.Linear}, dtype=torch.qint8)
-            head = nn.Linear(self.head_weight.shape[1], self.head_weight.shape[0], bias=True)
-            head.weight.data.copy_(self.head_weight)
-            head.bias.data.copy_(self.head_bias.detach())
-            self.__dict__["_int8_head"] = quantize_dynamic(nn.Sequential(head), {nn.Linear}, dtype=torch.qint8)
+        for i, layer in enumerate(self.layers):
+            self.layers[i] = quantize_linears(layer)
+        head = nn.Linear(self.head_weight.shape[1], self.head_weight.shape[0], bias=True)
+        head.weight.data.copy_(self.head_weight)
+        head.bias.data.copy_(self.head_bias.detach())
+        self.__dict__["_int8_head"] = quantize_linears(head)
         return self
 
     def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False, logits_to_keep: int = 0,

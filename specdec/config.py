@@ -82,6 +82,8 @@ class DraftConfig:
     ngram_min: int = 1
     # A model draft samples only among its own top tokens: q stays exact and cheap to send.
     sample_top_k: int = 64
+    # A feature draft's head in int8: a third cheaper per step for about 1% of acceptance.
+    int8_head: bool = True
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ def test_session_matches_full_recompute(draft, tiny_target):
     while n + 5 < len(tokens):
         proposal, _ = session.propose(draft, 4, _greedy)
         assert proposal == _reference(draft, tokens[:n], 0, feats, 4)
+        assert session.propose(draft, 4, _greedy)[0] == proposal  # asked again (a retried round)
         accepted = r.randrange(0, 5)
         session.sync(n, tokens[n: n + accepted + 1])
         session.add_features(n - 1, feats[n - 1: n + accepted])
@@ -192,3 +193,17 @@ def test_shipped_feature_draft_agrees_with_the_real_target(default_model):
     metrics = evaluate_feature(draft, references, feats, k=4)
     assert metrics["top1_agreement"] > 0.3, metrics
     assert metrics["mean_accepted_length"] > 1.3, metrics
+
+
+def test_int8_head_keeps_the_contract(draft, tiny_target):
+    import copy
+
+    quantized = copy.deepcopy(draft).quantize_head_int8()
+    r = random.Random(4)
+    tokens = [r.randrange(4, 30) for _ in range(20)]
+    feats = sample_features(tiny_target.model, [tokens])[0].float()
+    with torch.no_grad():
+        predicted = draft.predict(feats[None, :-1], torch.tensor([tokens[1:]]))[0]  # [T-1, D]
+        a, b = draft.full_logits(predicted), quantized.full_logits(predicted)  # [T-1, V]
+    assert torch.equal(torch.isinf(a), torch.isinf(b))  # q stays zero outside the head
+    assert (a[torch.isfinite(a)] - b[torch.isfinite(b)]).abs().max() < 0.25
