@@ -130,11 +130,14 @@ OTLP endpoint the services export traces to; empty means no export.
 {{- end }}
 
 {{/*
-Model a draft speaks: its own model (kind "model") or the target's tokenizer model (kind "ngram").
+Model a draft speaks: its own model (kind "model"), a distilled draft folder (kind "feature"; the
+image ships the default target's under /opt/specdec/drafts), or the target's tokenizer model ("ngram").
 */}}
 {{- define "specdec.draftModel" -}}
 {{- if eq .Values.draft.kind "model" }}
 {{- required "draft.model is required when draft.kind is \"model\"" .Values.draft.model }}
+{{- else if eq .Values.draft.kind "feature" }}
+{{- default "/opt/specdec/drafts/smollm2-135m-feature" .Values.draft.model }}
 {{- else }}
 {{- default .Values.target.model .Values.draft.model }}
 {{- end }}
