@@ -34,7 +34,7 @@ def test_up_serves_and_sigterm_stops_everything(tiny_dir, tmp_path):
     log = open(tmp_path / "up.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "specdec.cli", "up", "--port", str(port), "--cache-dir", marker,
-         "--target-model", model, "--draft-model", model, "--target-threads", "1"],
+         "--target-model", model, "--draft-kind", "model", "--draft-model", model, "--target-threads", "1"],
         stdout=log, stderr=subprocess.STDOUT,
     )
     try:
