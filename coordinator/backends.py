@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 
 from specdec.models import ModelFacts
-from specdec.rpc import channel_options
+from specdec.rpc import aio_channel, channel_options
 from specdec.sampling import Sampling
 from specdec.tracing import outgoing_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -105,10 +105,11 @@ class _Replica:
 
     service = ""
 
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
         self.address = address
         self._timeout_s = timeout_s
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(max_message_bytes))
+        self._channel = aio_channel(address, channel_options(max_message_bytes), credentials)
 
     def _deadline(self, remaining_s: float | None) -> float:
         return self._timeout_s if remaining_s is None else max(0.001, min(self._timeout_s, remaining_s))
@@ -147,8 +148,9 @@ class DraftReplica(_Replica):
 
     service = "draft"
 
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
-        super().__init__(address, timeout_s, max_message_bytes)
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        super().__init__(address, timeout_s, max_message_bytes, credentials)
         self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
 
     async def propose(
@@ -170,8 +172,9 @@ class TargetReplica(_Replica):
 
     service = "target"
 
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int) -> None:
-        super().__init__(address, timeout_s, max_message_bytes)
+    def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        super().__init__(address, timeout_s, max_message_bytes, credentials)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
 
     async def prefill_with_hidden(

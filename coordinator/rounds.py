@@ -14,6 +14,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
@@ -34,6 +35,7 @@ from coordinator.prompts import build_turn
 from coordinator.sessions import SessionRecord, SessionStore
 from coordinator.textstream import TextStream
 from specdec.kvcache import common_prefix_len
+from specdec.metrics import CoordinatorMetrics
 from specdec.models import ModelFacts
 from specdec.sampling import Sampling
 from specdec.v1.common_pb2 import HiddenStates
@@ -135,6 +137,7 @@ class RoundLoop:
         max_auto_k: int = 8,
         want_hidden: bool = False,
         draft_retry_s: float = 5.0,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._facts = target_facts
@@ -153,6 +156,8 @@ class RoundLoop:
         # so their k sequence, and hence their tokens, never depend on timing.
         self._costs = CostModel(k_max=max_auto_k)
         self._prior_costs = CostModel(k_max=max_auto_k)
+        # Prometheus metrics of this process; None records nothing.
+        self._metrics = metrics
 
     def _pick(self, replicas: dict, current: CacheRef | None):
         """The replica holding a session's cache, or the next one in turn for a new cache."""
@@ -173,7 +178,8 @@ class RoundLoop:
         """Runs one request to completion, yielding chunks as rounds commit tokens."""
         started = time.perf_counter()
         stats = Stats()
-        with self._tracer.start_as_current_span("specdec.generate", kind=trace.SpanKind.SERVER) as span:
+        running = self._metrics.running() if self._metrics is not None else nullcontext()
+        with self._tracer.start_as_current_span("specdec.generate", kind=trace.SpanKind.SERVER) as span, running:
             record = await self._load_session(request.session_id)
             turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
             limit = self._facts.max_context
@@ -256,6 +262,11 @@ class RoundLoop:
                 record.messages = [*turn.messages, {"role": "assistant", "content": text.text}]
             await self._store.put(record)
             stats.total_ms = (time.perf_counter() - started) * 1000
+            if self._metrics is not None:
+                first_s = stats.time_to_first_token_ms / 1000 if stats.time_to_first_token_ms else None
+                self._metrics.observe_request(
+                    finish, stats.prompt_tokens, stats.generated_tokens, stats.total_ms / 1000, first_s
+                )
             span.set_attributes(
                 {
                     "gen_ai.usage.output_tokens": stats.generated_tokens,
@@ -285,8 +296,10 @@ class RoundLoop:
         still unsent afterwards. A draft that fails costs this round its speculation, never the request.
         """
         with self._tracer.start_as_current_span("specdec.round") as span:
-            draft, draft_ms = None, 0.0
+            round_t0 = time.perf_counter()
+            draft, draft_ms, drafting = None, 0.0, False
             if k > 0 and self._draft_usable(draft_ref):
+                drafting = True
                 t0 = time.perf_counter()
                 try:
                     draft, draft_ref = await self._propose(
@@ -306,6 +319,12 @@ class RoundLoop:
             self._costs.record_verify(verify_ms, drafted + 1)
             stats.draft_ms += draft_ms
             stats.verify_ms += verify_ms
+            if self._metrics is not None:
+                # k > 0 and no draft: the draft failed this round, or is resting after a failure.
+                self._metrics.observe_round(
+                    drafted, verdict.accepted, len(verdict.tokens), draft_ms / 1000 if drafting else None,
+                    verify_ms / 1000, time.perf_counter() - round_t0, fallback=k > 0 and draft is None,
+                )
             span.set_attributes(
                 {
                     "specdec.round": round_index,

@@ -10,13 +10,15 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
+from coordinator.auth import ApiKeyInterceptor
 from coordinator.backends import BackendRejected, BackendUnavailable, DraftReplica, TargetReplica
 from coordinator.rounds import Chunk, GenerationRequest, RoundLoop, SessionNotFound, Stats
 from coordinator.sessions import SessionStore, open_store
 from specdec.config import MAX_K, CoordinatorConfig
 from specdec.config import FEATURE_KIND
+from specdec.metrics import CoordinatorMetrics, start_metrics_server
 from specdec.models import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
-from specdec.rpc import RunningServer, serve_forever, start_server, wait_ready
+from specdec.rpc import RunningServer, channel_credentials, serve_forever, start_server, wait_ready
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -184,11 +186,12 @@ class IncompatibleReplicas(RuntimeError):
 
 
 async def check_replicas(
-    fingerprint: str, drafts: list[DraftReplica], targets: list[TargetReplica], timeout_s: float
+    fingerprint: str, drafts: list[DraftReplica], targets: list[TargetReplica], timeout_s: float,
+    credentials: grpc.ChannelCredentials | None = None,
 ) -> tuple[ModelFacts, list[ModelFacts]]:
-    """Waits for every replica to be ready and refuses to start unless all share the tokenizer;
-    returns the (first) target's facts and each draft's."""
-    await asyncio.gather(*(wait_ready(r.address, timeout_s) for r in [*drafts, *targets]))
+    """Waits for every replica to be ready (over TLS with ``credentials``) and refuses to start unless
+    all share the tokenizer; returns the (first) target's facts and each draft's."""
+    await asyncio.gather(*(wait_ready(r.address, timeout_s, credentials) for r in [*drafts, *targets]))
     facts = await asyncio.gather(*(r.facts() for r in [*drafts, *targets]))
     for replica, fact in zip([*drafts, *targets], facts):
         if fact.fingerprint != fingerprint:
@@ -200,34 +203,42 @@ async def check_replicas(
 
 
 async def start_coordinator(
-    config: CoordinatorConfig, tracer: trace.Tracer, store: SessionStore | None = None
+    config: CoordinatorConfig, tracer: trace.Tracer, store: SessionStore | None = None,
+    metrics: CoordinatorMetrics | None = None,
 ) -> tuple[RunningServer, RoundLoop]:
-    """Connects to the replicas, checks them, and starts the coordinator server."""
+    """Connects to the replicas, checks them, and starts the coordinator server (behind API keys
+    when the config holds any)."""
     if not config.draft_addresses or not config.target_addresses:
         raise ValueError("the coordinator needs at least one draft and one target address")
     tokenizer = load_tokenizer(resolve_model_path(config.tokenizer.model, config.tokenizer.cache_dir))
     max_bytes = config.server.max_message_bytes
-    drafts = [DraftReplica(a, config.rpc_timeout_s, max_bytes) for a in config.draft_addresses]
-    targets = [TargetReplica(a, config.rpc_timeout_s, max_bytes) for a in config.target_addresses]
+    credentials = channel_credentials(config.backend_tls)
+    drafts = [DraftReplica(a, config.rpc_timeout_s, max_bytes, credentials) for a in config.draft_addresses]
+    targets = [TargetReplica(a, config.rpc_timeout_s, max_bytes, credentials) for a in config.target_addresses]
     target_facts, draft_facts = await check_replicas(
-        tokenizer_fingerprint(tokenizer), drafts, targets, config.startup_timeout_s
+        tokenizer_fingerprint(tokenizer), drafts, targets, config.startup_timeout_s, credentials
     )
     store = store or open_store(config.redis_url, config.session_ttl_s)
     await store.ping()
     want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
     loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k, config.max_auto_k,
-                     want_hidden=want_hidden)
+                     want_hidden=want_hidden, metrics=metrics)
     servicer = CoordinatorServicer(loop, target_facts.max_context)
-    running = await start_server(config.server, _register(servicer), (SERVICE_NAME,))
+    interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []
+    running = await start_server(config.server, _register(servicer), (SERVICE_NAME,), interceptors)
     await running.set_serving()
     return running, loop
 
 
 def main(config: CoordinatorConfig) -> None:
     """Entry point of ``specdec serve-coordinator``."""
+    metrics = None
+    if config.server.metrics_port is not None:
+        metrics = CoordinatorMetrics()
+        start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
 
     async def start(tracer):
-        running, _ = await start_coordinator(config, tracer)
+        running, _ = await start_coordinator(config, tracer, metrics=metrics)
         return running
 
     try:

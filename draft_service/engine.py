@@ -47,6 +47,11 @@ class DraftEngine:
         """The model facts this service reports."""
         return self._facts
 
+    @property
+    def caches(self) -> CacheTable:
+        """The session caches; the metrics scrape reads their count and size from another thread."""
+        return self._caches
+
     def _check_tokens(self, tokens: list[int], what: str) -> None:
         vocab = self._facts.vocab_size
         if any(t < 0 or t >= vocab for t in tokens):

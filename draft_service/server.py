@@ -14,6 +14,7 @@ from draft_service.feature_draft import load_feature_draft
 from draft_service.token_draft import CARD_FILE, load_token_draft, target_weights_hash
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
+from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.models import (
     LoadedModel,
     ModelFacts,
@@ -130,4 +131,7 @@ def main(config: DraftConfig) -> None:
     torch.set_num_threads(config.model.threads)
     engine = build_drafter(config)
     engine.warmup()
+    if config.server.metrics_port is not None:
+        metrics = CacheServiceMetrics(engine.caches)
+        start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
     asyncio.run(serve_forever(config.server, "draft", lambda tracer: start_draft(config, engine, tracer)))

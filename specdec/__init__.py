@@ -14,8 +14,10 @@ from specdec.client import (
     SessionNotFound,
     SpecdecError,
     Stats,
+    Unauthenticated,
     Unavailable,
 )
+from specdec.config import TlsClientConfig
 
 __all__ = [
     "AsyncClient",
@@ -28,5 +30,7 @@ __all__ = [
     "SessionNotFound",
     "SpecdecError",
     "Stats",
+    "TlsClientConfig",
+    "Unauthenticated",
     "Unavailable",
 ]

@@ -21,6 +21,7 @@ from specdec.config import (
     ModelConfig,
     ServerConfig,
     TargetConfig,
+    TlsClientConfig,
     default_draft_model,
 )
 
@@ -36,6 +37,11 @@ def _env(name: str, default: str | None) -> str | None:
     return os.environ.get(f"SPECDEC_{name}", default)
 
 
+def _path_env(name: str) -> Path | None:
+    value = _env(name, None)
+    return Path(value) if value else None
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", type=Path, default=Path(_env("CACHE_DIR", str(Path.home() / ".cache" / "specdec"))),
                    help="where converted models are cached (env SPECDEC_CACHE_DIR)")
@@ -47,11 +53,61 @@ def _add_server(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind (env SPECDEC_HOST)")
     p.add_argument("--port", type=int, default=int(_env("PORT", str(port))), help="port to bind; 0 picks a free one")
     p.add_argument("--grace", type=float, default=5.0, help="seconds in-flight calls get after SIGTERM")
+    p.add_argument("--tls-cert", type=Path, default=_path_env("TLS_CERT"),
+                   help="PEM certificate chain: serve TLS (with --tls-key; env SPECDEC_TLS_CERT)")
+    p.add_argument("--tls-key", type=Path, default=_path_env("TLS_KEY"),
+                   help="PEM private key of --tls-cert (env SPECDEC_TLS_KEY)")
+    p.add_argument("--tls-client-ca", type=Path, default=_path_env("TLS_CLIENT_CA"),
+                   help="PEM CA bundle: demand client certificates chaining to it, i.e. mutual TLS "
+                        "(env SPECDEC_TLS_CLIENT_CA)")
+    # An empty variable (a chart that renders it unset) means no endpoint, like an absent one.
+    p.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None) or None,
+                   help="serve Prometheus metrics over HTTP on this port, 0 picks a free one "
+                        "(env SPECDEC_METRICS_PORT); unset: none")
     _add_common(p)
 
 
 def _server(args) -> ServerConfig:
-    return ServerConfig(host=args.host, port=args.port, grace_s=args.grace, otlp_endpoint=args.otlp_endpoint)
+    try:
+        return ServerConfig(host=args.host, port=args.port, grace_s=args.grace, otlp_endpoint=args.otlp_endpoint,
+                            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+                            metrics_port=args.metrics_port)
+    except ValueError as exc:
+        raise SystemExit(f"specdec: {exc} (--tls-cert, --tls-key, --tls-client-ca)") from None
+
+
+def _client_tls(ca: Path | None, cert: Path | None = None, key: Path | None = None) -> TlsClientConfig | None:
+    """TLS for outgoing channels when any of its files is named; None keeps them plaintext."""
+    if ca is None and cert is None and key is None:
+        return None
+    try:
+        return TlsClientConfig(ca=ca, cert=cert, key=key)
+    except ValueError as exc:
+        raise SystemExit(f"specdec: {exc} (--tls-client-cert, --tls-client-key)") from None
+
+
+def _coordinator_config(args) -> CoordinatorConfig:
+    """The coordinator's config from its flags; API keys are read (and hashed) here, once."""
+    from coordinator.auth import read_api_key_hashes
+
+    try:
+        # Keys come from a file or the environment, never from a flag, which any local user could see in ps.
+        api_key_hashes = read_api_key_hashes(args.api_keys_file, os.environ.get("SPECDEC_API_KEYS"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"specdec: API keys: {exc}") from None
+    return CoordinatorConfig(
+        server=_server(args),
+        draft_addresses=tuple(args.draft),
+        target_addresses=tuple(args.target),
+        tokenizer=ModelConfig(model=args.tokenizer, cache_dir=args.cache_dir),
+        redis_url=args.redis_url,
+        session_ttl_s=args.session_ttl,
+        default_k=args.default_k,
+        max_auto_k=args.max_auto_k,
+        rpc_timeout_s=args.rpc_timeout,
+        api_key_hashes=api_key_hashes,
+        backend_tls=_client_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
+    )
 
 
 def _model(args, model: str) -> ModelConfig:
@@ -96,6 +152,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--default-k", type=_k_arg, default=None, help="draft length when a request sets none: N or auto")
     p.add_argument("--max-auto-k", type=int, default=8, help="largest k the adaptive choice tries")
     p.add_argument("--rpc-timeout", type=float, default=30.0, help="deadline of each internal call")
+    p.add_argument("--api-keys-file", type=Path, default=_path_env("API_KEYS_FILE"),
+                   help="require an API key: one key, or one sha256:<hex> digest of a key, per line "
+                        "(env SPECDEC_API_KEYS_FILE; env SPECDEC_API_KEYS adds comma-separated keys)")
+    p.add_argument("--tls-ca", type=Path, default=_path_env("TLS_CA"),
+                   help="PEM CA bundle the draft and target certificates chain to: speak TLS to them "
+                        "(env SPECDEC_TLS_CA)")
+    p.add_argument("--tls-client-cert", type=Path, default=_path_env("TLS_CLIENT_CERT"),
+                   help="PEM certificate shown to draft and target for mutual TLS (env SPECDEC_TLS_CLIENT_CERT)")
+    p.add_argument("--tls-client-key", type=Path, default=_path_env("TLS_CLIENT_KEY"),
+                   help="PEM private key of --tls-client-cert (env SPECDEC_TLS_CLIENT_KEY)")
 
     p = sub.add_parser("up", help="start redis, draft, target and coordinator on loopback")
     p.add_argument("--port", type=int, default=50050, help="coordinator port")
@@ -114,6 +180,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, help="draft length (0: target-only); default: the server's")
     p.add_argument("--stop", action="append", default=[])
     p.add_argument("--session-id")
+    p.add_argument("--tls-ca", type=Path,
+                   help="PEM CA bundle the coordinator's certificate chains to: speak TLS to it "
+                        "(the API key, if any, comes from env SPECDEC_API_KEY)")
     _add_stack(p)
 
     sub.add_parser("distill", help="train a draft for a target (specdec distill --help)", add_help=False)
@@ -183,8 +252,8 @@ def _generate(args) -> None:
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, stop=args.stop, session_id=args.session_id, k=args.k)
 
-    def run(address: str) -> None:
-        with Client(address) as client:
+    def run(address: str, **connection) -> None:
+        with Client(address, **connection) as client:
             for chunk in client.stream(prompt, **options):
                 print(chunk.text, end="", flush=True)
                 if chunk.stats is not None:
@@ -201,7 +270,7 @@ def _generate(args) -> None:
         with LocalStack(_stack_config(args, 0)) as stack:
             run(stack.address)
     else:
-        run(args.address)
+        run(args.address, api_key=os.environ.get("SPECDEC_API_KEY"), tls=_client_tls(args.tls_ca))
 
 
 def _bench(args) -> None:
@@ -294,17 +363,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "serve-coordinator":
         from coordinator.server import main as serve
 
-        serve(CoordinatorConfig(
-            server=_server(args),
-            draft_addresses=tuple(args.draft),
-            target_addresses=tuple(args.target),
-            tokenizer=ModelConfig(model=args.tokenizer, cache_dir=args.cache_dir),
-            redis_url=args.redis_url,
-            session_ttl_s=args.session_ttl,
-            default_k=args.default_k,
-            max_auto_k=args.max_auto_k,
-            rpc_timeout_s=args.rpc_timeout,
-        ))
+        serve(_coordinator_config(args))
     elif args.command == "up":
         _up(args)
     elif args.command == "generate":

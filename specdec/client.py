@@ -1,4 +1,8 @@
-"""The Python client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio) for the coordinator."""
+"""The Python client SDK: ``Client`` (blocking) and ``AsyncClient`` (asyncio) for the coordinator.
+
+Both speak plaintext unless given ``tls=TlsClientConfig(...)``, and send ``api_key`` (when given) as
+``authorization: Bearer <key>`` metadata on every call.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.rpc import channel_options
+from specdec.config import TlsClientConfig
+from specdec.rpc import aio_channel, channel_credentials, channel_options
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 Prompt = str | list[dict[str, str]]
@@ -42,12 +47,17 @@ class ResourceExhausted(SpecdecError):
     """A limit was hit (RESOURCE_EXHAUSTED); retry later."""
 
 
+class Unauthenticated(SpecdecError):
+    """The coordinator requires an API key and none, or a wrong one, was sent (UNAUTHENTICATED)."""
+
+
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: SessionNotFound,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
 }
 
 
@@ -161,18 +171,35 @@ def _completion(msg: coordinator_pb2.CompleteReply) -> Completion:
 _MAX_BYTES = 8 * 1024 * 1024
 
 
-class Client:
-    """Blocking client. ``timeout`` (seconds) is the deadline of each call."""
+def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata every call carries: the API key as a bearer token, or nothing."""
+    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
-    def __init__(self, address: str, timeout: float | None = 300.0) -> None:
-        self._channel = grpc.insecure_channel(address, options=channel_options(_MAX_BYTES))
+
+class Client:
+    """Blocking client. ``timeout`` (seconds) is the deadline of each call; ``api_key`` is sent with
+    every call; ``tls`` opens a TLS channel (its ``ca`` to trust, its ``cert``/``key`` for mutual TLS)."""
+
+    def __init__(
+        self, address: str, timeout: float | None = 300.0, *, api_key: str | None = None,
+        tls: TlsClientConfig | None = None,
+    ) -> None:
+        options = channel_options(_MAX_BYTES)
+        credentials = channel_credentials(tls)
+        self._channel = (
+            grpc.insecure_channel(address, options=options) if credentials is None
+            else grpc.secure_channel(address, credentials, options=options)
+        )
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._timeout = timeout
+        self._metadata = _auth_metadata(api_key)
 
     def complete(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Completion:
         """Generates a whole answer; options are those of ``build_request``."""
         try:
-            reply = self._stub.Complete(build_request(prompt, **options), timeout=timeout or self._timeout)
+            reply = self._stub.Complete(
+                build_request(prompt, **options), timeout=timeout or self._timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return _completion(reply)
@@ -180,7 +207,9 @@ class Client:
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Iterator[Chunk]:
         """Yields chunks as rounds commit tokens; the last carries the finish reason and stats."""
         try:
-            for msg in self._stub.Generate(build_request(prompt, **options), timeout=timeout or self._timeout):
+            for msg in self._stub.Generate(
+                build_request(prompt, **options), timeout=timeout or self._timeout, metadata=self._metadata
+            ):
                 yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
@@ -197,17 +226,23 @@ class Client:
 
 
 class AsyncClient:
-    """asyncio client with the same calls as ``Client``."""
+    """asyncio client with the same calls and options as ``Client``."""
 
-    def __init__(self, address: str, timeout: float | None = 300.0) -> None:
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(_MAX_BYTES))
+    def __init__(
+        self, address: str, timeout: float | None = 300.0, *, api_key: str | None = None,
+        tls: TlsClientConfig | None = None,
+    ) -> None:
+        self._channel = aio_channel(address, channel_options(_MAX_BYTES), channel_credentials(tls))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._timeout = timeout
+        self._metadata = _auth_metadata(api_key)
 
     async def complete(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Completion:
         """Generates a whole answer; options are those of ``build_request``."""
         try:
-            reply = await self._stub.Complete(build_request(prompt, **options), timeout=timeout or self._timeout)
+            reply = await self._stub.Complete(
+                build_request(prompt, **options), timeout=timeout or self._timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise _error(exc) from None
         return _completion(reply)
@@ -215,7 +250,9 @@ class AsyncClient:
     async def stream(self, prompt: Prompt, *, timeout: float | None = None, **options) -> AsyncIterator[Chunk]:
         """Yields chunks as rounds commit tokens; the last carries the finish reason and stats."""
         try:
-            async for msg in self._stub.Generate(build_request(prompt, **options), timeout=timeout or self._timeout):
+            async for msg in self._stub.Generate(
+                build_request(prompt, **options), timeout=timeout or self._timeout, metadata=self._metadata
+            ):
                 yield _chunk(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None

@@ -39,6 +39,34 @@ class ServerConfig:
     grace_s: float = 5.0
     # OTLP/gRPC endpoint for traces (for example Jaeger's host:4317); None exports nothing.
     otlp_endpoint: str | None = None
+    # Port of the Prometheus metrics endpoint (plain HTTP on ``host``); 0 picks a free one, None serves none.
+    metrics_port: int | None = None
+    # PEM certificate chain and private key: set both to serve TLS; None serves plaintext.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    # PEM CA bundle that client certificates must chain to; set, the server demands one (mutual TLS).
+    tls_client_ca: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both a certificate and its private key")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("a client CA (mutual TLS) needs the server's own certificate and key")
+
+
+@dataclass(frozen=True)
+class TlsClientConfig:
+    """How a client opens TLS channels: which CAs it trusts and, for mutual TLS, its own certificate."""
+
+    # PEM CA bundle the server's certificate must chain to; None trusts gRPC's default roots.
+    ca: Path | None = None
+    # PEM certificate chain and private key presented to servers that demand one (mutual TLS).
+    cert: Path | None = None
+    key: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs its private key, and the key its certificate")
 
 
 @dataclass(frozen=True)
@@ -108,3 +136,8 @@ class CoordinatorConfig:
     rpc_timeout_s: float = 30.0
     # Seconds to wait at start-up for the draft and target services to report ready.
     startup_timeout_s: float = 300.0
+    # SHA-256 hex digests of the API keys a client may send (``authorization: Bearer <key>``); empty
+    # leaves the coordinator open. Only hashes are held, so a memory dump does not reveal the keys.
+    api_key_hashes: tuple[str, ...] = ()
+    # TLS of the coordinator's channels to draft and target replicas; None speaks plaintext.
+    backend_tls: TlsClientConfig | None = None

@@ -198,6 +198,8 @@ class CacheTable:
         self._factory = factory
         self._caches: OrderedDict[str, SessionCache] = OrderedDict()
         self._ids = itertools.count()
+        # Caches evicted to make room since start-up; the metrics scrape reads it.
+        self.evictions = 0
 
     def __len__(self) -> int:
         return len(self._caches)
@@ -206,6 +208,7 @@ class CacheTable:
         """Adds a cache for ``committed`` tokens, evicting the least recently used if full."""
         while len(self._caches) >= self._capacity:
             self._caches.popitem(last=False)
+            self.evictions += 1
         cache_id = f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         cache = self._factory(committed=list(committed))
         self._caches[cache_id] = cache
@@ -223,3 +226,28 @@ class CacheTable:
     def release(self, cache_id: str) -> bool:
         """Drops a cache; returns whether it existed."""
         return self._caches.pop(cache_id, None) is not None
+
+    def kv_bytes(self) -> int:
+        """Bytes of every cache's key and value buffers; safe to call from a thread other than the model's."""
+        # The model's worker thread may add or evict caches meanwhile: iterate over a copy, and take
+        # the copy again in the unlikely case the table changed while it was being made.
+        for _ in range(3):
+            try:
+                caches = list(self._caches.values())
+                break
+            except RuntimeError:
+                continue
+        else:
+            return 0
+        return sum(kv_buffer_bytes(cache.kv) for cache in caches)
+
+
+def kv_buffer_bytes(kv: Cache) -> int:
+    """Allocated bytes of a GrowableCache's key and value buffers (capacity, not just the filled part)."""
+    total = 0
+    for layer in list(getattr(kv, "layers", ())):
+        for name in ("_key_buf", "_value_buf"):
+            buf = getattr(layer, name, None)  # absent until the layer's first update
+            if buf is not None:
+                total += buf.numel() * buf.element_size()
+    return total

@@ -1,13 +1,14 @@
-"""gRPC plumbing the three services share: options, health, reflection, errors, and shutdown."""
+"""gRPC plumbing the three services share: options, TLS, health, reflection, errors, and shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -15,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
-from specdec.config import ServerConfig
+from specdec.config import ServerConfig, TlsClientConfig
 from specdec.errors import CacheBehind, CacheNotFound
 from specdec.tracing import make_tracer_provider
 
@@ -61,6 +62,42 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def _read(path: Path | str | None) -> bytes | None:
+    """A PEM file's bytes (a plain string path is accepted too), or None when no path is set."""
+    return None if path is None else Path(path).read_bytes()
+
+
+def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the config's PEM files (demanding client certificates when a client CA
+    is set), or None to serve plaintext."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    client_ca = _read(config.tls_client_ca)
+    return grpc.ssl_server_credentials(
+        [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def channel_credentials(tls: TlsClientConfig | None) -> grpc.ChannelCredentials | None:
+    """Client TLS credentials from PEM files, or None for a plaintext channel."""
+    if tls is None:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(tls.ca), private_key=_read(tls.key), certificate_chain=_read(tls.cert)
+    )
+
+
+def aio_channel(
+    address: str, options: Sequence[tuple[str, int]] = (), credentials: grpc.ChannelCredentials | None = None
+) -> grpc.aio.Channel:
+    """An asyncio channel: TLS when ``credentials`` are given, plaintext otherwise."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=options)
+    return grpc.aio.secure_channel(address, credentials, options=options)
+
+
 async def call_core(context: grpc.aio.ServicerContext, executor: Executor, fn: Callable[[], T]) -> T:
     """Runs a core call on the model's executor, turning its errors into gRPC statuses."""
     try:
@@ -95,10 +132,14 @@ class RunningServer:
 
 
 async def start_server(
-    config: ServerConfig, register: Callable[[grpc.aio.Server], None], service_names: tuple[str, ...]
+    config: ServerConfig,
+    register: Callable[[grpc.aio.Server], None],
+    service_names: tuple[str, ...],
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> RunningServer:
-    """Starts an aio server with health (NOT_SERVING until told) and reflection registered."""
-    server = grpc.aio.server(options=server_options(config.max_message_bytes))
+    """Starts an aio server with health (NOT_SERVING until told) and reflection registered, over TLS
+    when the config names a certificate; ``interceptors`` see every call, health and reflection included."""
+    server = grpc.aio.server(interceptors=interceptors, options=server_options(config.max_message_bytes))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -106,7 +147,9 @@ async def start_server(
         (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    address = f"{config.host}:{config.port}"
+    credentials = server_credentials(config)
+    port = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     await server.start()
@@ -142,18 +185,21 @@ async def serve_forever(
         provider.shutdown()
 
 
-async def wait_ready(address: str, timeout_s: float) -> None:
+async def wait_ready(address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
     """Polls an address's health service until it reports SERVING, or raises TimeoutError."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_channel(address, credentials=credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
+        last = "no answer yet"
         while True:
             try:
                 reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.aio.AioRpcError:
-                pass
+                last = f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+            except grpc.aio.AioRpcError as error:
+                # Kept for the timeout message: a TLS mismatch otherwise looks like a slow start.
+                last = f"{error.code().name}: {error.details()}"
             if asyncio.get_running_loop().time() > deadline:
-                raise TimeoutError(f"{address} did not become ready within {timeout_s:.0f}s")
+                raise TimeoutError(f"{address} did not become ready within {timeout_s:.0f}s ({last})")
             await asyncio.sleep(0.2)

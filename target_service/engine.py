@@ -48,6 +48,11 @@ class TargetEngine:
         """The model facts this service reports."""
         return self._loaded.facts("target")
 
+    @property
+    def caches(self) -> CacheTable:
+        """The session caches; the metrics scrape reads their count and size from another thread."""
+        return self._caches
+
     def _check_tokens(self, tokens: list[int], what: str) -> None:
         vocab = self._loaded.vocab_size
         if any(t < 0 or t >= vocab for t in tokens):

@@ -9,6 +9,7 @@ from opentelemetry import trace
 
 from specdec.cache_servicer import CacheServicer
 from specdec.config import TargetConfig
+from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.models import load_model
 from specdec.rpc import RunningServer, call_core, serve_forever, start_server
 from specdec.tracing import server_span
@@ -79,4 +80,7 @@ def main(config: TargetConfig) -> None:
         load_model(config.model.model, config.model.cache_dir, pack=config.model.pack), config.model.max_sessions
     )
     engine.warmup()
+    if config.server.metrics_port is not None:
+        metrics = CacheServiceMetrics(engine.caches)
+        start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
     asyncio.run(serve_forever(config.server, "target", lambda tracer: start_target(config, engine, tracer)))

@@ -18,7 +18,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from coordinator.server import start_coordinator
 from draft_service.engine import DraftEngine
 from draft_service.server import start_draft
-from specdec.config import CoordinatorConfig, DraftConfig, ModelConfig, TargetConfig
+from specdec.config import CoordinatorConfig, DraftConfig, ModelConfig, ServerConfig, TargetConfig
+from specdec.metrics import CoordinatorMetrics
 from target_service.engine import TargetEngine
 from target_service.server import start_target
 
@@ -26,8 +27,13 @@ from target_service.server import start_target
 class InProcessStack:
     """Target, draft and any number of coordinators on a private event loop thread."""
 
-    def __init__(self, target: TargetEngine, draft: DraftEngine, tokenizer_path: Path, redis_url: str) -> None:
+    def __init__(
+        self, target: TargetEngine, draft: DraftEngine, tokenizer_path: Path, redis_url: str,
+        services: ServerConfig | None = None,
+    ) -> None:
+        """``services`` is how target and draft listen (for example over TLS); default: plaintext loopback."""
         self.target_engine = target
+        self._services = services or ServerConfig()
         self.draft_engine = draft
         self.exporter = InMemorySpanExporter()
         self._provider = TracerProvider(resource=Resource.create({"service.name": "specdec-test"}))
@@ -46,18 +52,21 @@ class InProcessStack:
         """Runs a coroutine on the stack's loop and waits for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
-    def start(self) -> InProcessStack:
-        """Starts target, draft and one coordinator."""
-        target = self.run(start_target(TargetConfig(), self.target_engine, self._provider.get_tracer("specdec.target")))
-        draft = self.run(start_draft(DraftConfig(), self.draft_engine, self._provider.get_tracer("specdec.draft")))
+    def start(self, **coordinator) -> InProcessStack:
+        """Starts target, draft and one coordinator (``coordinator``: CoordinatorConfig overrides)."""
+        tracer = self._provider.get_tracer
+        services = self._services
+        target = self.run(start_target(TargetConfig(server=services), self.target_engine, tracer("specdec.target")))
+        draft = self.run(start_draft(DraftConfig(server=services), self.draft_engine, tracer("specdec.draft")))
         self._servers += [target, draft]
         self.target_address = f"127.0.0.1:{target.port}"
         self.draft_address = f"127.0.0.1:{draft.port}"
-        self.add_coordinator()
+        self.add_coordinator(**coordinator)
         return self
 
-    def add_coordinator(self, **overrides) -> str:
-        """Starts one more coordinator over the same services and Redis; returns its address."""
+    def add_coordinator(self, metrics: CoordinatorMetrics | None = None, **overrides) -> str:
+        """Starts one more coordinator over the same services and Redis (recording into ``metrics``
+        when given); returns its address."""
         config = CoordinatorConfig(
             draft_addresses=overrides.pop("draft_addresses", (self.draft_address,)),
             target_addresses=overrides.pop("target_addresses", (self.target_address,)),
@@ -66,7 +75,8 @@ class InProcessStack:
             startup_timeout_s=overrides.pop("startup_timeout_s", 30.0),
             **overrides,
         )
-        running, round_loop = self.run(start_coordinator(config, self._provider.get_tracer("specdec.coordinator")))
+        tracer = self._provider.get_tracer("specdec.coordinator")
+        running, round_loop = self.run(start_coordinator(config, tracer, metrics=metrics))
         self._servers.append(running)
         self._round_loops.append(round_loop)
         address = f"127.0.0.1:{running.port}"
