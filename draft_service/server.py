@@ -90,7 +90,7 @@ def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
     if config.int8_head:
         draft.quantize_head_int8()
     facts = replace(target.facts(FEATURE_KIND), name=str(path))
-    return FeatureDrafter(draft, facts, config.model.max_sessions, config.sample_top_k)
+    return FeatureDrafter(draft, facts, config.model.max_sessions, config.sample_top_k, lookup_min=config.lookup_min)
 
 
 def build_drafter(config: DraftConfig) -> DraftEngine:

@@ -141,6 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--sample-top-k", type=int, default=64, help="a model draft samples among its top tokens only")
     p.add_argument("--fp32-head", action="store_true", help="keep a feature draft's head in fp32 (default: int8)")
+    p.add_argument("--lookup-min", type=int, default=2,
+                   help="a feature draft tries prompt lookup first, from suffixes of this many tokens up (0: off)")
 
     p = sub.add_parser("serve-coordinator", help="run the coordinator")
     _add_server(p, 50050)
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         serve(DraftConfig(server=_server(args), kind=args.kind,
                           model=_model(args, args.model or default_draft_model(args.kind)), target_model=args.target_model,
                           ngram_max=args.ngram_max, ngram_min=args.ngram_min, sample_top_k=args.sample_top_k,
-                          int8_head=not args.fp32_head))
+                          int8_head=not args.fp32_head, lookup_min=args.lookup_min))
     elif args.command == "serve-coordinator":
         from coordinator.server import main as serve
 

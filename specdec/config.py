@@ -112,6 +112,9 @@ class DraftConfig:
     sample_top_k: int = 64
     # A feature draft's head in int8: a third cheaper per step for about 1% of acceptance.
     int8_head: bool = True
+    # A feature draft first tries prompt lookup (suffixes of lookup_min..4 tokens) and keeps it when it
+    # yields all k tokens; 0 turns that off.
+    lookup_min: int = 2
 
 
 @dataclass(frozen=True)

@@ -207,3 +207,20 @@ def test_int8_head_keeps_the_contract(draft, tiny_target):
         a, b = draft.full_logits(predicted), quantized.full_logits(predicted)  # [T-1, V]
     assert torch.equal(torch.isinf(a), torch.isinf(b))  # q stays zero outside the head
     assert (a[torch.isfinite(a)] - b[torch.isfinite(b)]).abs().max() < 0.25
+
+
+def test_prompt_lookup_goes_first_when_it_finds_a_whole_continuation(draft, tiny_target):
+    from draft_service.engine import FeatureDrafter
+    from specdec.sampling import Sampling
+
+    context = [5, 6, 7, 8, 9, 10, 11, 5, 6]  # "5 6" occurred before, followed by 7 8 9 10
+    with_lookup = FeatureDrafter(draft, tiny_target.facts("target"), 4, 64)
+    without = FeatureDrafter(draft, tiny_target.facts("target"), 4, 64, lookup_min=0)
+    for engine in (with_lookup, without):
+        cache_id, committed = engine.prefill(context)
+        assert engine.propose(cache_id, committed, [], 3, Sampling(), 0).tokens == (
+            [7, 8, 9] if engine is with_lookup else []  # no hidden states were sent: the model cannot draft
+        )
+    lookup_id, _ = with_lookup.prefill(context)
+    sampled = with_lookup.propose(lookup_id, committed, [], 3, Sampling(1.0, seed=1), 0)
+    assert sampled.tokens == [7, 8, 9] and sampled.q == [([7], [1.0]), ([8], [1.0]), ([9], [1.0])]
