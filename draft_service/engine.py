@@ -38,9 +38,9 @@ class DraftEngine:
     # Width of the target hidden states the drafter reads; None: it reads none.
     hidden_size: int | None = None
 
-    def __init__(self, facts: ModelFacts, max_sessions: int) -> None:
+    def __init__(self, facts: ModelFacts, max_sessions: int, cache_factory=SessionCache) -> None:
         self._facts = facts
-        self._caches = CacheTable(max_sessions)
+        self._caches = CacheTable(max_sessions, factory=cache_factory)
 
     @property
     def facts(self) -> ModelFacts:
@@ -160,8 +160,7 @@ class FeatureDrafter(DraftEngine):
 
     def __init__(self, draft: FeatureDraft, facts: ModelFacts, max_sessions: int, sample_top_k: int,
                  lookup_max: int = 4, lookup_min: int = 2) -> None:
-        super().__init__(replace(facts, kind=FEATURE_KIND), max_sessions)
-        self._caches = CacheTable(max_sessions, factory=FeatureSession)
+        super().__init__(replace(facts, kind=FEATURE_KIND), max_sessions, FeatureSession)
         self._draft_model = draft
         self._sample_top_k = sample_top_k
         self._lookup_max = lookup_max

@@ -189,7 +189,6 @@ class FeatureSession:
     features: torch.Tensor | None = None
     kv: GrowableCache = field(default_factory=GrowableCache)
     kv_pairs: int = 0
-    kv_spec: int = 0
 
     @property
     def feature_end(self) -> int:
@@ -229,7 +228,7 @@ class FeatureSession:
 
     def _reset_kv(self) -> None:
         self.kv = GrowableCache()
-        self.kv_pairs = self.kv_spec = 0
+        self.kv_pairs = 0
 
     def ready(self) -> bool:
         """Whether the last committed token has a feature before it, the start every proposal needs."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from draft_service.feature_draft import FeatureDraft
 from specdec.distill.collect import Sample
-from specdec.distill.train import IGNORE
+from specdec.distill.train import IGNORE, head_labels
 
 
 @dataclass(frozen=True)
@@ -41,17 +41,7 @@ def make_feature_examples(samples: list[Sample], features: list[torch.Tensor], v
     for s, f in zip(samples, features):
         if s.generated == 0 or len(s.tokens) < 3:
             continue
-        argmax = torch.full((len(s.tokens),), IGNORE, dtype=torch.long)
-        weights = torch.zeros(len(s.tokens))
-        start = s.prompt_len - 1
-        argmax[start:start + len(s.labels)] = torch.tensor(s.labels, dtype=torch.long)
-        weights[start:start + len(s.labels)] = 1.0
-        if prompt_weight > 0 and s.prompt_labels:
-            argmax[:start] = torch.tensor(s.prompt_labels[:start], dtype=torch.long)
-            weights[:start] = prompt_weight
-        head = torch.where(argmax >= 0, vocab_to_head[argmax.clamp(min=0)], -1)
-        labels = torch.where(head >= 0, head, IGNORE)
-        weights = torch.where(labels != IGNORE, weights, 0.0)
+        labels, weights = head_labels(s, len(s.tokens), vocab_to_head, prompt_weight)
         tokens = torch.tensor(s.tokens, dtype=torch.long)
         if len(tokens) > max_len:
             tokens, f, labels, weights = tokens[-max_len:], f[-max_len:], labels[-max_len:], weights[-max_len:]

@@ -50,6 +50,24 @@ class Example:
     soft_logits: torch.Tensor
 
 
+def head_labels(s: Sample, length: int, vocab_to_head: torch.Tensor,
+                prompt_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's argmax at positions ``0 .. length - 1`` in head coordinates (IGNORE where unknown
+    or outside the head) and their loss weights: 1 on generated positions, ``prompt_weight`` on
+    prompt positions (where the prompt's argmax was collected), 0 elsewhere."""
+    start = s.prompt_len - 1
+    argmax = torch.full((length,), IGNORE, dtype=torch.long)
+    weights = torch.zeros(length)
+    argmax[start:start + len(s.labels)] = torch.tensor(s.labels, dtype=torch.long)
+    weights[start:start + len(s.labels)] = 1.0
+    if prompt_weight > 0 and s.prompt_labels:
+        argmax[:start] = torch.tensor(s.prompt_labels[:start], dtype=torch.long)
+        weights[:start] = prompt_weight
+    head = torch.where(argmax >= 0, vocab_to_head[argmax.clamp(min=0)], -1)
+    labels = torch.where(head >= 0, head, IGNORE)
+    return labels, torch.where(labels != IGNORE, weights, 0.0)
+
+
 def make_examples(samples: list[Sample], vocab_to_head: torch.Tensor, max_len: int, prompt_weight: float = 0.0,
                   topk: int = 16) -> list[Example]:
     """One example per sample: inputs are all tokens but the last.
@@ -63,16 +81,7 @@ def make_examples(samples: list[Sample], vocab_to_head: torch.Tensor, max_len: i
             continue
         tokens = torch.tensor(s.tokens[:-1], dtype=torch.long)  # [T]
         start = s.prompt_len - 1
-        labels = torch.full_like(tokens, IGNORE)
-        weights = torch.zeros(len(tokens))
-        labels[start:] = torch.tensor(s.labels, dtype=torch.long)
-        weights[start:] = 1.0
-        if prompt_weight > 0 and s.prompt_labels:
-            labels[:start] = torch.tensor(s.prompt_labels[:start], dtype=torch.long)
-            weights[:start] = prompt_weight
-        head = torch.where(labels >= 0, vocab_to_head[labels.clamp(min=0)], -1)
-        targets = torch.where(head >= 0, head, IGNORE)
-        weights = torch.where(targets != IGNORE, weights, 0.0)
+        targets, weights = head_labels(s, len(tokens), vocab_to_head, prompt_weight)
         soft_ids = torch.full((len(tokens), topk), -1, dtype=torch.long)  # [T, K]
         soft_logits = torch.zeros((len(tokens), topk))  # [T, K]
         if s.topk_ids is not None:
