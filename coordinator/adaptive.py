@@ -11,6 +11,17 @@ The round costs k draft steps plus one verify pass over k + 1 tokens, so the bes
     E(k) / (k * draft_ms_per_token + verify_ms(k + 1)).
 
 k = 0 (target-only) is always a candidate, so speculation switches itself off when it does not pay.
+
+Under load the target verifies many sessions in one batched pass, and a session's extra draft tokens
+make that pass slower for everyone in it. The target reports, with each verdict, how many tokens the
+pass committed for the other sessions (R) and its cost curve: what the pass would have cost had this
+session fed k + 1 rows beside the others. The choice then maximises the pass's throughput as a whole,
+
+    (R + E(k)) / (k * draft_ms_per_token + overhead_ms + pass_ms(k + 1)),
+
+which is the single-session rule when R = 0. With many sessions R dwarfs what one session's draft can
+add while each extra row still costs its full share of a compute-bound pass, so k falls to 0 under
+heavy load and climbs back when the load falls.
 """
 
 from __future__ import annotations
@@ -34,16 +45,19 @@ def expected_tokens(accept: list[float], k: int) -> float:
     return total
 
 
-def choose_k(accept: list[float], draft_ms_per_token: float, verify_ms: list[float], k_max: int) -> int:
-    """The k in [0, k_max] with the most expected tokens per millisecond.
+def choose_k(
+    accept: list[float], draft_ms_per_token: float, verify_ms: list[float], k_max: int, others_committed: float = 0.0
+) -> int:
+    """The k in [0, k_max] with the most expected tokens per millisecond, counting the other sessions'.
 
-    ``verify_ms[n]`` is the cost of verifying n tokens (index 0 unused); ``accept[i]`` the conditional
-    acceptance of draft position i + 1.
+    ``verify_ms[n]`` is the cost of verifying n tokens (index 0 unused), for a batched pass the whole
+    pass's cost; ``accept[i]`` the conditional acceptance of draft position i + 1;
+    ``others_committed`` the tokens the same pass commits for the other sessions in it.
     """
     best_k, best_rate = 0, 0.0
     for k in range(0, min(k_max, len(verify_ms) - 2) + 1):
         cost = k * draft_ms_per_token + verify_ms[k + 1]
-        rate = expected_tokens(accept, k) / cost
+        rate = (others_committed + expected_tokens(accept, k)) / cost
         if rate > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted draft steps
             best_k, best_rate = k, rate
     return best_k
@@ -74,6 +88,17 @@ class AcceptanceTracker:
         return out
 
 
+@dataclass(frozen=True)
+class TargetLoad:
+    """A target replica's latest batched pass, as its verdicts report it (``PassLoad`` in the proto)."""
+
+    sessions: int
+    others_committed: int
+    pass_ms: float
+    curve_ms: list[float]
+    alone_ms: list[float]
+
+
 @dataclass
 class CostModel:
     """Moving averages of draft cost per token and verify cost by tokens verified.
@@ -91,6 +116,9 @@ class CostModel:
     # Assumed growth per extra verified token before it is measured (fraction of a one-token pass).
     growth: float = 0.08
 
+    # Round-trip cost of a verify call beyond the target's pass (RPC, encoding), measured unloaded.
+    overhead_ms: float = 3.0
+
     def __post_init__(self) -> None:
         if not self.verify_ms:
             self.verify_ms = [0.0] * (self.k_max + 2)
@@ -101,8 +129,11 @@ class CostModel:
         if tokens > 0:
             self.draft_ms_per_token += self.smoothing * (ms / tokens - self.draft_ms_per_token)
 
-    def record_verify(self, ms: float, tokens: int) -> None:
-        """Folds in one verify pass over ``tokens`` tokens (draft tokens + 1)."""
+    def record_verify(self, ms: float, tokens: int, load: TargetLoad | None = None) -> None:
+        """Folds in one verify call over ``tokens`` tokens (draft tokens + 1) that took ``ms`` end to end."""
+        if load is not None and load.sessions == 1:
+            # A lone pass: what the call took beyond it is the round trip, not waiting for others.
+            self.overhead_ms += self.smoothing * (max(0.0, ms - load.pass_ms) - self.overhead_ms)
         if tokens >= len(self.verify_ms):
             return
         if not self._seen[tokens]:
@@ -120,6 +151,21 @@ class CostModel:
                 out[n] = previous + self.growth * base if n > 1 else base
         return out
 
-    def choose(self, tracker: AcceptanceTracker) -> int:
-        """The best k for a session with this acceptance history."""
-        return choose_k(tracker.rates(self.k_max), self.draft_ms_per_token, self.curve(), self.k_max)
+    def choose(self, tracker: AcceptanceTracker, load: TargetLoad | None = None) -> int:
+        """The best k for a session with this acceptance history, on a target with this load.
+
+        Without a load report (a target that does not batch) the verify costs are the ones measured
+        here, call by call.
+        """
+        rates = tracker.rates(self.k_max)
+        if load is None or not load.curve_ms:
+            return choose_k(rates, self.draft_ms_per_token, self.curve(), self.k_max)
+        verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
+        return choose_k(rates, self.draft_ms_per_token, verify, self.k_max, load.others_committed)
+
+    def choose_unloaded(self, tracker: AcceptanceTracker, load: TargetLoad | None = None) -> int:
+        """The k this session would get were it alone on the target: > 0 means its draft is worth it,
+        so a k of 0 under load is the load's doing, not the draft's."""
+        if load is None or not load.alone_ms:
+            return self.choose(tracker)
+        return self.choose(tracker, TargetLoad(1, 0, load.alone_ms[0], load.alone_ms, load.alone_ms))

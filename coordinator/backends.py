@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from coordinator.adaptive import TargetLoad
 from specdec.models import ModelFacts
 from specdec.rpc import aio_channel, channel_options
 from specdec.sampling import Sampling
@@ -65,6 +66,8 @@ class VerifyResult:
     tokens: list[int]
     committed: int
     hidden: common_pb2.HiddenStates | None = None
+    # The batched pass it ran in; None from a target that reports none.
+    load: TargetLoad | None = None
 
 
 def merge_hidden(pending: common_pb2.HiddenStates | None, new: common_pb2.HiddenStates | None,
@@ -203,4 +206,10 @@ class TargetReplica(_Replica):
             request.draft_tokens.extend(draft.tokens)
             request.q.extend(draft_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in draft.q)
         reply = await self._call(self._stub.Verify, request, remaining_s)
-        return VerifyResult(reply.accepted, list(reply.tokens), reply.committed, reply.hidden if with_hidden else None)
+        load = None
+        if reply.HasField("load"):
+            load = TargetLoad(reply.load.sessions, reply.load.others_committed, reply.load.pass_ms,
+                              list(reply.load.curve_ms), list(reply.load.alone_ms))
+        return VerifyResult(
+            reply.accepted, list(reply.tokens), reply.committed, reply.hidden if with_hidden else None, load
+        )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 
-from coordinator.adaptive import AcceptanceTracker, CostModel
+from coordinator.adaptive import AcceptanceTracker, CostModel, TargetLoad
 from coordinator.backends import (
     BackendRejected,
     BackendUnavailable,
@@ -158,6 +158,8 @@ class RoundLoop:
         self._prior_costs = CostModel(k_max=max_auto_k)
         # Prometheus metrics of this process; None records nothing.
         self._metrics = metrics
+        # Each target replica's latest batched pass, from its verdicts: steers k under load.
+        self._target_load: dict[str, TargetLoad] = {}
 
     def _pick(self, replicas: dict, current: CacheRef | None):
         """The replica holding a session's cache, or the next one in turn for a new cache."""
@@ -219,9 +221,13 @@ class RoundLoop:
             round_index = 0
             while finish is None:
                 room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
-                k = fixed_k if fixed_k is not None else costs.choose(stats.positions)
+                load = self._target_load.get(target_ref.address) if sampling.greedy else None
+                k = fixed_k if fixed_k is not None else costs.choose(stats.positions, load)
                 if fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY:
-                    k = 1  # probe now and then, so a session whose draft improves can win it back
+                    # Probe now and then, so a session whose draft improves can win it back; but not
+                    # when the draft is good and only the target's load holds k at 0.
+                    if costs.choose_unloaded(stats.positions, load) == 0:
+                        k = 1
                 k_round = max(0, min(k, room - 1))
                 draft, verdict, draft_ref, target_ref, hidden = await self._round(
                     round_index, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s
@@ -316,7 +322,9 @@ class RoundLoop:
             hidden = merge_hidden(hidden, fed)
             verify_ms = (time.perf_counter() - t0) * 1000
             drafted = len(draft.tokens) if draft else 0
-            self._costs.record_verify(verify_ms, drafted + 1)
+            self._costs.record_verify(verify_ms, drafted + 1, verdict.load)
+            if verdict.load is not None:
+                self._target_load[target_ref.address] = verdict.load
             stats.draft_ms += draft_ms
             stats.verify_ms += verify_ms
             if self._metrics is not None:

@@ -125,6 +125,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
+    p.add_argument("--max-batch-rows", type=int, default=256,
+                   help="most token rows one batched verify pass feeds (all sessions together)")
 
     p = sub.add_parser("serve-draft", help="run the draft service")
     _add_server(p, 50051)
@@ -354,7 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve-target":
         from target_service.server import main as serve
 
-        serve(TargetConfig(server=_server(args), model=_model(args, args.model)))
+        serve(TargetConfig(server=_server(args), model=_model(args, args.model), max_batch_rows=args.max_batch_rows))
     elif args.command == "serve-draft":
         from draft_service.server import main as serve
 

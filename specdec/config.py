@@ -91,6 +91,8 @@ class TargetConfig:
 
     server: ServerConfig = ServerConfig()
     model: ModelConfig = ModelConfig()
+    # Most token rows one batched verify pass feeds; later arrivals wait for the next pass.
+    max_batch_rows: int = 256
 
 
 @dataclass(frozen=True)

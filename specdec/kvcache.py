@@ -133,6 +133,16 @@ class SessionCache:
             self.kv.crop(-drop)
             del self.kv_tokens[keep:]
 
+    def drop_unrecorded_kv(self) -> None:
+        """Crops KV entries a failed pass wrote beyond ``kv_tokens``, restoring the invariant.
+
+        A pass that failed midway may have grown some layers and not others, so each layer is cut alone.
+        """
+        for layer in self.kv.layers:
+            extra = layer.get_seq_length() - len(self.kv_tokens)
+            if extra > 0:
+                layer.crop(-extra)
+
     def pending(self) -> list[int]:
         """Committed tokens not yet in the KV cache (at least the last one after a sync)."""
         return self.committed[len(self.kv_tokens) :]
@@ -203,6 +213,11 @@ class CacheTable:
 
     def __len__(self) -> int:
         return len(self._caches)
+
+    @property
+    def capacity(self) -> int:
+        """Most caches held at once."""
+        return self._capacity
 
     def create(self, committed: list[int]) -> tuple[str, SessionCache]:
         """Adds a cache for ``committed`` tokens, evicting the least recently used if full."""

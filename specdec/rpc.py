@@ -100,12 +100,17 @@ def aio_channel(
 
 async def call_core(context: grpc.aio.ServicerContext, executor: Executor, fn: Callable[[], T]) -> T:
     """Runs a core call on the model's executor, turning its errors into gRPC statuses."""
+    return await guarded(context, asyncio.get_running_loop().run_in_executor(executor, fn), fn)
+
+
+async def guarded(context: grpc.aio.ServicerContext, work: Awaitable[T], what: object) -> T:
+    """Awaits core work, turning its errors into gRPC statuses (``what`` names it in the log)."""
     try:
-        return await asyncio.get_running_loop().run_in_executor(executor, fn)
+        return await work
     except Exception as exc:  # noqa: BLE001 - every error must reach the caller as a status
         code = status_of(exc)
         if code is None:
-            log.exception("unexpected error in %s", getattr(fn, "__qualname__", fn))
+            log.exception("unexpected error in %s", getattr(what, "__qualname__", what))
             code = grpc.StatusCode.INTERNAL
         await context.abort(code, str(exc))
         raise AssertionError("unreachable") from exc

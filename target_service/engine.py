@@ -5,15 +5,22 @@ No gRPC here; ``target_service.server`` converts messages to these calls.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
-from specdec.kvcache import CacheTable, HiddenRows
+from specdec.kvcache import CacheTable, HiddenRows, SessionCache
+from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.models import LoadedModel, ModelFacts
 from specdec.sampling import Sampling, Verdict, round_generator, sparse_to_dense, verify_greedy, verify_sampled, warp_probs
+from target_service.pass_costs import PassCosts
 
 TARGET_STREAM = 2
+# Own rows (pending token + draft tokens) a reply's pass-cost curve covers: k up to 15.
+CURVE_ROWS = 16
+# Pass sizes (token rows) measured at start-up.
+WARMUP_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 # Most hidden-state rows a prefill returns (2048 x 576 fp16 is 2.4 MB, well inside a message).
 PREFILL_HIDDEN_ROWS = 2048
 
@@ -27,6 +34,38 @@ class SparseQ:
 
 
 @dataclass(frozen=True)
+class VerifyCall:
+    """One session's verification request, as the engine takes it."""
+
+    cache_id: str
+    start: int
+    new_tokens: list[int]
+    draft_tokens: list[int]
+    q: list[SparseQ]
+    sampling: Sampling
+    round_index: int
+    with_hidden: bool = False
+
+
+@dataclass(frozen=True)
+class PassLoad:
+    """The pass a round was verified in, as the session saw it; steers its next draft length."""
+
+    sessions: int
+    """Sessions verified in the pass."""
+    rows: int
+    """Token rows the pass fed, all sessions together."""
+    others_committed: int
+    """Tokens the pass committed for the other sessions."""
+    pass_ms: float
+    """How long the pass took."""
+    curve_ms: list[float]
+    """Predicted pass ms had this session fed 1, 2, ... rows beside the others' rows."""
+    alone_ms: list[float]
+    """Predicted pass ms had this session fed 1, 2, ... rows alone."""
+
+
+@dataclass(frozen=True)
 class VerifyOutcome:
     """A verified round: what was accepted, the committed tokens, and the cache's committed length."""
 
@@ -34,14 +73,32 @@ class VerifyOutcome:
     tokens: list[int]
     committed: int
     hidden: HiddenRows | None = None
+    load: PassLoad | None = None
+
+
+@dataclass
+class _Prepared:
+    """A call whose cache is synced and ready to feed: index into the batch, cache, and fed tokens."""
+
+    index: int
+    call: VerifyCall
+    cache: SessionCache
+    fed: list[int]
 
 
 class TargetEngine:
-    """Verifies draft proposals for many sessions against one target model (one call at a time)."""
+    """Verifies draft proposals for many sessions against one target model (one pass at a time).
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int) -> None:
+    Calls that arrive together are verified in one ragged pass (``specdec.ragged``) when the model
+    supports it, so a batch costs about one weight read instead of one per session.
+    """
+
+    def __init__(self, loaded: LoadedModel, max_sessions: int, curve_rows: int = CURVE_ROWS) -> None:
         self._loaded = loaded
         self._caches = CacheTable(max_sessions)
+        self._ragged = supports_ragged(loaded.model)
+        self._costs = PassCosts()
+        self._curve_rows = curve_rows
 
     @property
     def facts(self) -> ModelFacts:
@@ -52,6 +109,11 @@ class TargetEngine:
     def caches(self) -> CacheTable:
         """The session caches; the metrics scrape reads their count and size from another thread."""
         return self._caches
+
+    @property
+    def batches(self) -> bool:
+        """True when calls that arrive together share one pass."""
+        return self._ragged
 
     def _check_tokens(self, tokens: list[int], what: str) -> None:
         vocab = self._loaded.vocab_size
@@ -89,34 +151,117 @@ class TargetEngine:
 
         With ``with_hidden``, the outcome carries the hidden states of the committed positions fed.
         """
-        self._check_tokens(new_tokens, "sync.tokens")
-        self._check_tokens(draft_tokens, "draft_tokens")
-        if not sampling.greedy:
-            if len(q) != len(draft_tokens):
-                raise ValueError(f"q: sampled verification needs one q per draft token ({len(draft_tokens)}), got {len(q)}")
-            for dist in q:
+        call = VerifyCall(cache_id, start, new_tokens, draft_tokens, q, sampling, round_index, with_hidden)
+        outcome = self.verify_batch([call])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
+        """Verifies many sessions' rounds, one pass per wave of distinct caches.
+
+        Each call gets its outcome, or the error that call alone caused (a bad field, a lost cache);
+        one session's bad request never fails the others.
+        """
+        results: list[VerifyOutcome | Exception | None] = [None] * len(calls)
+        remaining = list(range(len(calls)))
+        while remaining:
+            # Two rounds of one session (racing coordinators) must not share a pass: defer the later.
+            seen: set[str] = set()
+            wave, later = [], []
+            for i in remaining:
+                (later if calls[i].cache_id in seen else wave).append(i)
+                seen.add(calls[i].cache_id)
+            prepared = []
+            for i in wave:
+                try:
+                    prepared.append(self._prepare(i, calls[i]))
+                except Exception as exc:  # noqa: BLE001 - the error belongs to this call alone
+                    results[i] = exc
+            if prepared:
+                try:
+                    for i, outcome in self._run_pass(prepared):
+                        results[i] = outcome
+                except Exception as exc:  # noqa: BLE001 - a failed pass fails only its own calls
+                    for item in prepared:
+                        item.cache.drop_unrecorded_kv()
+                        results[item.index] = exc
+            remaining = later
+        return results  # type: ignore[return-value]
+
+    def _prepare(self, index: int, call: VerifyCall) -> _Prepared:
+        """Checks a call's fields and syncs its cache to the committed tokens it names."""
+        self._check_tokens(call.new_tokens, "sync.tokens")
+        self._check_tokens(call.draft_tokens, "draft_tokens")
+        if not call.sampling.greedy:
+            if len(call.q) != len(call.draft_tokens):
+                raise ValueError(
+                    f"q: sampled verification needs one q per draft token ({len(call.draft_tokens)}), got {len(call.q)}"
+                )
+            for dist in call.q:
                 self._check_tokens(dist.token_ids, "q.token_ids")
                 if len(dist.probs) != len(dist.token_ids) or any(not 0.0 <= x <= 1.0 for x in dist.probs):
                     raise ValueError("q.probs: need one probability in [0, 1] per token id")
-        cache = self._caches.get(cache_id)
-        cache.sync(start, new_tokens)
-        if len(cache.committed) + len(draft_tokens) >= self._loaded.max_context:
+        cache = self._caches.get(call.cache_id)
+        cache.sync(call.start, call.new_tokens)
+        if len(cache.committed) + len(call.draft_tokens) >= self._loaded.max_context:
             raise ValueError(f"draft_tokens: the round would exceed the context of {self._loaded.max_context}")
-        k = len(draft_tokens)
-        hidden = None
-        if with_hidden:
-            logits, hidden = cache.forward_with_hidden(self._loaded.model, draft_tokens, logits_to_keep=k + 1)
+        return _Prepared(index, call, cache, cache.pending() + list(call.draft_tokens))
+
+    def _run_pass(self, batch: list[_Prepared]) -> list[tuple[int, VerifyOutcome]]:
+        """One forward pass over every prepared call, then each call's acceptance decision."""
+        model = self._loaded.model
+        t0 = time.perf_counter()
+        if len(batch) > 1 and self._ragged:
+            logits, hidden = ragged_forward(
+                model, [RaggedItem(p.cache.kv, p.fed, len(p.call.draft_tokens) + 1) for p in batch]
+            )
+            for p in batch:
+                p.cache.kv_tokens.extend(p.fed)
+            starts = [len(p.cache.kv_tokens) - len(p.fed) for p in batch]
         else:
-            logits = cache.forward(self._loaded.model, draft_tokens, logits_to_keep=k + 1)  # [k + 1, V]
-        if sampling.greedy:
-            verdict = verify_greedy(logits, draft_tokens)
-        else:
-            verdict = self._verify_sampled(logits, draft_tokens, q, sampling, round_index)
-        cache.committed.extend(verdict.tokens)
-        cache.trim()
-        if hidden is not None:  # keep fed positions that were committed; the newest token is fed next round
-            hidden = HiddenRows(hidden.start, hidden.rows[: len(cache.committed) - 1 - hidden.start])
-        return VerifyOutcome(verdict.accepted, verdict.tokens, len(cache.committed), hidden)
+            logits, hidden, starts = [], [], []
+            for p in batch:
+                keep = len(p.call.draft_tokens) + 1
+                if p.call.with_hidden:
+                    item_logits, rows = p.cache.forward_with_hidden(model, p.call.draft_tokens, keep)
+                    hidden.append(rows.rows)
+                    starts.append(rows.start)
+                else:
+                    item_logits = p.cache.forward(model, p.call.draft_tokens, keep)  # [k + 1, V]
+                    hidden.append(None)
+                    starts.append(0)
+                logits.append(item_logits)
+        pass_ms = (time.perf_counter() - t0) * 1000
+        rows = sum(len(p.fed) for p in batch)
+        self._costs.record(rows, pass_ms)
+
+        outcomes = []
+        for p, item_logits, item_hidden, start in zip(batch, logits, hidden, starts):
+            call, cache = p.call, p.cache
+            if call.sampling.greedy:
+                verdict = verify_greedy(item_logits, call.draft_tokens)
+            else:
+                verdict = self._verify_sampled(item_logits, call.draft_tokens, call.q, call.sampling, call.round_index)
+            cache.committed.extend(verdict.tokens)
+            cache.trim()
+            rows_out = None
+            if call.with_hidden:  # keep fed positions that were committed; the newest token is fed next round
+                rows_out = HiddenRows(start, item_hidden[: len(cache.committed) - 1 - start])
+            outcomes.append((p, VerifyOutcome(verdict.accepted, verdict.tokens, len(cache.committed), rows_out)))
+        committed_all = sum(len(o.tokens) for _, o in outcomes)
+        alone = self._costs.curve(0, self._curve_rows)
+        return [
+            (p.index, replace(o, load=PassLoad(
+                sessions=len(batch),
+                rows=rows,
+                others_committed=committed_all - len(o.tokens),
+                pass_ms=pass_ms,
+                curve_ms=self._costs.curve(rows - len(p.fed), self._curve_rows),
+                alone_ms=alone,
+            )))
+            for p, o in outcomes
+        ]
 
     def _verify_sampled(
         self, logits: torch.Tensor, draft_tokens: list[int], q: list[SparseQ], sampling: Sampling, round_index: int
@@ -131,8 +276,20 @@ class TargetEngine:
         """Drops a session cache."""
         return self._caches.release(cache_id)
 
-    def warmup(self) -> None:
-        """Runs a prefill and a verify once so the first real request pays no start-up costs."""
+    def warmup(self, sizes: tuple[int, ...] = WARMUP_ROWS) -> None:
+        """Runs a prefill and passes of several sizes, so the first real request pays no start-up
+        costs and the pass-cost curve starts from measurements rather than guesses."""
         cache_id, committed, _ = self.prefill([0, 1, 2, 3], with_hidden=True)
         self.verify(cache_id, committed, [], [4, 5], [], Sampling(), 0, with_hidden=True)
         self.release(cache_id)
+        for rows in sizes:
+            # Sessions of up to 3 rows each (one pending token + 2 drafts), the shape of a loaded batch.
+            per_session = [min(3, rows - i) for i in range(0, rows, 3)]
+            if len(per_session) > 1 and not self._ragged or len(per_session) > self._caches.capacity:
+                break
+            for repeat in range(2):  # the first pass of a shape warms allocators; the second is timed
+                ids = [self.prefill([0, 1, 2, 3])[0] for _ in per_session]
+                calls = [VerifyCall(i, 4, [], [4] * (n - 1), [], Sampling(), 0) for i, n in zip(ids, per_session)]
+                self.verify_batch(calls)
+                for i in ids:
+                    self.release(i)

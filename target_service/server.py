@@ -11,11 +11,12 @@ from specdec.cache_servicer import CacheServicer
 from specdec.config import TargetConfig
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.models import load_model
-from specdec.rpc import RunningServer, call_core, serve_forever, start_server
+from specdec.rpc import RunningServer, call_core, guarded, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import hidden_to_pb, sampling_from_pb
-from target_service.engine import SparseQ, TargetEngine
+from target_service.batcher import VerifyBatcher
+from target_service.engine import SparseQ, TargetEngine, VerifyCall
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -23,9 +24,15 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     """Thin servicer over a TargetEngine."""
 
-    def __init__(self, engine: TargetEngine, tracer: trace.Tracer) -> None:
+    def __init__(self, engine: TargetEngine, tracer: trace.Tracer, max_batch_rows: int) -> None:
         super().__init__(engine, tracer, "TargetService")
         self._target = engine
+        self._batcher = VerifyBatcher(engine, self._executor, max_batch_rows)
+
+    @property
+    def batcher(self) -> VerifyBatcher:
+        """The verify batcher; tests read its pass and call counts."""
+        return self._batcher
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
@@ -42,22 +49,26 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         with server_span(self._tracer, "TargetService/Verify", context) as span:
             span.set_attribute("specdec.k", len(request.draft_tokens))
             q = [SparseQ(list(d.token_ids), list(d.probs)) for d in request.q]
-            outcome = await call_core(
-                context,
-                self._executor,
-                lambda: self._target.verify(
-                    request.sync.cache_id,
-                    request.sync.start,
-                    list(request.sync.tokens),
-                    list(request.draft_tokens),
-                    q,
-                    sampling_from_pb(request.sampling),
-                    request.round,
-                    request.return_hidden,
-                ),
+            call = VerifyCall(
+                request.sync.cache_id,
+                request.sync.start,
+                list(request.sync.tokens),
+                list(request.draft_tokens),
+                q,
+                sampling_from_pb(request.sampling),
+                request.round,
+                request.return_hidden,
             )
+            outcome = await guarded(context, self._batcher.verify(call), "TargetService/Verify")
             span.set_attribute("specdec.accepted", outcome.accepted)
             reply = target_pb2.VerifyReply(accepted=outcome.accepted, tokens=outcome.tokens, committed=outcome.committed)
+            if outcome.load is not None:
+                load = outcome.load
+                span.set_attributes({"specdec.batch_sessions": load.sessions, "specdec.batch_rows": load.rows})
+                reply.load.CopyFrom(target_pb2.PassLoad(
+                    sessions=load.sessions, rows=load.rows, others_committed=load.others_committed,
+                    pass_ms=load.pass_ms, curve_ms=load.curve_ms, alone_ms=load.alone_ms,
+                ))
             if outcome.hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))
             return reply
@@ -65,7 +76,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
 
 async def start_target(config: TargetConfig, engine: TargetEngine, tracer: trace.Tracer) -> RunningServer:
     """Starts the target gRPC server over a loaded engine and reports it ready."""
-    servicer = TargetServicer(engine, tracer)
+    servicer = TargetServicer(engine, tracer, config.max_batch_rows)
     running = await start_server(
         config.server, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s), (SERVICE_NAME,)
     )

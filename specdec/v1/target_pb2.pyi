@@ -25,13 +25,31 @@ class VerifyRequest(_message.Message):
     def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("accepted", "tokens", "committed", "hidden")
+    __slots__ = ("accepted", "tokens", "committed", "hidden", "load")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     committed: int
     hidden: _common_pb2.HiddenStates
-    def __init__(self, accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ...) -> None: ...
+    load: PassLoad
+    def __init__(self, accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., load: _Optional[_Union[PassLoad, _Mapping]] = ...) -> None: ...
+
+class PassLoad(_message.Message):
+    __slots__ = ("sessions", "rows", "others_committed", "pass_ms", "curve_ms", "alone_ms")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    OTHERS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    PASS_MS_FIELD_NUMBER: _ClassVar[int]
+    CURVE_MS_FIELD_NUMBER: _ClassVar[int]
+    ALONE_MS_FIELD_NUMBER: _ClassVar[int]
+    sessions: int
+    rows: int
+    others_committed: int
+    pass_ms: float
+    curve_ms: _containers.RepeatedScalarFieldContainer[float]
+    alone_ms: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sessions: _Optional[int] = ..., rows: _Optional[int] = ..., others_committed: _Optional[int] = ..., pass_ms: _Optional[float] = ..., curve_ms: _Optional[_Iterable[float]] = ..., alone_ms: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -1,0 +1,108 @@
+"""One forward pass over many sessions at once, each with its own KV cache and its own length.
+
+Continuous batching at round granularity needs a pass that takes, for every session in the batch,
+a different number of new tokens on top of a different cached length. Padding every session's cache
+to the longest one would copy each cache into a batch tensor on every pass (on this model about
+46 KB per cached token) and waste attention on padding. Instead the sessions' new tokens are
+concatenated into one ragged row block ``[N, D]``:
+
+- every linear layer (q/k/v/o projections, the MLP, the LM head) runs once over all N rows, which is
+  where a batch saves time: the weights are read once per pass instead of once per session;
+- attention runs per session against that session's own cache (its own GrowableCache buffers, the
+  same ones the single-session path uses), so no cache is ever copied or padded.
+
+This is the layout of vLLM's "varlen" attention without paging: caches stay per session because a
+session's cache already grows in place (``specdec.kvcache.GrowableLayer``), so blocks would buy
+nothing here but indirection.
+
+Only Llama-style decoders (pre-norm, RoPE of any scaling the model's own rotary module computes,
+GQA, gated MLP) are supported; ``supports_ragged`` says
+whether a model qualifies, and callers fall back to one pass per session otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+_RAGGED_TYPES = ("llama",)
+
+
+def supports_ragged(model: PreTrainedModel) -> bool:
+    """True when ``model`` is a decoder this module can run ragged (a plain Llama)."""
+    config = model.config
+    return (
+        getattr(config, "model_type", None) in _RAGGED_TYPES
+        and not getattr(config, "attention_bias", False)
+        and not getattr(config, "mlp_bias", False)
+    )
+
+
+@dataclass(frozen=True)
+class RaggedItem:
+    """One session in a ragged pass: its cache, the tokens to feed, and how many last logits to keep."""
+
+    cache: Cache
+    tokens: list[int]
+    logits_to_keep: int
+
+
+def _causal_mask(fed: int, past: int) -> torch.Tensor | None:
+    """``[fed, past + fed]`` bool mask letting each new token see the cache and the new tokens before it."""
+    if fed == 1:
+        return None  # one query sees every key
+    keys = torch.arange(past + fed)
+    queries = past + torch.arange(fed)
+    return keys[None, :] <= queries[:, None]
+
+
+@torch.inference_mode()
+def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Feeds every item's tokens into its own cache in one pass over the model's weights.
+
+    Returns, per item, the logits ``[logits_to_keep, V]`` (float32) of its last positions and the
+    final-norm hidden states ``[n_i, D]`` of every position it fed. The caches grow by the fed tokens,
+    exactly as a single-session forward would grow them.
+    """
+    decoder = model.get_decoder()
+    lengths = [len(item.tokens) for item in items]
+    pasts = [item.cache.get_seq_length() for item in items]
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    input_ids = torch.tensor([t for item in items for t in item.tokens], dtype=torch.long)  # [N]
+    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(pasts, lengths)])  # [N]
+    masks = [_causal_mask(n, p) for n, p in zip(lengths, pasts)]
+
+    x = decoder.embed_tokens(input_ids)  # [N, D]
+    cos, sin = decoder.rotary_emb(x, positions[None])  # [1, N, hd] each
+    for layer_idx, layer in enumerate(decoder.layers[: model.config.num_hidden_layers]):
+        attn = layer.self_attn
+        h = layer.input_layernorm(x)
+        n_rows = h.shape[0]
+        q = attn.q_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hq, N, hd]
+        k = attn.k_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hkv, N, hd]
+        v = attn.v_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hkv, N, hd]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        outs = []
+        for i, item in enumerate(items):
+            lo, hi = bounds[i], bounds[i + 1]
+            keys, values = item.cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx)  # [1, Hkv, T_i, hd]
+            out = F.scaled_dot_product_attention(
+                q[:, :, lo:hi], keys, values, attn_mask=masks[i], scale=attn.scaling, enable_gqa=True
+            )  # [1, Hq, n_i, hd]
+            outs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))  # [n_i, Hq * hd]
+        x = x + attn.o_proj(torch.cat(outs))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    hidden = decoder.norm(x)  # [N, D]
+
+    keep = torch.cat([torch.arange(hi - item.logits_to_keep, hi) for item, hi in zip(items, bounds[1:])])
+    logits = model.get_output_embeddings()(hidden[keep]).float()  # [sum keep, V]
+    per_item_logits = list(torch.split(logits, [item.logits_to_keep for item in items]))
+    per_item_hidden = [hidden[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+    return per_item_logits, per_item_hidden
