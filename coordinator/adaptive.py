@@ -55,7 +55,7 @@ def choose_k(
     ``others_committed`` the tokens the same pass commits for the other sessions in it.
     """
     best_k, best_rate = 0, 0.0
-    for k in range(0, min(k_max, len(verify_ms) - 2) + 1):
+    for k in range(min(k_max, len(verify_ms) - 2) + 1):
         cost = k * draft_ms_per_token + verify_ms[k + 1]
         rate = (others_committed + expected_tokens(accept, k)) / cost
         if rate > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted draft steps

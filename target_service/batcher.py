@@ -23,9 +23,6 @@ class VerifyBatcher:
         self._max_rows = max_batch_rows
         self._waiting: deque[tuple[VerifyCall, asyncio.Future]] = deque()
         self._draining = False
-        # Passes run and calls served since start-up; tests and the metrics read them.
-        self.passes = 0
-        self.calls = 0
 
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
         """Verifies one call in the next pass; raises the error that call caused."""
@@ -60,8 +57,6 @@ class VerifyBatcher:
                     results = await loop.run_in_executor(self._executor, self._engine.verify_batch, calls)
                 except Exception as exc:  # noqa: BLE001 - delivered to every caller of this pass
                     results = [exc] * len(batch)
-                self.passes += 1
-                self.calls += len(batch)
                 for (_, future), result in zip(batch, results):
                     if future.done():
                         continue

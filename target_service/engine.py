@@ -11,9 +11,17 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
-from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.models import LoadedModel, ModelFacts
-from specdec.sampling import Sampling, Verdict, round_generator, sparse_to_dense, verify_greedy, verify_sampled, warp_probs
+from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
+from specdec.sampling import (
+    Sampling,
+    Verdict,
+    round_generator,
+    sparse_to_dense,
+    verify_greedy,
+    verify_sampled,
+    warp_probs,
+)
 from target_service.pass_costs import PassCosts
 
 TARGET_STREAM = 2
@@ -99,6 +107,10 @@ class TargetEngine:
         self._ragged = supports_ragged(loaded.model)
         self._costs = PassCosts()
         self._curve_rows = curve_rows
+        # Verify passes run, rounds verified in them, and the most sessions one pass held.
+        self.passes = 0
+        self.verified = 0
+        self.largest_pass = 0
 
     @property
     def facts(self) -> ModelFacts:
@@ -235,6 +247,9 @@ class TargetEngine:
         pass_ms = (time.perf_counter() - t0) * 1000
         rows = sum(len(p.fed) for p in batch)
         self._costs.record(rows, pass_ms)
+        self.passes += 1
+        self.verified += len(batch)
+        self.largest_pass = max(self.largest_pass, len(batch))
 
         outcomes = []
         for p, item_logits, item_hidden, start in zip(batch, logits, hidden, starts):
@@ -287,9 +302,10 @@ class TargetEngine:
             per_session = [min(3, rows - i) for i in range(0, rows, 3)]
             if len(per_session) > 1 and not self._ragged or len(per_session) > self._caches.capacity:
                 break
-            for repeat in range(2):  # the first pass of a shape warms allocators; the second is timed
+            for _ in range(2):  # the first pass of a shape warms allocators; the second is timed
                 ids = [self.prefill([0, 1, 2, 3])[0] for _ in per_session]
                 calls = [VerifyCall(i, 4, [], [4] * (n - 1), [], Sampling(), 0) for i, n in zip(ids, per_session)]
                 self.verify_batch(calls)
                 for i in ids:
                     self.release(i)
+        self.passes = self.verified = self.largest_pass = 0

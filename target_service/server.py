@@ -29,11 +29,6 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         self._target = engine
         self._batcher = VerifyBatcher(engine, self._executor, max_batch_rows)
 
-    @property
-    def batcher(self) -> VerifyBatcher:
-        """The verify batcher; tests read its pass and call counts."""
-        return self._batcher
-
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
             span.set_attribute("specdec.tokens", len(request.tokens))

@@ -1,0 +1,190 @@
+"""Batched verification: the ragged pass, the engine's batches, the batcher, and load-aware k."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from harness import InProcessStack
+from test_e2e_tiny import hf_greedy
+
+from coordinator.adaptive import AcceptanceTracker, CostModel, TargetLoad, choose_k
+from draft_service.engine import ModelDrafter
+from specdec import Client
+from specdec.kvcache import SessionCache
+from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
+from specdec.sampling import Sampling
+from target_service.batcher import VerifyBatcher
+from target_service.engine import TargetEngine, VerifyCall
+from target_service.pass_costs import PassCosts
+
+
+def _sessions(model, lengths: list[int], seed: int) -> list[SessionCache]:
+    """Session caches over random prompts of the given lengths, prefilled as the services do."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    out = []
+    for n in lengths:
+        cache = SessionCache(committed=torch.randint(2, vocab, (n,), generator=g).tolist())
+        cache.prefill(model)
+        out.append(cache)
+    return out
+
+
+@pytest.mark.parametrize("which", ["tiny", "default"])
+def test_ragged_pass_equals_one_pass_per_session(which, tiny_target, default_model):
+    """Logits, hidden states and the grown caches match separate single-session passes."""
+    model = (tiny_target if which == "tiny" else default_model).model
+    assert supports_ragged(model)
+    lengths, extras = [1, 5, 17, 40], [[3], [4, 5, 6], [], [7, 8]]
+    alone, batched = _sessions(model, lengths, 0), _sessions(model, lengths, 0)
+    expected = [c.forward_with_hidden(model, extra, len(extra) + 1) for c, extra in zip(alone, extras)]
+    items = [RaggedItem(c.kv, c.pending() + extra, len(extra) + 1) for c, extra in zip(batched, extras)]
+    logits, hidden = ragged_forward(model, items)
+    for (want_logits, want_hidden), got_logits, got_hidden, a, b in zip(expected, logits, hidden, alone, batched):
+        assert got_logits.shape == want_logits.shape
+        torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got_hidden, want_hidden.rows, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got_logits.argmax(-1), want_logits.argmax(-1))
+        for la, lb in zip(a.kv.layers, b.kv.layers):
+            torch.testing.assert_close(la.keys, lb.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(la.values, lb.values, atol=1e-4, rtol=1e-4)
+
+
+def _calls(engine: TargetEngine, prompts: list[list[int]], drafts: list[list[int]], sampling: Sampling,
+           with_hidden: bool = False) -> list[VerifyCall]:
+    ids = [engine.prefill(p)[0] for p in prompts]
+    return [VerifyCall(i, len(p), [], d, [], sampling, 3, with_hidden) for i, p, d in zip(ids, prompts, drafts)]
+
+
+PROMPTS = [[5, 6, 7], [9] * 12, [3, 4], [20, 21, 22, 23, 24, 25, 26]]
+DRAFTS = [[8, 9], [], [5, 6, 7, 8], [27]]
+
+
+def test_verify_batch_equals_separate_verifies(tiny_target):
+    """Greedy verdicts, committed tokens and hidden rows are the same batched as one by one."""
+    batched, alone = TargetEngine(tiny_target, 16), TargetEngine(tiny_target, 16)
+    calls = _calls(batched, PROMPTS, DRAFTS, Sampling(), with_hidden=True)
+    results = batched.verify_batch(calls)
+    assert batched.passes == 1 and batched.largest_pass == len(PROMPTS)
+    for call, got in zip(_calls(alone, PROMPTS, DRAFTS, Sampling(), with_hidden=True), results):
+        want = alone.verify_batch([call])[0]
+        assert (got.accepted, got.tokens, got.committed) == (want.accepted, want.tokens, want.committed)
+        assert got.hidden.start == want.hidden.start
+        torch.testing.assert_close(got.hidden.rows, want.hidden.rows, atol=1e-4, rtol=1e-4)
+        assert got.load.sessions == len(PROMPTS) and got.load.rows == sum(len(d) + 1 for d in DRAFTS)
+        assert got.load.others_committed == sum(len(r.tokens) for r in results) - len(got.tokens)
+
+
+def test_verify_batch_isolates_a_bad_call_and_defers_a_repeated_session(tiny_target):
+    """One call's bad field fails that call only; two rounds of one cache run in order, not together."""
+    engine = TargetEngine(tiny_target, 16)
+    calls = _calls(engine, PROMPTS[:2], DRAFTS[:2], Sampling())
+    bad = VerifyCall(calls[0].cache_id, 3, [], [10_000], [], Sampling(), 0)
+    missing = VerifyCall("nope", 0, [], [], [], Sampling(), 0)
+    results = engine.verify_batch([calls[0], bad, missing, calls[1]])
+    assert isinstance(results[1], ValueError) and "draft_tokens" in str(results[1])
+    assert isinstance(results[2], LookupError)
+    assert not isinstance(results[0], Exception) and not isinstance(results[3], Exception)
+
+    # The same cache twice in one batch: the second round sees the first one's commits.
+    first = results[0]
+    again = VerifyCall(calls[0].cache_id, first.committed, [], [], [], Sampling(), 0)
+    twice = engine.verify_batch([again, VerifyCall(calls[0].cache_id, first.committed + 1, [], [], [], Sampling(), 0)])
+    assert twice[0].committed == first.committed + 1 and twice[1].committed == first.committed + 2
+
+
+def test_sampled_verify_batch_is_reproducible_per_seed(tiny_target):
+    """Sampled verdicts depend on the session's own seed and round only, never on batch company."""
+    sampling = Sampling(temperature=1.0, seed=11)
+    batched, alone = TargetEngine(tiny_target, 16), TargetEngine(tiny_target, 16)
+    calls = _calls(batched, PROMPTS, [[] for _ in PROMPTS], sampling)
+    results = batched.verify_batch(calls)
+    for call, got in zip(_calls(alone, PROMPTS, [[] for _ in PROMPTS], sampling), results):
+        assert alone.verify_batch([call])[0].tokens == got.tokens
+
+
+def test_batcher_merges_calls_that_arrive_together(tiny_target):
+    """Calls submitted while a pass runs share the next pass, and each gets its own verdict."""
+    engine = TargetEngine(tiny_target, 32)
+    reference = TargetEngine(tiny_target, 32)
+    prompts = [[2 + i, 3 + i, 4 + i] for i in range(8)]
+    drafts = [[5 + i] for i in range(8)]
+    calls = _calls(engine, prompts, drafts, Sampling())
+    expected = [reference.verify_batch([c])[0].tokens for c in _calls(reference, prompts, drafts, Sampling())]
+
+    async def run():
+        batcher = VerifyBatcher(engine, ThreadPoolExecutor(max_workers=1), max_batch_rows=6)
+        return await asyncio.gather(*(batcher.verify(c) for c in calls))
+
+    results = asyncio.run(run())
+    assert [r.tokens for r in results] == expected
+    # All eight arrive before the first pass starts: 8 x 2 rows go in passes of at most 6 rows.
+    assert engine.passes == 3 and engine.largest_pass == 3
+
+
+def test_pass_costs_interpolate_and_extrapolate():
+    costs = PassCosts()
+    assert costs.predict(4) is None and costs.curve(0, 3) == []
+    for rows, ms in [(1, 10.0), (4, 16.0), (8, 40.0)]:
+        costs.record(rows, ms)
+    assert costs.predict(1) == 10.0
+    assert costs.predict(2) == pytest.approx(12.0)
+    assert costs.predict(12) == pytest.approx(64.0)  # the 4 -> 8 slope, 6 ms per row
+    assert costs.curve(6, 3) == pytest.approx([34.0, 40.0, 46.0])
+    costs.record(4, 26.0)
+    assert costs.predict(4) == pytest.approx(18.0)  # a moving average, not the last value
+
+
+def _flat_then_steep(others_rows: int) -> list[float]:
+    """A synthetic CPU pass: 50 ms for up to 8 rows, then 4 ms per extra row (compute-bound)."""
+    return [50.0 + 4.0 * max(0, others_rows + n - 8) for n in range(1, 10)]
+
+
+def test_load_aware_k_drops_to_zero_under_load_and_recovers():
+    accept = [0.6] * 8
+    verify_alone = [0.0] + _flat_then_steep(0)
+    # Alone: verifying up to 8 rows costs the same as one, so a good draft runs long.
+    alone = choose_k(accept, 2.0, verify_alone, 8)
+    assert alone >= 3
+    # Sixteen sessions of one row each: every extra row costs 4 ms on a 82 ms pass shared by all.
+    busy = choose_k(accept, 2.0, [0.0] + _flat_then_steep(15), 8, others_committed=15.0)
+    assert busy == 0
+    # Two sessions: rows are still nearly free, so speculation comes back.
+    light = choose_k(accept, 2.0, [0.0] + _flat_then_steep(1), 8, others_committed=1.0)
+    assert light >= 3
+    # A poor draft is not worth a step even alone.
+    assert choose_k([0.05] * 8, 10.0, verify_alone, 8) == 0
+
+
+def test_cost_model_uses_the_targets_curve_and_tells_load_from_a_poor_draft():
+    model = CostModel(k_max=8, draft_ms_per_token=2.0)
+    good = AcceptanceTracker()
+    for _ in range(50):
+        good.record(4, 3)
+    busy = TargetLoad(sessions=16, others_committed=15, pass_ms=82.0, curve_ms=_flat_then_steep(15),
+                      alone_ms=_flat_then_steep(0))
+    assert model.choose(good, busy) == 0
+    assert model.choose_unloaded(good, busy) > 0  # the load holds k at 0, not the draft
+    poor = AcceptanceTracker()
+    for _ in range(50):
+        poor.record(1, 0)
+    assert model.choose_unloaded(poor, busy) == 0
+
+
+def test_concurrent_sessions_share_passes_and_stay_exact(tiny_target, tiny_draft, tiny_dir, redis_url):
+    """Twelve clients at once over gRPC: passes hold several sessions, and every answer is greedy's."""
+    prompts = [f"w{i} w{i + 1} w{(3 * i) % 30}" for i in range(12)]
+    expected = [hf_greedy(tiny_target, p, 30) for p in prompts]
+    engine = TargetEngine(tiny_target, 64)
+    stack = InProcessStack(engine, ModelDrafter(tiny_draft, 64, 64), tiny_dir / "target", redis_url).start()
+    try:
+        with Client(stack.address, timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda ik: client.complete(prompts[ik[0]], max_new_tokens=30, k=ik[1]),
+                                    [(i, [None, 0, 2][i % 3]) for i in range(len(prompts))]))
+    finally:
+        stack.close()
+    assert [r.token_ids for r in results] == expected
+    assert engine.largest_pass > 1 and engine.passes < engine.verified
