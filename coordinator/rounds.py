@@ -223,11 +223,11 @@ class RoundLoop:
                 room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
                 load = self._target_load.get(target_ref.address) if sampling.greedy else None
                 k = fixed_k if fixed_k is not None else costs.choose(stats.positions, load)
-                if fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY:
-                    # Probe now and then, so a session whose draft improves can win it back; but not
-                    # when the draft is good and only the target's load holds k at 0.
-                    if costs.choose_unloaded(stats.positions, load) == 0:
-                        k = 1
+                # Probe now and then, so a session whose draft improves can win it back; but not when
+                # the draft is good and only the target's load holds k at 0.
+                probe = fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY
+                if probe and costs.choose_unloaded(stats.positions, load) == 0:
+                    k = 1
                 k_round = max(0, min(k, room - 1))
                 draft, verdict, draft_ref, target_ref, hidden = await self._round(
                     round_index, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s

@@ -11,35 +11,14 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from coordinator.auth import ApiKeyInterceptor
-from coordinator.backends import (
-    BackendRejected,
-    BackendUnavailable,
-    DraftReplica,
-    TargetReplica,
-)
-from coordinator.rounds import (
-    Chunk,
-    GenerationRequest,
-    RoundLoop,
-    SessionNotFound,
-    Stats,
-)
+from coordinator.backends import BackendRejected, BackendUnavailable, DraftReplica, TargetReplica
+from coordinator.rounds import Chunk, GenerationRequest, RoundLoop, SessionNotFound, Stats
 from coordinator.sessions import SessionStore, open_store
-from specdec.config import FEATURE_KIND, MAX_K, CoordinatorConfig
+from specdec.config import MAX_K, CoordinatorConfig
+from specdec.config import FEATURE_KIND
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
-from specdec.models import (
-    ModelFacts,
-    load_tokenizer,
-    resolve_model_path,
-    tokenizer_fingerprint,
-)
-from specdec.rpc import (
-    RunningServer,
-    channel_credentials,
-    serve_forever,
-    start_server,
-    wait_ready,
-)
+from specdec.models import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+from specdec.rpc import RunningServer, channel_credentials, serve_forever, start_server, wait_ready
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -22,6 +22,7 @@ whether a model qualifies, and callers fall back to one pass per session otherwi
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -104,5 +105,5 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
     keep = torch.cat([torch.arange(hi - item.logits_to_keep, hi) for item, hi in zip(items, bounds[1:])])
     logits = model.get_output_embeddings()(hidden[keep]).float()  # [sum keep, V]
     per_item_logits = list(torch.split(logits, [item.logits_to_keep for item in items]))
-    per_item_hidden = [hidden[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+    per_item_hidden = [hidden[lo:hi] for lo, hi in itertools.pairwise(bounds)]
     return per_item_logits, per_item_hidden

@@ -107,7 +107,7 @@ async def guarded(context: grpc.aio.ServicerContext, work: Awaitable[T], what: o
     """Awaits core work, turning its errors into gRPC statuses (``what`` names it in the log)."""
     try:
         return await work
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - every error must reach the caller as a status
         code = status_of(exc)
         if code is None:
             log.exception("unexpected error in %s", getattr(what, "__qualname__", what))
