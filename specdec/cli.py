@@ -197,7 +197,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--k", type=_k_arg, default=None, help="draft length of the specdec mode: N or auto (default)")
-    p.add_argument("--modes", default=",".join(("hf-target", "hf-assisted", "specdec-k0", "specdec")))
+    p.add_argument("--modes", help="comma-separated modes (default: hf-target,hf-assisted,specdec-k0,specdec; "
+                                    "with --concurrency: hf-batched,specdec-k0,specdec)")
+    p.add_argument("--concurrency", type=_levels_arg,
+                   help="closed-loop load levels, for example 1,2,4,8,16: throughput and latency per level")
     p.add_argument("--address", help="use a running coordinator instead of starting a local stack")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process HF modes")
     p.add_argument("--out", type=Path, default=Path("reports/bench.json"))
@@ -277,6 +280,71 @@ def _generate(args) -> None:
         run(args.address, api_key=os.environ.get("SPECDEC_API_KEY"), tls=_client_tls(args.tls_ca))
 
 
+def _levels_arg(value: str) -> list[int]:
+    levels = [int(v) for v in value.split(",") if v]
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("--concurrency takes positive integers, for example 1,2,4,8,16")
+    return levels
+
+
+def _bench_load(args) -> None:
+    import json
+
+    import torch
+
+    from specdec.bench import load_prompts
+    from specdec.bench_load import LOAD_MODES, plot_load, run_hf_batched_level, run_specdec_level, summarize_load
+    from specdec.models import load_model
+    from specdec.stack import LocalStack
+
+    modes = [m for m in (args.modes or ",".join(LOAD_MODES)).split(",") if m]
+    if set(modes) - set(LOAD_MODES):
+        raise SystemExit(f"with --concurrency the modes are {LOAD_MODES}")
+    if args.temperature != 0:
+        raise SystemExit("--concurrency runs greedy (its exactness check compares with target-only output)")
+    prompts = load_prompts(args.prompts, args.n)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.target_model, args.cache_dir)
+    results: dict = {}
+    # Target-only reference: HF generate one prompt at a time (hf-batched at level 1 is exactly that).
+    reference_level = run_hf_batched_level(loaded, prompts, 1, args.max_new_tokens)
+    if "hf-batched" in modes:
+        results["hf-batched"] = {1: reference_level} if 1 in args.concurrency else {}
+        for level in args.concurrency:
+            if level != 1:
+                results["hf-batched"][level] = run_hf_batched_level(loaded, prompts, level, args.max_new_tokens)
+    del loaded  # the stack needs the cores and the memory now
+    spec_modes = [m for m in modes if m.startswith("specdec")]
+    if spec_modes:
+        stack = None
+        address = args.address
+        if address is None:
+            stack = LocalStack(_stack_config(args, 0, args.draft_kind.split(",")[0])).start()
+            address = stack.address
+        try:
+            for level in args.concurrency:
+                # Alternate the modes level by level, so slow drift of a shared machine hits both alike.
+                for mode in spec_modes:
+                    results.setdefault(mode, {})[level] = run_specdec_level(
+                        mode, address, prompts, level, args.max_new_tokens, args.k
+                    )
+        finally:
+            if stack is not None:
+                stack.close()
+    report = {
+        "config": {"prompts": str(args.prompts), "n": len(prompts), "max_new_tokens": args.max_new_tokens,
+                   "concurrency": args.concurrency, "k": "auto" if args.k is None else args.k,
+                   "draft_kind": args.draft_kind.split(",")[0], "target_threads": args.target_threads,
+                   "draft_threads": args.draft_threads, "hf_threads": args.threads},
+        **summarize_load(results, reference_level.outputs),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print(json.dumps(report, indent=2))
+    if args.plot:
+        plot_load(report, args.plot)
+
+
 def _bench(args) -> None:
     import json
 
@@ -286,7 +354,10 @@ def _bench(args) -> None:
     from specdec.models import load_model, resolve_model_path
     from specdec.stack import LocalStack
 
-    modes = [m for m in args.modes.split(",") if m]
+    if args.concurrency:
+        _bench_load(args)
+        return
+    modes = [m for m in (args.modes or "hf-target,hf-assisted,specdec-k0,specdec").split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
