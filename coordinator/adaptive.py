@@ -46,17 +46,20 @@ def expected_tokens(accept: list[float], k: int) -> float:
 
 
 def choose_k(
-    accept: list[float], draft_ms_per_token: float, verify_ms: list[float], k_max: int, others_committed: float = 0.0
+    accept: list[float], draft_ms: float | list[float], verify_ms: list[float], k_max: int,
+    others_committed: float = 0.0,
 ) -> int:
     """The k in [0, k_max] with the most expected tokens per millisecond, counting the other sessions'.
 
-    ``verify_ms[n]`` is the cost of verifying n tokens (index 0 unused), for a batched pass the whole
-    pass's cost; ``accept[i]`` the conditional acceptance of draft position i + 1;
+    ``draft_ms`` is the cost of one draft token, or ``draft_ms[k]`` that of a whole call for k tokens
+    (its round trip included); ``verify_ms[n]`` is the cost of verifying n tokens (index 0 unused), for
+    a batched pass the whole pass's cost; ``accept[i]`` the conditional acceptance of draft position i + 1;
     ``others_committed`` the tokens the same pass commits for the other sessions in it.
     """
     best_k, best_rate = 0, 0.0
     for k in range(min(k_max, len(verify_ms) - 2) + 1):
-        cost = k * draft_ms_per_token + verify_ms[k + 1]
+        drafting = draft_ms[k] if isinstance(draft_ms, list) else k * draft_ms
+        cost = drafting + verify_ms[k + 1]
         rate = (others_committed + expected_tokens(accept, k)) / cost
         if rate > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted draft steps
             best_k, best_rate = k, rate
@@ -97,6 +100,7 @@ class TargetLoad:
     pass_ms: float
     curve_ms: list[float]
     alone_ms: list[float]
+    queue_ms: float = 0.0
 
 
 @dataclass
@@ -118,22 +122,45 @@ class CostModel:
 
     # Round-trip cost of a verify call beyond the target's pass (RPC, encoding), measured unloaded.
     overhead_ms: float = 3.0
+    # Prior cost of a draft call's round trip, beyond its tokens.
+    draft_call_ms: float = 3.0
 
     def __post_init__(self) -> None:
         if not self.verify_ms:
             self.verify_ms = [0.0] * (self.k_max + 2)
         self._seen = [False] * (self.k_max + 2)
+        # Whole draft calls by k: the round trip and any wait behind other sessions' drafts count,
+        # which a per-token average would hide behind cheap calls (a prompt-lookup hit).
+        self._draft_calls: dict[int, float] = {}
 
     def record_draft(self, ms: float, tokens: int) -> None:
-        """Folds in one draft call that proposed ``tokens`` tokens."""
+        """Folds in one draft call that proposed ``tokens`` tokens in ``ms`` end to end."""
         if tokens > 0:
             self.draft_ms_per_token += self.smoothing * (ms / tokens - self.draft_ms_per_token)
+            known = self._draft_calls.get(tokens)
+            self._draft_calls[tokens] = ms if known is None else known + self.smoothing * (ms - known)
+
+    def draft_curve(self) -> list[float]:
+        """Cost of a draft call by k (index 0: no call): measured where seen, else the nearest measured
+        k plus the per-token cost for the difference (never below the per-token cost alone)."""
+        out = [0.0]
+        for k in range(1, self.k_max + 1):
+            if k in self._draft_calls:
+                out.append(self._draft_calls[k])
+            elif self._draft_calls:
+                near = min(self._draft_calls, key=lambda m: abs(m - k))
+                out.append(max(self._draft_calls[near] + (k - near) * self.draft_ms_per_token,
+                               k * self.draft_ms_per_token))
+            else:
+                out.append(self.draft_call_ms + k * self.draft_ms_per_token)
+        return out
 
     def record_verify(self, ms: float, tokens: int, load: TargetLoad | None = None) -> None:
         """Folds in one verify call over ``tokens`` tokens (draft tokens + 1) that took ``ms`` end to end."""
-        if load is not None and load.sessions == 1:
-            # A lone pass: what the call took beyond it is the round trip, not waiting for others.
-            self.overhead_ms += self.smoothing * (max(0.0, ms - load.pass_ms) - self.overhead_ms)
+        if load is not None:
+            # What the call took beyond waiting at the target and its pass is the round trip.
+            trip = max(0.0, ms - load.queue_ms - load.pass_ms)
+            self.overhead_ms += self.smoothing * (trip - self.overhead_ms)
         if tokens >= len(self.verify_ms):
             return
         if not self._seen[tokens]:
@@ -158,10 +185,11 @@ class CostModel:
         here, call by call.
         """
         rates = tracker.rates(self.k_max)
+        draft = self.draft_curve()
         if load is None or not load.curve_ms:
-            return choose_k(rates, self.draft_ms_per_token, self.curve(), self.k_max)
+            return choose_k(rates, draft, self.curve(), self.k_max)
         verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
-        return choose_k(rates, self.draft_ms_per_token, verify, self.k_max, load.others_committed)
+        return choose_k(rates, draft, verify, self.k_max, load.others_committed)
 
     def choose_unloaded(self, tracker: AcceptanceTracker, load: TargetLoad | None = None) -> int:
         """The k this session would get were it alone on the target: > 0 means its draft is worth it,

@@ -209,7 +209,7 @@ class TargetReplica(_Replica):
         load = None
         if reply.HasField("load"):
             load = TargetLoad(reply.load.sessions, reply.load.others_committed, reply.load.pass_ms,
-                              list(reply.load.curve_ms), list(reply.load.alone_ms))
+                              list(reply.load.curve_ms), list(reply.load.alone_ms), reply.load.queue_ms)
         return VerifyResult(
             reply.accepted, list(reply.tokens), reply.committed, reply.hidden if with_hidden else None, load
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from concurrent.futures import Executor
+from dataclasses import replace
 
 from target_service.engine import TargetEngine, VerifyCall, VerifyOutcome
 
@@ -31,7 +32,7 @@ class VerifyBatcher:
         self._executor = executor
         self._max_rows = max_batch_rows
         self._gather_s = gather_ms / 1000
-        self._waiting: deque[tuple[VerifyCall, asyncio.Future]] = deque()
+        self._waiting: deque[tuple[VerifyCall, asyncio.Future, float]] = deque()  # call, result, arrival
         self._arrived = asyncio.Event()
         self._draining = False
         self._passes = 0
@@ -39,19 +40,20 @@ class VerifyBatcher:
 
     async def verify(self, call: VerifyCall) -> VerifyOutcome:
         """Verifies one call in the next pass; raises the error that call caused."""
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.append((call, future))
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._waiting.append((call, future, loop.time()))
         self._arrived.set()
         if not self._draining:
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
         return await future
 
-    def _take(self) -> list[tuple[VerifyCall, asyncio.Future]]:
+    def _take(self) -> list[tuple[VerifyCall, asyncio.Future, float]]:
         """The oldest waiting calls whose rows fit the budget (always at least one)."""
         batch, rows = [], 0
         while self._waiting:
-            call, future = self._waiting[0]
+            call, future, _ = self._waiting[0]
             if future.cancelled():  # its client gave up: skip it rather than spend a row on it
                 self._waiting.popleft()
                 continue
@@ -66,7 +68,7 @@ class VerifyBatcher:
         """Waits, up to the window, until every recently active session has a call waiting."""
         deadline = asyncio.get_running_loop().time() + self._gather_s
         active = {cid for cid, at in self._last_seen.items() if at >= self._passes - 1}
-        while active - {call.cache_id for call, _ in self._waiting}:
+        while active - {call.cache_id for call, _, _ in self._waiting}:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return
@@ -85,21 +87,24 @@ class VerifyBatcher:
                 if not batch:
                     break
                 self._passes += 1
-                for call, _ in batch:
+                for call, _, _ in batch:
                     self._last_seen[call.cache_id] = self._passes
                 if len(self._last_seen) > 4 * len(batch) + 64:  # forget sessions long gone
                     self._last_seen = {c: at for c, at in self._last_seen.items() if at >= self._passes - 1}
-                calls = [call for call, _ in batch]
+                calls = [call for call, _, _ in batch]
+                started = loop.time()
                 try:
                     results = await loop.run_in_executor(self._executor, self._engine.verify_batch, calls)
                 except Exception as exc:  # noqa: BLE001 - delivered to every caller of this pass
                     results = [exc] * len(batch)
-                for (_, future), result in zip(batch, results):
+                for (_, future, arrived), result in zip(batch, results):
                     if future.done():
                         continue
                     if isinstance(result, Exception):
                         future.set_exception(result)
                     else:
+                        if result.load is not None:
+                            result = replace(result, load=replace(result.load, queue_ms=(started - arrived) * 1000))
                         future.set_result(result)
         finally:
             self._draining = False

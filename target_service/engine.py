@@ -71,6 +71,8 @@ class PassLoad:
     """Predicted pass ms had this session fed 1, 2, ... rows beside the others' rows."""
     alone_ms: list[float]
     """Predicted pass ms had this session fed 1, 2, ... rows alone."""
+    queue_ms: float = 0.0
+    """How long the call waited before its pass began (the batcher fills it in)."""
 
 
 @dataclass(frozen=True)

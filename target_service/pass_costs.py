@@ -54,11 +54,14 @@ class PassCosts:
         return self._ms[lo] + weight * (self._ms[hi] - self._ms[lo])
 
     def curve(self, other_rows: int, own_rows: int) -> list[float]:
-        """Predicted pass ms when this session feeds 1 .. ``own_rows`` rows beside ``other_rows``."""
-        out = []
+        """Predicted pass ms when this session feeds 1 .. ``own_rows`` rows beside ``other_rows``.
+
+        Never decreasing: a row more never makes a pass cheaper, whatever noise the averages hold.
+        """
+        out: list[float] = []
         for n in range(1, own_rows + 1):
             ms = self.predict(other_rows + n)
             if ms is None:
                 return []
-            out.append(ms)
+            out.append(max(ms, out[-1]) if out else ms)
         return out

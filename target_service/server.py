@@ -62,7 +62,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                 span.set_attributes({"specdec.batch_sessions": load.sessions, "specdec.batch_rows": load.rows})
                 reply.load.CopyFrom(target_pb2.PassLoad(
                     sessions=load.sessions, rows=load.rows, others_committed=load.others_committed,
-                    pass_ms=load.pass_ms, curve_ms=load.curve_ms, alone_ms=load.alone_ms,
+                    pass_ms=load.pass_ms, curve_ms=load.curve_ms, alone_ms=load.alone_ms, queue_ms=load.queue_ms,
                 ))
             if outcome.hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))

@@ -56,3 +56,17 @@ def test_cost_model_learns_and_fills_gaps():
     assert curve[1] < curve[2] < curve[3] < curve[4]
     costs.record_draft(20.0, 5)  # 4 ms per token
     assert costs.draft_ms_per_token == pytest.approx(2.0 + 0.2 * (4.0 - 2.0))
+    costs.record_draft(12.0, 2)
+    drafts = costs.draft_curve()
+    assert drafts[0] == 0.0 and drafts[2] == 12.0
+    # Unmeasured k: the nearest measured call plus the per-token cost for the difference.
+    assert drafts[3] == pytest.approx(12.0 + costs.draft_ms_per_token)
+    assert drafts[1] == pytest.approx(12.0 - costs.draft_ms_per_token)
+
+
+def test_a_cheap_average_token_does_not_hide_an_expensive_call():
+    """Prompt-lookup hits make tokens look free; the call's round trip still counts against k."""
+    accept = [0.5] * 4
+    verify = [0.0, 100.0, 101.0, 102.0, 103.0, 104.0]
+    assert choose_k(accept, 0.5, verify, 4) > 0
+    assert choose_k(accept, [0.0, 100.0, 101.0, 102.0, 103.0], verify, 4) == 0
