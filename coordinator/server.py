@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import Callable
 
@@ -10,6 +11,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
+from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor
 from coordinator.backends import BackendRejected, BackendUnavailable, DraftReplica, TargetReplica
 from coordinator.rounds import Chunk, GenerationRequest, RoundLoop, SessionNotFound, Stats
@@ -20,6 +22,7 @@ from specdec.metrics import CoordinatorMetrics, start_metrics_server
 from specdec.models import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 from specdec.rpc import RunningServer, channel_credentials, serve_forever, start_server, wait_ready
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.metadata import CLIENT_METADATA, RETRY_AFTER_METADATA
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -129,20 +132,38 @@ def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
-class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
-    """Thin servicer over the round loop."""
+def client_of(context: grpc.aio.ServicerContext) -> str:
+    """Who a request counts against for fairness and limits: the ``x-specdec-client`` metadata the
+    SDK may send, else a digest of its API key, else its peer host."""
+    metadata = dict(context.invocation_metadata() or ())
+    if metadata.get(CLIENT_METADATA):
+        return "id:" + str(metadata[CLIENT_METADATA])[:128]
+    auth = metadata.get("authorization")
+    if auth:
+        return "key:" + hashlib.sha256(str(auth).encode()).hexdigest()[:16]
+    peer = context.peer() or ""
+    return "peer:" + peer.rsplit(":", 1)[0]
 
-    def __init__(self, loop: RoundLoop, max_context: int) -> None:
+
+class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
+    """Thin servicer over the round loop, behind admission control."""
+
+    def __init__(self, loop: RoundLoop, max_context: int, admission: Admission) -> None:
         self._loop = loop
         self._max_context = max_context
+        self._admission = admission
 
     async def _chunks(self, request, context):
         if isinstance(request, Undecodable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: could not parse: {request.error}")
         try:
             core_request = validate(request, self._max_context)
-            async for chunk in self._loop.generate(core_request, context.time_remaining):
-                yield chunk
+            async with self._admission.slot(client_of(context)):
+                async for chunk in self._loop.generate(core_request, context.time_remaining):
+                    yield chunk
+        except Overloaded as exc:
+            context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(int(exc.retry_after_s * 1000))),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Exception as exc:  # noqa: BLE001 - every failure must reach the client as a status
             code, detail = _status(exc)
             await context.abort(code, detail)
@@ -223,7 +244,7 @@ async def start_coordinator(
     want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
     loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k, config.max_auto_k,
                      want_hidden=want_hidden, metrics=metrics)
-    servicer = CoordinatorServicer(loop, target_facts.max_context)
+    servicer = CoordinatorServicer(loop, target_facts.max_context, Admission(config.admission))
     interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []
     running = await start_server(config.server, _register(servicer), (SERVICE_NAME,), interceptors)
     await running.set_serving()

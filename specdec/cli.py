@@ -16,6 +16,7 @@ from pathlib import Path
 from specdec.config import (
     DEFAULT_DRAFT_KIND,
     DRAFT_KINDS,
+    AdmissionLimits,
     CoordinatorConfig,
     DraftConfig,
     ModelConfig,
@@ -107,6 +108,7 @@ def _coordinator_config(args) -> CoordinatorConfig:
         rpc_timeout_s=args.rpc_timeout,
         api_key_hashes=api_key_hashes,
         backend_tls=_client_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
+        admission=AdmissionLimits(args.max_active, args.max_queued, args.max_per_client),
     )
 
 
@@ -156,6 +158,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--default-k", type=_k_arg, default=None, help="draft length when a request sets none: N or auto")
     p.add_argument("--max-auto-k", type=int, default=8, help="largest k the adaptive choice tries")
     p.add_argument("--rpc-timeout", type=float, default=30.0, help="deadline of each internal call")
+    p.add_argument("--max-active", type=int, default=32, help="requests running at once; more wait in a queue")
+    p.add_argument("--max-queued", type=int, default=128,
+                   help="requests waiting for a slot; past it requests get RESOURCE_EXHAUSTED with a retry hint")
+    p.add_argument("--max-per-client", type=int, default=0,
+                   help="requests one client may hold, running or waiting (0: no limit)")
     p.add_argument("--api-keys-file", type=Path, default=_path_env("API_KEYS_FILE"),
                    help="require an API key: one key, or one sha256:<hex> digest of a key, per line "
                         "(env SPECDEC_API_KEYS_FILE; env SPECDEC_API_KEYS adds comma-separated keys)")

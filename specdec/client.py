@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from specdec.config import TlsClientConfig
+from specdec.metadata import CLIENT_METADATA, RETRY_AFTER_METADATA
 from specdec.rpc import aio_channel, channel_credentials, channel_options
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
@@ -44,7 +45,9 @@ class DeadlineExceeded(SpecdecError):
 
 
 class ResourceExhausted(SpecdecError):
-    """A limit was hit (RESOURCE_EXHAUSTED); retry later."""
+    """A limit was hit (RESOURCE_EXHAUSTED); retry later, after ``retry_after_s`` when the server said."""
+
+    retry_after_s: float | None = None
 
 
 class Unauthenticated(SpecdecError):
@@ -63,7 +66,12 @@ _ERRORS = {
 
 def _error(exc: grpc.RpcError) -> SpecdecError:
     code, details = exc.code(), exc.details() or ""
-    return _ERRORS.get(code, SpecdecError)(code, details)
+    error = _ERRORS.get(code, SpecdecError)(code, details)
+    if isinstance(error, ResourceExhausted):
+        trailing = dict(exc.trailing_metadata() or ()) if hasattr(exc, "trailing_metadata") else {}
+        if RETRY_AFTER_METADATA in trailing:
+            error.retry_after_s = int(trailing[RETRY_AFTER_METADATA]) / 1000
+    return error
 
 
 @dataclass(frozen=True)
@@ -171,18 +179,21 @@ def _completion(msg: coordinator_pb2.CompleteReply) -> Completion:
 _MAX_BYTES = 8 * 1024 * 1024
 
 
-def _auth_metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
-    """The metadata every call carries: the API key as a bearer token, or nothing."""
-    return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+def _call_metadata(api_key: str | None, client_id: str | None) -> tuple[tuple[str, str], ...]:
+    """The metadata every call carries: the API key as a bearer token, and the client's name."""
+    out = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+    return out + ((CLIENT_METADATA, client_id),) if client_id else out
 
 
 class Client:
     """Blocking client. ``timeout`` (seconds) is the deadline of each call; ``api_key`` is sent with
-    every call; ``tls`` opens a TLS channel (its ``ca`` to trust, its ``cert``/``key`` for mutual TLS)."""
+    every call; ``tls`` opens a TLS channel (its ``ca`` to trust, its ``cert``/``key`` for mutual TLS);
+    ``client_id`` names this client for the coordinator's fair queueing and per-client limits (by
+    default it counts the API key, or else the peer address)."""
 
     def __init__(
         self, address: str, timeout: float | None = 300.0, *, api_key: str | None = None,
-        tls: TlsClientConfig | None = None,
+        tls: TlsClientConfig | None = None, client_id: str | None = None,
     ) -> None:
         options = channel_options(_MAX_BYTES)
         credentials = channel_credentials(tls)
@@ -192,7 +203,7 @@ class Client:
         )
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._timeout = timeout
-        self._metadata = _auth_metadata(api_key)
+        self._metadata = _call_metadata(api_key, client_id)
 
     def complete(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Completion:
         """Generates a whole answer; options are those of ``build_request``."""
@@ -230,12 +241,12 @@ class AsyncClient:
 
     def __init__(
         self, address: str, timeout: float | None = 300.0, *, api_key: str | None = None,
-        tls: TlsClientConfig | None = None,
+        tls: TlsClientConfig | None = None, client_id: str | None = None,
     ) -> None:
         self._channel = aio_channel(address, channel_options(_MAX_BYTES), channel_credentials(tls))
         self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
         self._timeout = timeout
-        self._metadata = _auth_metadata(api_key)
+        self._metadata = _call_metadata(api_key, client_id)
 
     async def complete(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Completion:
         """Generates a whole answer; options are those of ``build_request``."""

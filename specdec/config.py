@@ -120,6 +120,15 @@ class DraftConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionLimits:
+    """How many requests may run at once, wait behind them, and be held by one client (0: no limit)."""
+
+    max_active: int = 32
+    max_queued: int = 128
+    max_per_client: int = 0
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     """The coordinator."""
 
@@ -146,3 +155,5 @@ class CoordinatorConfig:
     api_key_hashes: tuple[str, ...] = ()
     # TLS of the coordinator's channels to draft and target replicas; None speaks plaintext.
     backend_tls: TlsClientConfig | None = None
+    # Requests running at once, waiting behind them, and held by one client.
+    admission: AdmissionLimits = AdmissionLimits()

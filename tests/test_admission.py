@@ -1,0 +1,134 @@
+"""Admission control: the bound on running requests, the bounded queue, fairness, and the SDK's view."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from coordinator.admission import Admission, Overloaded
+from coordinator.rounds import Chunk, Stats
+from coordinator.server import SERVICE_NAME, CoordinatorServicer, _register
+from specdec import Client
+from specdec.client import ResourceExhausted
+from specdec.config import AdmissionLimits, ServerConfig
+from specdec.rpc import start_server
+
+
+def test_slots_bound_the_running_requests_and_the_queue():
+    async def run():
+        admission = Admission(AdmissionLimits(max_active=2, max_queued=1))
+        release = asyncio.Event()
+        running = []
+
+        async def request(name: str):
+            async with admission.slot(name):
+                running.append(name)
+                await release.wait()
+
+        tasks = [asyncio.create_task(request(n)) for n in ("a", "b", "c")]
+        await asyncio.sleep(0.01)
+        assert running == ["a", "b"] and admission.queued == 1
+        with pytest.raises(Overloaded) as refused:
+            async with admission.slot("d"):
+                pass
+        assert refused.value.retry_after_s > 0
+        release.set()
+        await asyncio.gather(*tasks)
+        assert running == ["a", "b", "c"] and admission.active == 0 and admission.queued == 0
+
+    asyncio.run(run())
+
+
+def test_a_burst_from_one_client_does_not_starve_another():
+    """Client A queues five requests, then B one: B's runs second, not sixth."""
+    async def run():
+        admission = Admission(AdmissionLimits(max_active=1, max_queued=10))
+        order = []
+        gate = asyncio.Event()
+
+        async def request(client: str, tag: str):
+            async with admission.slot(client):
+                order.append(tag)
+                if tag == "first":
+                    await gate.wait()
+
+        first = asyncio.create_task(request("a", "first"))
+        await asyncio.sleep(0)
+        burst = [asyncio.create_task(request("a", f"a{i}")) for i in range(5)]
+        await asyncio.sleep(0)
+        late = asyncio.create_task(request("b", "b0"))
+        await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(first, *burst, late)
+        assert order[:3] == ["first", "a0", "b0"]
+
+    asyncio.run(run())
+
+
+def test_per_client_limit_and_cancelled_waiters_free_their_place():
+    async def run():
+        admission = Admission(AdmissionLimits(max_active=1, max_queued=5, max_per_client=2))
+        gate = asyncio.Event()
+
+        async def request(client: str):
+            async with admission.slot(client):
+                await gate.wait()
+
+        held = [asyncio.create_task(request("a")) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="limit"):
+            async with admission.slot("a"):
+                pass
+        waiting = asyncio.create_task(request("b"))
+        await asyncio.sleep(0)
+        assert admission.queued == 2
+        waiting.cancel()
+        await asyncio.sleep(0)
+        assert admission.queued == 1
+        gate.set()
+        await asyncio.gather(*held)
+        assert admission.active == 0 and admission.queued == 0
+
+    asyncio.run(run())
+
+
+class _HeldLoop:
+    """A stand-in round loop whose requests run until the test lets them finish."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.release = asyncio.Event()
+        self.started = threading.Event()
+
+    async def generate(self, request, remaining_s):
+        self.started.set()
+        await self.release.wait()
+        yield Chunk("s", "done", [1], "stop", Stats())
+
+
+def test_a_full_coordinator_answers_resource_exhausted_with_a_retry_hint():
+    """One slot, no queue, over real gRPC: while one request runs, the next gets RESOURCE_EXHAUSTED
+    with a retry hint the SDK reads; once it ends, the next is served."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    held = _HeldLoop(loop)
+    servicer = CoordinatorServicer(held, 256, Admission(AdmissionLimits(max_active=1, max_queued=0)))
+    running = asyncio.run_coroutine_threadsafe(
+        start_server(ServerConfig(), _register(servicer), (SERVICE_NAME,)), loop
+    ).result(10)
+    try:
+        with Client(f"127.0.0.1:{running.port}", timeout=30) as client, ThreadPoolExecutor(1) as pool:
+            first = pool.submit(client.complete, "w1", max_new_tokens=4)
+            assert held.started.wait(10)
+            with pytest.raises(ResourceExhausted) as refused:
+                client.complete("w2", max_new_tokens=4)
+            assert refused.value.retry_after_s is not None and refused.value.retry_after_s > 0
+            loop.call_soon_threadsafe(held.release.set)
+            assert first.result(10).text == "done"
+            assert client.complete("w3", max_new_tokens=4).text == "done"
+    finally:
+        asyncio.run_coroutine_threadsafe(running.stop(0), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
