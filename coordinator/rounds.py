@@ -138,6 +138,7 @@ class RoundLoop:
         want_hidden: bool = False,
         draft_retry_s: float = 5.0,
         metrics: CoordinatorMetrics | None = None,
+        draft_colocated: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._facts = target_facts
@@ -154,12 +155,14 @@ class RoundLoop:
         self._draft_down_until: dict[str, float] = {}
         # Measured costs steer greedy requests. Seeded sampled requests use the fixed prior curve,
         # so their k sequence, and hence their tokens, never depend on timing.
-        self._costs = CostModel(k_max=max_auto_k)
+        self._costs = CostModel(k_max=max_auto_k, colocated=draft_colocated)
         self._prior_costs = CostModel(k_max=max_auto_k)
         # Prometheus metrics of this process; None records nothing.
         self._metrics = metrics
         # Each target replica's latest batched pass, from its verdicts: steers k under load.
         self._target_load: dict[str, TargetLoad] = {}
+        # Whether the targets report their passes (a target that does not batch reports none).
+        self._batching_targets = True
 
     def _pick(self, replicas: dict, current: CacheRef | None):
         """The replica holding a session's cache, or the next one in turn for a new cache."""
@@ -223,6 +226,10 @@ class RoundLoop:
                 room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
                 load = self._target_load.get(target_ref.address) if sampling.greedy else None
                 k = fixed_k if fixed_k is not None else costs.choose(stats.positions, load)
+                if fixed_k is None and sampling.greedy and load is None and self._batching_targets:
+                    # No pass seen on this replica yet: its load is unknown, so the first round runs
+                    # target-only and measures it, rather than drafting into a busy batch.
+                    k = 0
                 # Probe now and then, so a session whose draft improves can win it back; but not when
                 # the draft is good and only the target's load holds k at 0.
                 probe = fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY
@@ -325,6 +332,8 @@ class RoundLoop:
             self._costs.record_verify(verify_ms, drafted + 1, verdict.load)
             if verdict.load is not None:
                 self._target_load[target_ref.address] = verdict.load
+            else:
+                self._batching_targets = False
             stats.draft_ms += draft_ms
             stats.verify_ms += verify_ms
             if self._metrics is not None:

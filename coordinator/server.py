@@ -243,7 +243,7 @@ async def start_coordinator(
     await store.ping()
     want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
     loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k, config.max_auto_k,
-                     want_hidden=want_hidden, metrics=metrics)
+                     want_hidden=want_hidden, metrics=metrics, draft_colocated=config.draft_colocated)
     servicer = CoordinatorServicer(loop, target_facts.max_context, Admission(config.admission))
     interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []
     running = await start_server(config.server, _register(servicer), (SERVICE_NAME,), interceptors)

@@ -15,11 +15,26 @@ import torch
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import FeatureDraft, FeatureSession
 from draft_service.ngram import propose_ngram
+from specdec.batching import waves
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
+from specdec.ragged import RaggedLayout
 from specdec.models import LoadedModel, ModelFacts
 from specdec.sampling import Sampling, dense_to_sparse, round_generator, warp_probs
 
 DRAFT_STREAM = 1
+
+
+@dataclass(frozen=True)
+class ProposeCall:
+    """One session's proposal request, as the engine takes it."""
+
+    cache_id: str
+    start: int
+    new_tokens: list[int]
+    k: int
+    sampling: Sampling
+    round_index: int
+    hidden: HiddenRows | None = None
 
 
 @dataclass(frozen=True)
@@ -72,16 +87,56 @@ class DraftEngine:
     ) -> Proposal:
         """Syncs the cache with the committed tokens (and, for a feature draft, the target's hidden
         states), then proposes up to ``k`` tokens."""
-        self._check_tokens(new_tokens, "sync.tokens")
-        cache = self._caches.get(cache_id)
-        cache.sync(start, new_tokens)
-        if hidden is not None:
-            self._take_hidden(cache, hidden)
-        k = min(k, self._facts.max_context - len(cache.committed) - 1)
-        if k <= 0:
-            return Proposal([], [], len(cache.committed))
-        tokens, q = self._draft(cache, k, sampling, round_index)
-        return Proposal(tokens, q, len(cache.committed))
+        outcome = self.propose_batch([ProposeCall(cache_id, start, new_tokens, k, sampling, round_index, hidden)])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | Exception]:
+        """Proposes for many sessions; each call gets its proposal or the error it alone caused.
+
+        Drafters that can batch (``FeatureDrafter``) override ``_draft_many``; the rest draft one
+        session after another.
+        """
+        results: list[Proposal | Exception | None] = [None] * len(calls)
+        for wave in waves(calls):
+            jobs = []
+            for i in wave:
+                try:
+                    cache, k = self._sync(calls[i])
+                except Exception as exc:  # noqa: BLE001 - the error belongs to this call alone
+                    results[i] = exc
+                    continue
+                if k <= 0:
+                    results[i] = Proposal([], [], len(cache.committed))
+                else:
+                    jobs.append((i, cache, k))
+            try:
+                drafted = self._draft_many([(c, k, calls[i].sampling, calls[i].round_index) for i, c, k in jobs])
+            except Exception as exc:  # noqa: BLE001 - a failed pass fails only its own calls
+                drafted = [exc] * len(jobs)
+            for (i, cache, _), outcome in zip(jobs, drafted):
+                results[i] = outcome if isinstance(outcome, Exception) else Proposal(*outcome, len(cache.committed))
+        return results  # type: ignore[return-value]
+
+    def _sync(self, call: ProposeCall):
+        """Checks a call, syncs its cache (and hidden states); returns the cache and the k it allows."""
+        self._check_tokens(call.new_tokens, "sync.tokens")
+        cache = self._caches.get(call.cache_id)
+        cache.sync(call.start, call.new_tokens)
+        if call.hidden is not None:
+            self._take_hidden(cache, call.hidden)
+        return cache, min(call.k, self._facts.max_context - len(cache.committed) - 1)
+
+    def _draft_many(self, jobs: list) -> list:
+        """Drafts for ``(cache, k, sampling, round_index)`` jobs: ``(tokens, q)`` or an error each."""
+        out = []
+        for cache, k, sampling, round_index in jobs:
+            try:
+                out.append(self._draft(cache, k, sampling, round_index))
+            except Exception as exc:  # noqa: BLE001 - the error belongs to this call alone
+                out.append(exc)
+        return out
 
     def release(self, cache_id: str) -> bool:
         """Drops a session cache."""
@@ -184,7 +239,8 @@ class FeatureDrafter(DraftEngine):
             raise ValueError("hidden: rows reach past the committed tokens")
         cache.add_features(hidden.start, hidden.rows)
 
-    def _draft(self, cache, k, sampling, round_index):
+    def _lookup(self, cache, k, sampling):
+        """Prompt lookup's whole k-token continuation, or None."""
         if self._lookup_min:
             # Text that repeats its own context (summaries, answers quoting a passage, code) is
             # drafted best by prompt lookup: when the context's last n >= lookup_min tokens occurred
@@ -193,9 +249,77 @@ class FeatureDrafter(DraftEngine):
             tokens = propose_ngram(cache.committed, k, self._lookup_max, self._lookup_min)
             if len(tokens) == k:
                 return tokens, ([] if sampling.greedy else [([t], [1.0]) for t in tokens])
+        return None
+
+    def _draft(self, cache, k, sampling, round_index):
+        found = self._lookup(cache, k, sampling)
+        if found is not None:
+            return found
         if not cache.ready():  # no hidden state before the newest token yet: nothing to draft from
             return [], []
         return cache.propose(self._draft_model, k, token_picker(sampling, round_index, self._sample_top_k))
+
+    @torch.inference_mode()
+    def _draft_many(self, jobs):
+        """Sessions without a lookup hit draft together: one ragged pass for every session's catch-up
+        pairs, then one per draft position over the sessions still drafting."""
+        out: list = [None] * len(jobs)
+        model_jobs = []
+        for j, (cache, k, sampling, round_index) in enumerate(jobs):
+            found = self._lookup(cache, k, sampling)
+            if found is not None:
+                out[j] = found
+            elif not cache.ready():
+                out[j] = ([], [])
+            else:
+                model_jobs.append((j, cache, k, token_picker(sampling, round_index, self._sample_top_k)))
+        if len(model_jobs) == 1:
+            j, cache, k, pick = model_jobs[0]
+            out[j] = cache.propose(self._draft_model, k, pick)
+        elif model_jobs:
+            try:
+                drafted = self._draft_together([(c, k, pick) for _, c, k, pick in model_jobs])
+            except Exception:
+                for _, cache, _, _ in model_jobs:
+                    cache.reset_kv()  # a pass that failed midway leaves its KV unknown
+                raise
+            for (j, *_), result in zip(model_jobs, drafted):
+                out[j] = result
+        return out
+
+    def _draft_together(self, jobs: list) -> list[tuple[list[int], list]]:
+        draft = self._draft_model
+        catch = [cache.catch_up() for cache, _, _ in jobs]
+        caches = [cache.kv for cache, _, _ in jobs]
+        layout = RaggedLayout.of([len(f) for f, _, _ in catch], [kv.get_seq_length() for kv in caches],
+                                 [start for _, _, start in catch])
+        feats = torch.cat([f for f, _, _ in catch])  # [N, D]
+        toks = torch.tensor([t for _, tokens, _ in catch for t in tokens])  # [N]
+        predicted = draft.predict_ragged(feats, toks, caches, layout)[[b - 1 for b in layout.bounds[1:]]]  # [B, D]
+        positions = [start + len(f) for f, _, start in catch]
+        tokens: list[list[int]] = [[] for _ in jobs]
+        qs: list[list] = [[] for _ in jobs]
+        live = list(range(len(jobs)))
+        while live:
+            logits = draft.full_logits(predicted).float()  # [B', V]
+            for row, j in enumerate(live):
+                token, q = jobs[j][2](logits[row : row + 1])
+                tokens[j].append(token)
+                if q is not None:
+                    qs[j].append(q)
+            going = [(row, j) for row, j in enumerate(live) if len(tokens[j]) < jobs[j][1]]
+            if not going:
+                break
+            live = [j for _, j in going]
+            step = RaggedLayout.of([1] * len(live), [caches[j].get_seq_length() for j in live],
+                                   [positions[j] for j in live])
+            predicted = draft.predict_ragged(
+                predicted[[row for row, _ in going]], torch.tensor([tokens[j][-1] for j in live]),
+                [caches[j] for j in live], step,
+            )  # [B', D]
+            for j in live:
+                positions[j] += 1
+        return list(zip(tokens, qs))
 
 
 def token_picker(sampling: Sampling, round_index: int, sample_top_k: int) -> Callable:

@@ -39,6 +39,7 @@ from draft_service.token_draft import (
 from specdec.errors import CacheBehind
 from specdec.kvcache import GrowableCache, common_prefix_len
 from specdec.config import FEATURE_KIND
+from specdec.ragged import RaggedLayout, ragged_decoder_layer
 
 KIND = FEATURE_KIND
 
@@ -113,6 +114,15 @@ class FeatureDraft(nn.Module):
         h = self.layer(x, attention_mask=mask, position_embeddings=rope, position_ids=position_ids, cache=cache,
                        use_cache=cache is not None)
         return self.norm(h)
+
+    def predict_ragged(self, features: torch.Tensor, tokens: torch.Tensor, caches: list,
+                       layout: RaggedLayout) -> torch.Tensor:
+        """``predict`` for many sessions at once: rows ``[N, D]`` and ``[N]`` laid out by ``layout``,
+        each session attending to its own cache (see ``specdec.ragged``)."""
+        embeds = nn.functional.embedding(tokens, self.embedding.weight.detach())  # [N, D]
+        x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))  # [N, D]
+        rope = self.rotary_emb(x, layout.positions[None])  # [1, N, hd] each
+        return self.norm(ragged_decoder_layer(self.layer, x, rope, caches, layout, 0))  # [N, D]
 
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary logits ``[..., N]`` of (predicted or true) features ``[..., D]``."""
@@ -212,7 +222,7 @@ class FeatureSession:
             return
         if self.features is None or not self.window <= start <= self.feature_end:
             self.window, self.features = start, rows
-            self._reset_kv()
+            self.reset_kv()
         else:
             self._keep(start - self.window, start - self.window)
             self.features = torch.cat([self.features[: start - self.window], rows])
@@ -226,7 +236,7 @@ class FeatureSession:
             self.features = self.features[: max(0, features)]
         self.kv_pairs = min(self.kv_pairs, max(0, pairs))
 
-    def _reset_kv(self) -> None:
+    def reset_kv(self) -> None:
         self.kv = GrowableCache()
         self.kv_pairs = 0
 
@@ -234,22 +244,28 @@ class FeatureSession:
         """Whether the last committed token has a feature before it, the start every proposal needs."""
         return self.features is not None and len(self.features) > 0 and self.feature_end == len(self.committed) - 1
 
-    @torch.inference_mode()
-    def propose(self, draft: FeatureDraft, k: int, pick) -> tuple[list[int], list]:
-        """Drafts ``k`` tokens; ``pick(logits [1, V]) -> (token, q or None)`` chooses each one."""
+    def catch_up(self) -> tuple[torch.Tensor, list[int], int]:
+        """Crops the last proposal's speculative KV entries and returns the pairs a proposal must feed
+        first: true features ``[m, D]``, the tokens after them, and the position of the first pair.
+
+        At least the last pair is fed again: its output, the first draft feature, is not kept.
+        """
         n = len(self.features)
-        # Feed at least the last pair again: its output, the first draft feature, is not kept.
         first = min(self.kv_pairs, n - 1)
         drop = self.kv.get_seq_length() - first
         if drop > 0:
             self.kv.crop(-drop)
-        feats = self.features[first:n].unsqueeze(0)  # [1, m, D]
-        toks = torch.tensor([self.committed[self.window + first + 1: self.window + n + 1]])  # [1, m]
-        positions = torch.arange(self.window + first, self.window + n).unsqueeze(0)  # [1, m]
-        predicted = draft.predict(feats, toks, self.kv, positions)[:, -1:]  # [1, 1, D]
         self.kv_pairs = n
+        return self.features[first:n], self.committed[self.window + first + 1: self.window + n + 1], self.window + first
+
+    @torch.inference_mode()
+    def propose(self, draft: FeatureDraft, k: int, pick) -> tuple[list[int], list]:
+        """Drafts ``k`` tokens; ``pick(logits [1, V]) -> (token, q or None)`` chooses each one."""
+        feats, next_tokens, start = self.catch_up()
+        positions = torch.arange(start, start + len(feats)).unsqueeze(0)  # [1, m]
+        predicted = draft.predict(feats.unsqueeze(0), torch.tensor([next_tokens]), self.kv, positions)[:, -1:]  # [1, 1, D]
         tokens, qs = [], []
-        position = self.window + n
+        position = start + len(feats)
         for i in range(k):
             token, q = pick(draft.full_logits(predicted[0]).float())
             tokens.append(token)

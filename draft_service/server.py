@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 from opentelemetry import trace
 
-from draft_service.engine import DraftEngine, FeatureDrafter, ModelDrafter, NgramDrafter
+from draft_service.engine import DraftEngine, FeatureDrafter, ModelDrafter, NgramDrafter, ProposeCall
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import load_feature_draft
 from draft_service.token_draft import CARD_FILE, load_token_draft, target_weights_hash
@@ -26,7 +26,8 @@ from specdec.models import (
     tokenizer_fingerprint,
 )
 from specdec.packed_linear import pack_linears
-from specdec.rpc import RunningServer, call_core, serve_forever, start_server
+from specdec.batching import PassBatcher
+from specdec.rpc import RunningServer, guarded, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.wire import hidden_from_pb, sampling_from_pb
@@ -37,26 +38,32 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
     """Thin servicer over a DraftEngine."""
 
-    def __init__(self, engine: DraftEngine, tracer: trace.Tracer) -> None:
+    def __init__(self, engine: DraftEngine, tracer: trace.Tracer, max_batch_rows: int = 256) -> None:
         super().__init__(engine, tracer, "DraftService")
         self._draft = engine
+        # Proposals that arrive together are drafted together (one ragged pass per draft position).
+        # Sessions reach the draft right after a shared verify pass, a few ms apart: a short window.
+        self._batcher = PassBatcher(engine.propose_batch, self._executor, lambda call: max(1, call.k), max_batch_rows,
+                                    gather_ms=10.0)
+
+    async def _propose(self, request: draft_pb2.ProposeRequest):
+        """Decodes a request (its hidden states may be malformed) and drafts it in the next batch."""
+        hidden_size = self._draft.hidden_size
+        call = ProposeCall(
+            request.sync.cache_id,
+            request.sync.start,
+            list(request.sync.tokens),
+            request.k,
+            sampling_from_pb(request.sampling),
+            request.round,
+            hidden_from_pb(request.hidden, hidden_size) if hidden_size else None,
+        )
+        return await self._batcher.submit(call)
 
     async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeReply:
         with server_span(self._tracer, "DraftService/Propose", context) as span:
             span.set_attribute("specdec.k", request.k)
-            proposal = await call_core(
-                context,
-                self._executor,
-                lambda: self._draft.propose(
-                    request.sync.cache_id,
-                    request.sync.start,
-                    list(request.sync.tokens),
-                    request.k,
-                    sampling_from_pb(request.sampling),
-                    request.round,
-                    hidden_from_pb(request.hidden, self._draft.hidden_size) if self._draft.hidden_size else None,
-                ),
-            )
+            proposal = await guarded(context, self._propose(request), "DraftService/Propose")
             span.set_attribute("specdec.proposed", len(proposal.tokens))
             return draft_pb2.ProposeReply(
                 tokens=proposal.tokens,

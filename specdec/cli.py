@@ -109,6 +109,7 @@ def _coordinator_config(args) -> CoordinatorConfig:
         api_key_hashes=api_key_hashes,
         backend_tls=_client_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
         admission=AdmissionLimits(args.max_active, args.max_queued, args.max_per_client),
+        draft_colocated=args.draft_colocated,
     )
 
 
@@ -163,6 +164,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="requests waiting for a slot; past it requests get RESOURCE_EXHAUSTED with a retry hint")
     p.add_argument("--max-per-client", type=int, default=0,
                    help="requests one client may hold, running or waiting (0: no limit)")
+    p.add_argument("--draft-colocated", action="store_true",
+                   help="draft and target share one machine's cores: under load, drafting also slows the target")
     p.add_argument("--api-keys-file", type=Path, default=_path_env("API_KEYS_FILE"),
                    help="require an API key: one key, or one sha256:<hex> digest of a key, per line "
                         "(env SPECDEC_API_KEYS_FILE; env SPECDEC_API_KEYS adds comma-separated keys)")

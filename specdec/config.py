@@ -157,3 +157,6 @@ class CoordinatorConfig:
     backend_tls: TlsClientConfig | None = None
     # Requests running at once, waiting behind them, and held by one client.
     admission: AdmissionLimits = AdmissionLimits()
+    # The draft shares the target's cores (one machine without accelerators): under load a draft
+    # call then slows the target's pass too, and k is chosen accordingly.
+    draft_colocated: bool = False

@@ -62,6 +62,54 @@ def _causal_mask(fed: int, past: int) -> torch.Tensor | None:
     return keys[None, :] <= queries[:, None]
 
 
+@dataclass(frozen=True)
+class RaggedLayout:
+    """Where each session's rows sit in a ragged block, and what each may attend to."""
+
+    bounds: list[int]  # rows of session i are bounds[i] .. bounds[i + 1]
+    masks: list[torch.Tensor | None]
+    positions: torch.Tensor  # [N] absolute position of every row
+
+    @classmethod
+    def of(cls, lengths: list[int], pasts: list[int], starts: list[int] | None = None) -> RaggedLayout:
+        """The layout of sessions feeding ``lengths`` rows on top of ``pasts`` cached entries.
+
+        ``starts`` are the rows' first positions when they differ from the cache length (a cache that
+        holds only a window of the sequence); by default each session's rows follow its cache.
+        """
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        starts = pasts if starts is None else starts
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
+        return cls(bounds, [_causal_mask(n, p) for n, p in zip(lengths, pasts)], positions)
+
+
+def ragged_decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[Cache],
+                         layout: RaggedLayout, layer_idx: int) -> torch.Tensor:
+    """One Llama decoder layer over a ragged block ``x [N, D]``; each session attends to its own cache.
+
+    ``rope`` is ``(cos, sin)`` ``[1, N, hd]`` for the rows' positions. The caches grow by the rows fed.
+    """
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    n_rows = h.shape[0]
+    q = attn.q_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hq, N, hd]
+    k = attn.k_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hkv, N, hd]
+    v = attn.v_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hkv, N, hd]
+    q, k = apply_rotary_pos_emb(q, k, *rope)
+    outs = []
+    for i, cache in enumerate(caches):
+        lo, hi = layout.bounds[i], layout.bounds[i + 1]
+        keys, values = cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx)  # [1, Hkv, T_i, hd]
+        out = F.scaled_dot_product_attention(
+            q[:, :, lo:hi], keys, values, attn_mask=layout.masks[i], scale=attn.scaling, enable_gqa=True
+        )  # [1, Hq, n_i, hd]
+        outs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))  # [n_i, Hq * hd]
+    x = x + attn.o_proj(torch.cat(outs))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 @torch.inference_mode()
 def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Feeds every item's tokens into its own cache in one pass over the model's weights.
@@ -71,37 +119,17 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
     exactly as a single-session forward would grow them.
     """
     decoder = model.get_decoder()
-    lengths = [len(item.tokens) for item in items]
-    pasts = [item.cache.get_seq_length() for item in items]
-    bounds = [0]
-    for n in lengths:
-        bounds.append(bounds[-1] + n)
+    layout = RaggedLayout.of([len(item.tokens) for item in items], [item.cache.get_seq_length() for item in items])
     input_ids = torch.tensor([t for item in items for t in item.tokens], dtype=torch.long)  # [N]
-    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(pasts, lengths)])  # [N]
-    masks = [_causal_mask(n, p) for n, p in zip(lengths, pasts)]
+    caches = [item.cache for item in items]
 
     x = decoder.embed_tokens(input_ids)  # [N, D]
-    cos, sin = decoder.rotary_emb(x, positions[None])  # [1, N, hd] each
+    rope = decoder.rotary_emb(x, layout.positions[None])  # [1, N, hd] each
     for layer_idx, layer in enumerate(decoder.layers[: model.config.num_hidden_layers]):
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        n_rows = h.shape[0]
-        q = attn.q_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hq, N, hd]
-        k = attn.k_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hkv, N, hd]
-        v = attn.v_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hkv, N, hd]
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        outs = []
-        for i, item in enumerate(items):
-            lo, hi = bounds[i], bounds[i + 1]
-            keys, values = item.cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx)  # [1, Hkv, T_i, hd]
-            out = F.scaled_dot_product_attention(
-                q[:, :, lo:hi], keys, values, attn_mask=masks[i], scale=attn.scaling, enable_gqa=True
-            )  # [1, Hq, n_i, hd]
-            outs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))  # [n_i, Hq * hd]
-        x = x + attn.o_proj(torch.cat(outs))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = ragged_decoder_layer(layer, x, rope, caches, layout, layer_idx)
     hidden = decoder.norm(x)  # [N, D]
 
+    bounds = layout.bounds
     keep = torch.cat([torch.arange(hi - item.logits_to_keep, hi) for item, hi in zip(items, bounds[1:])])
     logits = model.get_output_embeddings()(hidden[keep]).float()  # [sum keep, V]
     per_item_logits = list(torch.split(logits, [item.logits_to_keep for item in items]))

@@ -162,7 +162,9 @@ class LocalStack:
                     f"coordinator{i}",
                     [*exe, "serve-coordinator", "--port", str(port), "--draft", self.draft_address,
                      "--target", self.target_address, "--redis-url", self.redis_url, "--tokenizer", c.target_model,
-                     "--default-k", "auto" if c.default_k is None else str(c.default_k), *common],
+                     "--default-k", "auto" if c.default_k is None else str(c.default_k),
+                     # Every process of a local stack shares this machine's cores.
+                     "--draft-colocated", *common],
                 )
                 self.coordinator_addresses.append(self._wait_for_line(coordinator, "READY "))
         except BaseException:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from specdec.batching import waves
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel, ModelFacts
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
@@ -84,6 +85,13 @@ class VerifyOutcome:
     committed: int
     hidden: HiddenRows | None = None
     load: PassLoad | None = None
+
+
+def stamp_queue_wait(outcome: VerifyOutcome, queue_ms: float) -> VerifyOutcome:
+    """The outcome with the time its call waited before its pass recorded in its load."""
+    if outcome.load is None:
+        return outcome
+    return replace(outcome, load=replace(outcome.load, queue_ms=queue_ms))
 
 
 @dataclass
@@ -178,14 +186,7 @@ class TargetEngine:
         one session's bad request never fails the others.
         """
         results: list[VerifyOutcome | Exception | None] = [None] * len(calls)
-        remaining = list(range(len(calls)))
-        while remaining:
-            # Two rounds of one session (racing coordinators) must not share a pass: defer the later.
-            seen: set[str] = set()
-            wave, later = [], []
-            for i in remaining:
-                (later if calls[i].cache_id in seen else wave).append(i)
-                seen.add(calls[i].cache_id)
+        for wave in waves(calls):
             prepared = []
             for i in wave:
                 try:
@@ -200,7 +201,6 @@ class TargetEngine:
                     for item in prepared:
                         item.cache.drop_unrecorded_kv()
                         results[item.index] = exc
-            remaining = later
         return results  # type: ignore[return-value]
 
     def _prepare(self, index: int, call: VerifyCall) -> _Prepared:

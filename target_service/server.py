@@ -15,8 +15,8 @@ from specdec.rpc import RunningServer, call_core, guarded, serve_forever, start_
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import hidden_to_pb, sampling_from_pb
-from target_service.batcher import VerifyBatcher
-from target_service.engine import SparseQ, TargetEngine, VerifyCall
+from specdec.batching import PassBatcher
+from target_service.engine import SparseQ, TargetEngine, VerifyCall, stamp_queue_wait
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -27,7 +27,8 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     def __init__(self, engine: TargetEngine, tracer: trace.Tracer, max_batch_rows: int) -> None:
         super().__init__(engine, tracer, "TargetService")
         self._target = engine
-        self._batcher = VerifyBatcher(engine, self._executor, max_batch_rows)
+        self._batcher = PassBatcher(engine.verify_batch, self._executor, lambda call: len(call.draft_tokens) + 1,
+                                    max_batch_rows, stamp_queue_wait)
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
@@ -40,21 +41,24 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                 reply.hidden.CopyFrom(hidden_to_pb(hidden))
             return reply
 
+    async def _verify(self, request: target_pb2.VerifyRequest):
+        """Decodes a request (its sampling settings may be invalid) and verifies it in the next pass."""
+        call = VerifyCall(
+            request.sync.cache_id,
+            request.sync.start,
+            list(request.sync.tokens),
+            list(request.draft_tokens),
+            [SparseQ(list(d.token_ids), list(d.probs)) for d in request.q],
+            sampling_from_pb(request.sampling),
+            request.round,
+            request.return_hidden,
+        )
+        return await self._batcher.submit(call)
+
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
         with server_span(self._tracer, "TargetService/Verify", context) as span:
             span.set_attribute("specdec.k", len(request.draft_tokens))
-            q = [SparseQ(list(d.token_ids), list(d.probs)) for d in request.q]
-            call = VerifyCall(
-                request.sync.cache_id,
-                request.sync.start,
-                list(request.sync.tokens),
-                list(request.draft_tokens),
-                q,
-                sampling_from_pb(request.sampling),
-                request.round,
-                request.return_hidden,
-            )
-            outcome = await guarded(context, self._batcher.verify(call), "TargetService/Verify")
+            outcome = await guarded(context, self._verify(request), "TargetService/Verify")
             span.set_attribute("specdec.accepted", outcome.accepted)
             reply = target_pb2.VerifyReply(accepted=outcome.accepted, tokens=outcome.tokens, committed=outcome.committed)
             if outcome.load is not None:

@@ -13,10 +13,10 @@ from test_e2e_tiny import hf_greedy
 from coordinator.adaptive import AcceptanceTracker, CostModel, TargetLoad, choose_k
 from draft_service.engine import ModelDrafter
 from specdec import Client
+from specdec.batching import PassBatcher
 from specdec.kvcache import SessionCache
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import Sampling
-from target_service.batcher import VerifyBatcher
 from target_service.engine import TargetEngine, VerifyCall
 from target_service.pass_costs import PassCosts
 
@@ -116,8 +116,9 @@ def test_batcher_merges_calls_that_arrive_together(tiny_target):
     expected = [reference.verify_batch([c])[0].tokens for c in _calls(reference, prompts, drafts, Sampling())]
 
     async def run():
-        batcher = VerifyBatcher(engine, ThreadPoolExecutor(max_workers=1), max_batch_rows=6)
-        return await asyncio.gather(*(batcher.verify(c) for c in calls))
+        batcher = PassBatcher(engine.verify_batch, ThreadPoolExecutor(max_workers=1),
+                              lambda call: len(call.draft_tokens) + 1, max_batch_rows=6)
+        return await asyncio.gather(*(batcher.submit(c) for c in calls))
 
     results = asyncio.run(run())
     assert [r.tokens for r in results] == expected

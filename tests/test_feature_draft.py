@@ -18,6 +18,8 @@ from specdec.distill.evaluate import evaluate_feature
 from specdec.distill.feature_train import feature_batcher, feature_loss, make_feature_examples
 from specdec.distill.features import sample_features
 from specdec.distill.train import TrainConfig, train
+from specdec.kvcache import HiddenRows
+from specdec.sampling import Sampling
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +226,37 @@ def test_prompt_lookup_goes_first_when_it_finds_a_whole_continuation(draft, tiny
     lookup_id, _ = with_lookup.prefill(context)
     sampled = with_lookup.propose(lookup_id, committed, [], 3, Sampling(1.0, seed=1), 0)
     assert sampled.tokens == [7, 8, 9] and sampled.q == [([7], [1.0]), ([8], [1.0]), ([9], [1.0])]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, seed=5)], ids=["greedy", "sampled"])
+def test_proposals_drafted_together_equal_proposals_drafted_alone(draft, tiny_target, sampling):
+    """Sessions of different lengths, windows and k, over several rounds with partial acceptance: one
+    batched call per round proposes what each session proposes on its own (tokens and q)."""
+    from draft_service.engine import FeatureDrafter, ProposeCall
+
+    r = random.Random(3)
+    facts = tiny_target.facts("target")
+    together = FeatureDrafter(draft, facts, 16, 64, lookup_min=0)
+    alone = FeatureDrafter(draft, facts, 16, 64, lookup_min=0)
+    streams = [[r.randrange(4, 30) for _ in range(40)] for _ in range(4)]
+    feats = [sample_features(tiny_target.model, [s])[0].float() for s in streams]
+    lengths = [6, 11, 9, 17]
+    ids = [(together.prefill(s[:n])[0], alone.prefill(s[:n])[0]) for s, n in zip(streams, lengths)]
+    sent = [0, 0, 5, 0]  # the third session gets features from position 5 on: a window not at 0
+    for round_index in range(5):
+        calls = []
+        for s, stream in enumerate(streams):
+            # The coordinator committed a few more tokens (a partially accepted round) since last time.
+            grown = min(len(stream) - 1, lengths[s] + (r.randrange(0, 4) if round_index else 0))
+            hidden = HiddenRows(sent[s], feats[s][sent[s] : grown - 1])
+            k = [4, 1, 3, 2][(s + round_index) % 4]
+            calls.append((s, ProposeCall(ids[s][0], lengths[s], stream[lengths[s] : grown], k, sampling,
+                                         round_index, hidden)))
+            lengths[s], sent[s] = grown, grown - 1
+        got = together.propose_batch([call for _, call in calls])
+        for (s, call), proposal in zip(calls, got):
+            want = alone.propose(ids[s][1], call.start, call.new_tokens, call.k, sampling, round_index, call.hidden)
+            assert proposal.tokens == want.tokens and len(proposal.tokens) == call.k
+            assert [t for t, _ in proposal.q] == [t for t, _ in want.q]
+            for (_, p), (_, w) in zip(proposal.q, want.q):
+                assert p == pytest.approx(w, abs=1e-5)
