@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test test-fast proto up bench clean
+.PHONY: install run test test-fast proto up bench bench-load clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -44,6 +44,11 @@ test: install
 BENCH_ARGS ?= --n 12 --max-new-tokens 64
 bench: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(BENCH_ARGS) --out reports/bench.json --plot reports/bench.png
+
+# Throughput and latency as concurrent sessions grow (closed loop): hf-batched, specdec-k0, specdec.
+LOAD_ARGS ?= --concurrency 1,2,4,8,16 --n 24 --max-new-tokens 48
+bench-load: install
+	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(LOAD_ARGS) --out reports/bench-load.json --plot reports/bench-load.png
 
 proto:
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/specdec/v1/*.proto

@@ -198,6 +198,12 @@ class CostModel:
         verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
         return choose_k(rates, draft, verify, self.k_max, load.others_committed)
 
+    def worth_probing(self, load: TargetLoad | None) -> bool:
+        """Whether an excellent draft (every token accepted 9 times in 10) would be used under this
+        load: if not, trying the draft now would only cost the batch."""
+        excellent = AcceptanceTracker(prior=0.9, prior_weight=1e6)
+        return self.choose(excellent, load) > 0
+
     def choose_unloaded(self, tracker: AcceptanceTracker, load: TargetLoad | None = None) -> int:
         """The k this session would get were it alone on the target: > 0 means its draft is worth it,
         so a k of 0 under load is the load's doing, not the draft's."""

@@ -230,10 +230,10 @@ class RoundLoop:
                     # No pass seen on this replica yet: its load is unknown, so the first round runs
                     # target-only and measures it, rather than drafting into a busy batch.
                     k = 0
-                # Probe now and then, so a session whose draft improves can win it back; but not when
-                # the draft is good and only the target's load holds k at 0.
+                # Probe now and then, so a session whose draft improves can win it back; but only when
+                # its acceptance, not the target's load, holds k at 0, and a good draft would be used.
                 probe = fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY
-                if probe and costs.choose_unloaded(stats.positions, load) == 0:
+                if probe and costs.choose_unloaded(stats.positions, load) == 0 and costs.worth_probing(load):
                     k = 1
                 k_round = max(0, min(k, room - 1))
                 draft, verdict, draft_ref, target_ref, hidden = await self._round(

@@ -10,9 +10,10 @@ The window exists because the sessions of one pass all get their verdicts at onc
 few milliseconds apart (each coordinator streams, then calls again). Without it the first to come back
 would find the target idle and run alone, and the rest would run in a second pass: two passes per
 round instead of one, and the two groups stay out of step for good. So after a pass of several
-sessions, the next pass waits until each of them has a call waiting again (calls that arrived during
-the pass are already there), or until the window closes, whichever comes first. A lone session never
-waits, and a session that does not come back within the window is not waited for again.
+sessions (or one during which another call arrived), the next pass waits until each of them has a
+call waiting again (calls that arrived during the pass are already there), or until the window
+closes, whichever comes first. A lone session never waits, and a session that does not come back
+within the window is not waited for again.
 """
 
 from __future__ import annotations
@@ -120,13 +121,17 @@ class PassBatcher(Generic[C, R]):
                 batch = self._take()
                 if not batch:
                     break
-                self._expected = {call.cache_id for call, _, _ in batch} if len(batch) > 1 else set()
                 calls = [call for call, _, _ in batch]
                 started = loop.time()
                 try:
                     results = await loop.run_in_executor(self._executor, self._run, calls)
                 except Exception as exc:  # noqa: BLE001 - delivered to every caller of this pass
                     results = [exc] * len(batch)
+                # Sessions run concurrently when the pass held several, or another call arrived while it
+                # ran: then the next pass waits for this one's sessions (else two lone sessions would
+                # alternate, one pass each, for good). A lone session's pass expects nothing.
+                concurrent = len(batch) > 1 or any(not f.cancelled() for _, f, _ in self._waiting)
+                self._expected = {call.cache_id for call in calls} if concurrent else set()
                 for (_, future, arrived), result in zip(batch, results):
                     if future.done():
                         continue

@@ -189,3 +189,21 @@ def test_concurrent_sessions_share_passes_and_stay_exact(tiny_target, tiny_draft
         stack.close()
     assert [r.token_ids for r in results] == expected
     assert engine.largest_pass > 1 and engine.passes < engine.verified
+
+
+def test_a_draft_on_the_targets_own_cores_counts_twice_under_load():
+    """Two sessions, a cheap-rows pass: a separate draft machine makes k > 0 pay; sharing the cores, not."""
+    tracker = AcceptanceTracker()
+    for i in range(40):
+        tracker.record(1, i % 2)  # the first draft token passes half the time
+    load = TargetLoad(sessions=2, others_committed=1, pass_ms=130.0,
+                      curve_ms=[130.0 + 2.0 * n for n in range(9)], alone_ms=[110.0 + 2.0 * n for n in range(9)])
+    separate, shared = CostModel(k_max=8), CostModel(k_max=8, colocated=True)
+    for costs in (separate, shared):
+        for _ in range(10):
+            costs.record_draft(40.0, 2)
+    assert separate.choose(tracker, load) > 0
+    assert shared.choose(tracker, load) == 0
+    # Alone on the target the draft never overlaps another session's pass: both agree.
+    alone = TargetLoad(1, 0, 110.0, load.alone_ms, load.alone_ms)
+    assert shared.choose(tracker, alone) == separate.choose(tracker, alone) > 0

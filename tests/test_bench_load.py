@@ -1,0 +1,51 @@
+"""The load benchmark's parts: closed-loop clients over a real stack, batched HF, and the report."""
+
+from __future__ import annotations
+
+from draft_service.engine import ModelDrafter
+from harness import InProcessStack
+from specdec.bench import BenchPrompt
+from specdec.bench_load import LevelResult, run_hf_batched_level, run_specdec_level, summarize_load
+from target_service.engine import TargetEngine
+from test_e2e_tiny import hf_greedy
+
+PROMPTS = [BenchPrompt(str(i), f"w{i} w{i + 2} w{(5 * i) % 30}") for i in range(6)]
+
+
+def test_closed_loop_clients_get_target_greedy_output(tiny_target, tiny_draft, tiny_dir, redis_url):
+    engine = TargetEngine(tiny_target, 32)
+    stack = InProcessStack(engine, ModelDrafter(tiny_draft, 32, 64), tiny_dir / "target", redis_url).start()
+    try:
+        result = run_specdec_level("specdec", stack.address, PROMPTS, 3, 12, None)
+    finally:
+        stack.close()
+    assert result.outputs == {p.id: hf_greedy(tiny_target, p.prompt, 12) for p in PROMPTS}
+    assert result.tokens == sum(len(v) for v in result.outputs.values())
+    assert len(result.ttft_ms) == len(PROMPTS) and result.seconds > 0
+    assert engine.largest_pass > 1  # three clients at once shared passes
+
+
+def test_hf_batched_rows_stop_at_eos_and_match_one_at_a_time(tiny_target):
+    alone = run_hf_batched_level(tiny_target, PROMPTS, 1, 12)
+    batched = run_hf_batched_level(tiny_target, PROMPTS, 3, 12)
+    assert alone.outputs == {p.id: hf_greedy(tiny_target, p.prompt, 12) for p in PROMPTS}
+    assert set(batched.outputs) == set(alone.outputs)
+    for out in batched.outputs.values():
+        assert 1 <= len(out) <= 12 and all(t != 1 for t in out[:-1])  # nothing kept past EOS (id 1)
+
+
+def test_report_has_percentiles_exactness_and_ratios():
+    def level(tokens: int, seconds: float, outputs: dict) -> LevelResult:
+        return LevelResult(tokens=tokens, seconds=seconds, ttft_ms=[10.0, 20.0, 30.0, 40.0],
+                           per_token_ms=[5.0, 5.0, 6.0, 9.0], outputs=outputs)
+
+    reference = {"a": [1, 2], "b": [3]}
+    results = {
+        "specdec-k0": {1: level(10, 2.0, reference), 4: level(40, 2.0, reference)},
+        "specdec": {1: level(12, 2.0, reference), 4: level(40, 2.0, {"a": [1, 2], "b": [4]})},
+    }
+    report = summarize_load(results, reference)
+    assert report["modes"]["specdec"]["4"]["exact"] == "1/2"
+    assert report["modes"]["specdec-k0"]["1"]["ttft_ms"] == {"p50": 25.0, "p95": 38.5}
+    assert report["specdec_vs_k0"] == {"1": 1.2, "4": 1.0}
+    assert report["scaling_vs_single_session"]["specdec-k0"] == {"1": 1.0, "4": 4.0}
