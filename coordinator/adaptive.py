@@ -47,21 +47,22 @@ def expected_tokens(accept: list[float], k: int) -> float:
 
 def choose_k(
     accept: list[float], draft_ms: float | list[float], verify_ms: list[float], k_max: int,
-    others_committed: float = 0.0,
+    others_committed: float = 0.0, min_gain: float = 1.0001,
 ) -> int:
     """The k in [0, k_max] with the most expected tokens per millisecond, counting the other sessions'.
 
     ``draft_ms`` is the cost of one draft token, or ``draft_ms[k]`` that of a whole call for k tokens
     (its round trip included); ``verify_ms[n]`` is the cost of verifying n tokens (index 0 unused), for
     a batched pass the whole pass's cost; ``accept[i]`` the conditional acceptance of draft position i + 1;
-    ``others_committed`` the tokens the same pass commits for the other sessions in it.
+    ``others_committed`` the tokens the same pass commits for the other sessions in it. A longer k
+    must beat the best shorter one by the factor ``min_gain``: ties go to fewer wasted draft steps.
     """
     best_k, best_rate = 0, 0.0
     for k in range(min(k_max, len(verify_ms) - 2) + 1):
         drafting = draft_ms[k] if isinstance(draft_ms, list) else k * draft_ms
         cost = drafting + verify_ms[k + 1]
         rate = (others_committed + expected_tokens(accept, k)) / cost
-        if rate > best_rate * 1.0001:  # ties go to the smaller k: fewer wasted draft steps
+        if rate > best_rate * min_gain:
             best_k, best_rate = k, rate
     return best_k
 
@@ -196,7 +197,10 @@ class CostModel:
             # the draft computes on (measured: on 2 shared cores, k ~ 1 at 2 sessions ran 0.82x k = 0).
             draft = [2 * ms for ms in draft]
         verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
-        return choose_k(rates, draft, verify, self.k_max, load.others_committed)
+        # In a shared pass the estimates carry other sessions' noise and a late draft delays them
+        # all: speculation must promise a clear gain (5%) before it is worth the risk.
+        gain = 1.05 if load.sessions > 1 else 1.0001
+        return choose_k(rates, draft, verify, self.k_max, load.others_committed, gain)
 
     def worth_probing(self, load: TargetLoad | None) -> bool:
         """Whether an excellent draft (every token accepted 9 times in 10) would be used under this

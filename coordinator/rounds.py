@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 
 # Rounds of target-only decoding after which an adaptive session tries k = 1 again.
 _PROBE_EVERY = 8
+# Seconds a target's load report stays current for choosing k.
+_LOAD_FRESH_S = 1.0
 
 
 class SessionNotFound(LookupError):
@@ -159,8 +161,8 @@ class RoundLoop:
         self._prior_costs = CostModel(k_max=max_auto_k)
         # Prometheus metrics of this process; None records nothing.
         self._metrics = metrics
-        # Each target replica's latest batched pass, from its verdicts: steers k under load.
-        self._target_load: dict[str, TargetLoad] = {}
+        # Each target replica's latest batched pass and when it was seen: steers k under load.
+        self._target_load: dict[str, tuple[float, TargetLoad]] = {}
         # Whether the targets report their passes (a target that does not batch reports none).
         self._batching_targets = True
 
@@ -224,11 +226,12 @@ class RoundLoop:
             round_index = 0
             while finish is None:
                 room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
-                load = self._target_load.get(target_ref.address) if sampling.greedy else None
+                load = self._fresh_load(target_ref.address) if sampling.greedy else None
                 k = fixed_k if fixed_k is not None else costs.choose(stats.positions, load)
                 if fixed_k is None and sampling.greedy and load is None and self._batching_targets:
-                    # No pass seen on this replica yet: its load is unknown, so the first round runs
-                    # target-only and measures it, rather than drafting into a busy batch.
+                    # No recent pass seen on this replica: its load is unknown (a burst may just have
+                    # arrived), so this round runs target-only and measures it rather than drafting
+                    # into a busy batch.
                     k = 0
                 # Probe now and then, so a session whose draft improves can win it back; but only when
                 # its acceptance, not the target's load, holds k at 0, and a good draft would be used.
@@ -331,7 +334,7 @@ class RoundLoop:
             drafted = len(draft.tokens) if draft else 0
             self._costs.record_verify(verify_ms, drafted + 1, verdict.load)
             if verdict.load is not None:
-                self._target_load[target_ref.address] = verdict.load
+                self._target_load[target_ref.address] = (time.monotonic(), verdict.load)
             else:
                 self._batching_targets = False
             stats.draft_ms += draft_ms
@@ -352,6 +355,13 @@ class RoundLoop:
                 }
             )
         return draft, verdict, draft_ref, target_ref, hidden
+
+    def _fresh_load(self, address: str) -> TargetLoad | None:
+        """The replica's latest pass, unless it is older than a second (the load may have changed)."""
+        seen = self._target_load.get(address)
+        if seen is None or time.monotonic() - seen[0] > _LOAD_FRESH_S:
+            return None
+        return seen[1]
 
     def _draft_usable(self, ref: CacheRef | None) -> bool:
         """False while the replica that would draft for this session is backing off after a failure."""

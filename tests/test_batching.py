@@ -118,7 +118,9 @@ def test_batcher_merges_calls_that_arrive_together(tiny_target):
     async def run():
         batcher = PassBatcher(engine.verify_batch, ThreadPoolExecutor(max_workers=1),
                               lambda call: len(call.draft_tokens) + 1, max_batch_rows=6)
-        return await asyncio.gather(*(batcher.submit(c) for c in calls))
+        results = await asyncio.gather(*(batcher.submit(c) for c in calls))
+        await asyncio.sleep(0.05)  # let the batcher's gathering window close before the loop does
+        return results
 
     results = asyncio.run(run())
     assert [r.tokens for r in results] == expected
