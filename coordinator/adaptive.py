@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specdec.batching import PassLoad
+
 
 def add_counts(total: list[int], more: list[int]) -> None:
     """Adds per-position counts into ``total`` in place, growing it as needed."""
@@ -92,18 +94,6 @@ class AcceptanceTracker:
         return out
 
 
-@dataclass(frozen=True)
-class TargetLoad:
-    """A target replica's latest batched pass, as its verdicts report it (``PassLoad`` in the proto)."""
-
-    sessions: int
-    others_committed: int
-    pass_ms: float
-    curve_ms: list[float]
-    alone_ms: list[float]
-    queue_ms: float = 0.0
-
-
 @dataclass
 class CostModel:
     """Moving averages of draft cost per token and verify cost by tokens verified.
@@ -159,7 +149,7 @@ class CostModel:
                 out.append(self.draft_call_ms + k * self.draft_ms_per_token)
         return out
 
-    def record_verify(self, ms: float, tokens: int, load: TargetLoad | None = None) -> None:
+    def record_verify(self, ms: float, tokens: int, load: PassLoad | None = None) -> None:
         """Folds in one verify call over ``tokens`` tokens (draft tokens + 1) that took ``ms`` end to end."""
         if load is not None:
             # What the call took beyond waiting at the target and its pass is the round trip.
@@ -182,7 +172,7 @@ class CostModel:
                 out[n] = previous + self.growth * base if n > 1 else base
         return out
 
-    def choose(self, tracker: AcceptanceTracker, load: TargetLoad | None = None) -> int:
+    def choose(self, tracker: AcceptanceTracker, load: PassLoad | None = None) -> int:
         """The best k for a session with this acceptance history, on a target with this load.
 
         Without a load report (a target that does not batch) the verify costs are the ones measured
@@ -202,15 +192,15 @@ class CostModel:
         gain = 1.05 if load.sessions > 1 else 1.0001
         return choose_k(rates, draft, verify, self.k_max, load.others_committed, gain)
 
-    def worth_probing(self, load: TargetLoad | None) -> bool:
+    def worth_probing(self, load: PassLoad | None) -> bool:
         """Whether an excellent draft (every token accepted 9 times in 10) would be used under this
         load: if not, trying the draft now would only cost the batch."""
         excellent = AcceptanceTracker(prior=0.9, prior_weight=1e6)
         return self.choose(excellent, load) > 0
 
-    def choose_unloaded(self, tracker: AcceptanceTracker, load: TargetLoad | None = None) -> int:
+    def choose_unloaded(self, tracker: AcceptanceTracker, load: PassLoad | None = None) -> int:
         """The k this session would get were it alone on the target: > 0 means its draft is worth it,
         so a k of 0 under load is the load's doing, not the draft's."""
         if load is None or not load.alone_ms:
             return self.choose(tracker)
-        return self.choose(tracker, TargetLoad(1, 0, load.alone_ms[0], load.alone_ms, load.alone_ms))
+        return self.choose(tracker, PassLoad(1, 1, 0, load.alone_ms[0], load.alone_ms, load.alone_ms))

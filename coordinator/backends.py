@@ -10,13 +10,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from coordinator.adaptive import TargetLoad
+from specdec.batching import PassLoad
 from specdec.models import ModelFacts
 from specdec.rpc import aio_channel, channel_options
 from specdec.sampling import Sampling
 from specdec.tracing import outgoing_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
-from specdec.wire import facts_from_pb, sampling_to_pb
+from specdec.wire import facts_from_pb, pass_load_from_pb, sampling_to_pb
 
 
 class BackendUnavailable(RuntimeError):
@@ -67,7 +67,7 @@ class VerifyResult:
     committed: int
     hidden: common_pb2.HiddenStates | None = None
     # The batched pass it ran in; None from a target that reports none.
-    load: TargetLoad | None = None
+    load: PassLoad | None = None
 
 
 def merge_hidden(pending: common_pb2.HiddenStates | None, new: common_pb2.HiddenStates | None,
@@ -208,8 +208,7 @@ class TargetReplica(_Replica):
         reply = await self._call(self._stub.Verify, request, remaining_s)
         load = None
         if reply.HasField("load"):
-            load = TargetLoad(reply.load.sessions, reply.load.others_committed, reply.load.pass_ms,
-                              list(reply.load.curve_ms), list(reply.load.alone_ms), reply.load.queue_ms)
+            load = pass_load_from_pb(reply.load)
         return VerifyResult(
             reply.accepted, list(reply.tokens), reply.committed, reply.hidden if with_hidden else None, load
         )

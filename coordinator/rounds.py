@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 
-from coordinator.adaptive import AcceptanceTracker, CostModel, TargetLoad
+from coordinator.adaptive import AcceptanceTracker, CostModel
+from specdec.batching import PassLoad
 from coordinator.backends import (
     BackendRejected,
     BackendUnavailable,
@@ -162,7 +163,7 @@ class RoundLoop:
         # Prometheus metrics of this process; None records nothing.
         self._metrics = metrics
         # Each target replica's latest batched pass and when it was seen: steers k under load.
-        self._target_load: dict[str, tuple[float, TargetLoad]] = {}
+        self._target_load: dict[str, tuple[float, PassLoad]] = {}
         # Whether the targets report their passes (a target that does not batch reports none).
         self._batching_targets = True
 
@@ -356,7 +357,7 @@ class RoundLoop:
             )
         return draft, verdict, draft_ref, target_ref, hidden
 
-    def _fresh_load(self, address: str) -> TargetLoad | None:
+    def _fresh_load(self, address: str) -> PassLoad | None:
         """The replica's latest pass, unless it is older than a second (the load may have changed)."""
         seen = self._target_load.get(address)
         if seen is None or time.monotonic() - seen[0] > _LOAD_FRESH_S:

@@ -22,7 +22,29 @@ import asyncio
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
+
+
+@dataclass(frozen=True)
+class PassLoad:
+    """A batched pass as one of its sessions saw it (``PassLoad`` in the proto); it steers that
+    session's next draft length (``coordinator.adaptive``)."""
+
+    sessions: int
+    """Sessions verified in the pass."""
+    rows: int
+    """Token rows the pass fed, all sessions together."""
+    others_committed: int
+    """Tokens the pass committed for the other sessions."""
+    pass_ms: float
+    """How long the pass took."""
+    curve_ms: list[float]
+    """Predicted pass ms had this session fed 1, 2, ... rows beside the others' rows."""
+    alone_ms: list[float]
+    """Predicted pass ms had this session fed 1, 2, ... rows alone."""
+    queue_ms: float = 0.0
+    """How long the call waited before its pass began (the batcher fills it in)."""
 
 
 class BatchCall(Protocol):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from specdec.batching import PassLoad
 from specdec.kvcache import HiddenRows
 from specdec.models import ModelFacts
 from specdec.sampling import Sampling
-from specdec.v1 import common_pb2
+from specdec.v1 import common_pb2, target_pb2
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
@@ -74,3 +75,17 @@ def hidden_from_pb(msg: common_pb2.HiddenStates, dim: int) -> HiddenRows | None:
     if not bool(torch.isfinite(rows).all()):
         raise ValueError("hidden.fp16: hidden states must be finite")
     return HiddenRows(msg.start, rows)
+
+
+def pass_load_to_pb(load: PassLoad) -> target_pb2.PassLoad:
+    """A verdict's pass load for the wire."""
+    return target_pb2.PassLoad(
+        sessions=load.sessions, rows=load.rows, others_committed=load.others_committed, pass_ms=load.pass_ms,
+        curve_ms=load.curve_ms, alone_ms=load.alone_ms, queue_ms=load.queue_ms,
+    )
+
+
+def pass_load_from_pb(msg: target_pb2.PassLoad) -> PassLoad:
+    """A verdict's pass load from the wire."""
+    return PassLoad(msg.sessions, msg.rows, msg.others_committed, msg.pass_ms, list(msg.curve_ms),
+                    list(msg.alone_ms), msg.queue_ms)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from specdec.batching import waves
+from specdec.batching import PassLoad, waves
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel, ModelFacts
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
@@ -54,26 +54,6 @@ class VerifyCall:
     sampling: Sampling
     round_index: int
     with_hidden: bool = False
-
-
-@dataclass(frozen=True)
-class PassLoad:
-    """The pass a round was verified in, as the session saw it; steers its next draft length."""
-
-    sessions: int
-    """Sessions verified in the pass."""
-    rows: int
-    """Token rows the pass fed, all sessions together."""
-    others_committed: int
-    """Tokens the pass committed for the other sessions."""
-    pass_ms: float
-    """How long the pass took."""
-    curve_ms: list[float]
-    """Predicted pass ms had this session fed 1, 2, ... rows beside the others' rows."""
-    alone_ms: list[float]
-    """Predicted pass ms had this session fed 1, 2, ... rows alone."""
-    queue_ms: float = 0.0
-    """How long the call waited before its pass began (the batcher fills it in)."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from specdec.models import load_model
 from specdec.rpc import RunningServer, call_core, guarded, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.wire import hidden_to_pb, sampling_from_pb
+from specdec.wire import hidden_to_pb, pass_load_to_pb, sampling_from_pb
 from specdec.batching import PassBatcher
 from target_service.engine import SparseQ, TargetEngine, VerifyCall, stamp_queue_wait
 
@@ -64,10 +64,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             if outcome.load is not None:
                 load = outcome.load
                 span.set_attributes({"specdec.batch_sessions": load.sessions, "specdec.batch_rows": load.rows})
-                reply.load.CopyFrom(target_pb2.PassLoad(
-                    sessions=load.sessions, rows=load.rows, others_committed=load.others_committed,
-                    pass_ms=load.pass_ms, curve_ms=load.curve_ms, alone_ms=load.alone_ms, queue_ms=load.queue_ms,
-                ))
+                reply.load.CopyFrom(pass_load_to_pb(load))
             if outcome.hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))
             return reply

@@ -10,10 +10,10 @@ import torch
 from harness import InProcessStack
 from test_e2e_tiny import hf_greedy
 
-from coordinator.adaptive import AcceptanceTracker, CostModel, TargetLoad, choose_k
+from coordinator.adaptive import AcceptanceTracker, CostModel, choose_k
 from draft_service.engine import ModelDrafter
 from specdec import Client
-from specdec.batching import PassBatcher
+from specdec.batching import PassBatcher, PassLoad
 from specdec.kvcache import SessionCache
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import Sampling
@@ -167,7 +167,7 @@ def test_cost_model_uses_the_targets_curve_and_tells_load_from_a_poor_draft():
     good = AcceptanceTracker()
     for _ in range(50):
         good.record(4, 3)
-    busy = TargetLoad(sessions=16, others_committed=15, pass_ms=82.0, curve_ms=_flat_then_steep(15),
+    busy = PassLoad(sessions=16, rows=16, others_committed=15, pass_ms=82.0, curve_ms=_flat_then_steep(15),
                       alone_ms=_flat_then_steep(0))
     assert model.choose(good, busy) == 0
     assert model.choose_unloaded(good, busy) > 0  # the load holds k at 0, not the draft
@@ -198,7 +198,7 @@ def test_a_draft_on_the_targets_own_cores_counts_twice_under_load():
     tracker = AcceptanceTracker()
     for i in range(40):
         tracker.record(1, i % 2)  # the first draft token passes half the time
-    load = TargetLoad(sessions=2, others_committed=1, pass_ms=130.0,
+    load = PassLoad(sessions=2, rows=2, others_committed=1, pass_ms=130.0,
                       curve_ms=[130.0 + 2.0 * n for n in range(9)], alone_ms=[110.0 + 2.0 * n for n in range(9)])
     separate, shared = CostModel(k_max=8), CostModel(k_max=8, colocated=True)
     for costs in (separate, shared):
@@ -207,5 +207,5 @@ def test_a_draft_on_the_targets_own_cores_counts_twice_under_load():
     assert separate.choose(tracker, load) > 0
     assert shared.choose(tracker, load) == 0
     # Alone on the target the draft never overlaps another session's pass: both agree.
-    alone = TargetLoad(1, 0, 110.0, load.alone_ms, load.alone_ms)
+    alone = PassLoad(1, 1, 0, 110.0, load.alone_ms, load.alone_ms)
     assert shared.choose(tracker, alone) == separate.choose(tracker, alone) > 0
