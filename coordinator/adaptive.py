@@ -183,9 +183,11 @@ class CostModel:
         if load is None or not load.curve_ms:
             return choose_k(rates, draft, self.curve(), self.k_max)
         if self.colocated and load.sessions > 1:
-            # Counted twice: the batch waits for the draft, and the pass it overlaps loses the cores
-            # the draft computes on (measured: on 2 shared cores, k ~ 1 at 2 sessions ran 0.82x k = 0).
-            draft = [2 * ms for ms in draft]
+            # The draft computes on the cores the shared pass needs, and a session that drafts falls
+            # out of step with the batch, so the others' next pass runs without it. Neither shows in
+            # the cost curve; measured on 2 shared cores at 2 sessions, even a draft costed twice
+            # (mean k 0.36) ran 0.91x target-only. So a shared pass gets no draft from shared cores.
+            return 0
         verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
         # In a shared pass the estimates carry other sessions' noise and a late draft delays them
         # all: speculation must promise a clear gain (5%) before it is worth the risk.

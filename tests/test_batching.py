@@ -193,8 +193,9 @@ def test_concurrent_sessions_share_passes_and_stay_exact(tiny_target, tiny_draft
     assert engine.largest_pass > 1 and engine.passes < engine.verified
 
 
-def test_a_draft_on_the_targets_own_cores_counts_twice_under_load():
-    """Two sessions, a cheap-rows pass: a separate draft machine makes k > 0 pay; sharing the cores, not."""
+def test_a_draft_on_the_targets_own_cores_is_off_under_load():
+    """Two sessions, a cheap-rows pass: a separate draft machine makes k > 0 pay; sharing the cores, not,
+    and no probe is worth it either."""
     tracker = AcceptanceTracker()
     for i in range(40):
         tracker.record(1, i % 2)  # the first draft token passes half the time
@@ -206,6 +207,7 @@ def test_a_draft_on_the_targets_own_cores_counts_twice_under_load():
             costs.record_draft(40.0, 2)
     assert separate.choose(tracker, load) > 0
     assert shared.choose(tracker, load) == 0
+    assert separate.worth_probing(load) and not shared.worth_probing(load)
     # Alone on the target the draft never overlaps another session's pass: both agree.
     alone = PassLoad(1, 1, 0, 110.0, load.alone_ms, load.alone_ms)
     assert shared.choose(tracker, alone) == separate.choose(tracker, alone) > 0
