@@ -6,6 +6,7 @@ protocol message. Every call carries a deadline and the current trace context.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -32,12 +33,35 @@ class CacheLost(RuntimeError):
     """The replica no longer holds the session's cache as expected; prefill again."""
 
 
+class Fenced(RuntimeError):
+    """A newer turn holds the session (its fencing token is newer): this turn's writes and cache
+    operations are stale and refused."""
+
+
 class BackendRejected(RuntimeError):
     """The replica refused the call for a reason that retrying will not fix."""
 
-    def __init__(self, code: grpc.StatusCode, detail: str) -> None:
+    def __init__(self, code: grpc.StatusCode, detail: str, address: str = "") -> None:
         super().__init__(detail)
         self.code = code
+        self.address = address
+
+
+class ReplicaHealth:
+    """Which replicas of one service failed lately: each rests ``rest_s`` after a failure, then gets
+    work again (the next call is the probe)."""
+
+    def __init__(self, rest_s: float) -> None:
+        self._rest_s = rest_s
+        self._down_until: dict[str, float] = {}
+
+    def failed(self, address: str) -> None:
+        """Rests ``address`` from now."""
+        self._down_until[address] = time.monotonic() + self._rest_s
+
+    def usable(self, address: str) -> bool:
+        """False while ``address`` rests."""
+        return time.monotonic() >= self._down_until.get(address, 0.0)
 
 
 @dataclass(frozen=True)
@@ -47,6 +71,8 @@ class CacheRef:
     address: str
     cache_id: str
     committed: int
+    # The fencing token of the turn that uses this cache; services refuse older ones.
+    fence: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,9 +124,11 @@ def _translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Excep
     code = error.code()
     if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
         return CacheLost(f"{service} at {address}: {error.details()}")
+    if code == grpc.StatusCode.ABORTED:
+        return Fenced(f"{service} at {address}: {error.details()}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return BackendUnavailable(service, address, f"{code.name}: {error.details()}")
-    return BackendRejected(code, f"{service} at {address}: {error.details()}")
+    return BackendRejected(code, f"{service} at {address}: {error.details()}", address)
 
 
 class _Replica:
@@ -123,10 +151,11 @@ class _Replica:
         except grpc.aio.AioRpcError as error:
             raise _translate(self.service, self.address, error) from None
 
-    async def prefill(self, tokens: list[int], remaining_s: float | None = None) -> CacheRef:
-        """Creates a cache over the committed ``tokens``."""
-        reply = await self._call(self._stub.Prefill, common_pb2.PrefillRequest(tokens=tokens), remaining_s)
-        return CacheRef(self.address, reply.cache_id, reply.committed)
+    async def prefill(self, tokens: list[int], remaining_s: float | None = None, fence: int = 0) -> CacheRef:
+        """Creates a cache over the committed ``tokens`` for the turn holding fencing token ``fence``."""
+        request = common_pb2.PrefillRequest(tokens=tokens, fence=fence)
+        reply = await self._call(self._stub.Prefill, request, remaining_s)
+        return CacheRef(self.address, reply.cache_id, reply.committed, fence)
 
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
         """Drops a cache (best effort)."""
@@ -143,7 +172,7 @@ class _Replica:
 
 def _sync(ref: CacheRef, committed: list[int]) -> common_pb2.CacheSync:
     start = min(ref.committed, len(committed))
-    return common_pb2.CacheSync(cache_id=ref.cache_id, start=start, tokens=committed[start:])
+    return common_pb2.CacheSync(cache_id=ref.cache_id, start=start, tokens=committed[start:], fence=ref.fence)
 
 
 class DraftReplica(_Replica):
@@ -181,12 +210,12 @@ class TargetReplica(_Replica):
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
 
     async def prefill_with_hidden(
-        self, tokens: list[int], remaining_s: float | None, with_hidden: bool
+        self, tokens: list[int], remaining_s: float | None, with_hidden: bool, fence: int = 0
     ) -> tuple[CacheRef, common_pb2.HiddenStates | None]:
         """``prefill``, also returning the hidden states of the fed positions when ``with_hidden``."""
-        request = common_pb2.PrefillRequest(tokens=tokens, return_hidden=with_hidden)
+        request = common_pb2.PrefillRequest(tokens=tokens, return_hidden=with_hidden, fence=fence)
         reply = await self._call(self._stub.Prefill, request, remaining_s)
-        return CacheRef(self.address, reply.cache_id, reply.committed), (reply.hidden if with_hidden else None)
+        return CacheRef(self.address, reply.cache_id, reply.committed, fence), (reply.hidden if with_hidden else None)
 
     async def verify(
         self,

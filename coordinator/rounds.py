@@ -20,7 +20,6 @@ from dataclasses import dataclass, field, replace
 from opentelemetry import trace
 
 from coordinator.adaptive import AcceptanceTracker, CostModel
-from specdec.batching import PassLoad
 from coordinator.backends import (
     BackendRejected,
     BackendUnavailable,
@@ -30,11 +29,14 @@ from coordinator.backends import (
     DraftResult,
     TargetReplica,
     VerifyResult,
+    ReplicaHealth,
     merge_hidden,
 )
 from coordinator.prompts import build_turn
-from coordinator.sessions import SessionRecord, SessionStore
+from coordinator.checkpoints import Checkpoints
+from coordinator.sessions import SessionRecord, SessionStore, TurnState
 from coordinator.textstream import TextStream
+from specdec.batching import PassLoad
 from specdec.kvcache import common_prefix_len
 from specdec.metrics import CoordinatorMetrics
 from specdec.models import ModelFacts
@@ -54,6 +56,18 @@ class SessionNotFound(LookupError):
     """The request named a session that does not exist or has expired."""
 
 
+class TurnMismatch(RuntimeError):
+    """A resume named a session that is not running the resumed request."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What the client of a lost stream already received of this turn."""
+
+    tokens: int
+    text_chars: int
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A validated request; exactly one of ``text`` and ``messages`` is set."""
@@ -69,6 +83,10 @@ class GenerationRequest:
     session_id: str | None = None
     # None: the coordinator's default; 0: target-only.
     k: int | None = None
+    # Set when a client resumes a stream it lost.
+    resume: Resume | None = None
+    # Digest of the request minus its session and resume fields: names the turn a resume continues.
+    fingerprint: str = ""
 
 
 @dataclass
@@ -153,9 +171,10 @@ class RoundLoop:
         self._next_replica = 0
         # A feature draft reads the target's hidden states: ask the target for them, carry them over.
         self._want_hidden = want_hidden
-        # A draft replica that failed is left alone this long; rounds meanwhile run target-only.
-        self._draft_retry_s = draft_retry_s
-        self._draft_down_until: dict[str, float] = {}
+        # A replica that failed rests this long before new work goes to it. Sessions on a resting
+        # draft replica move to another or run target-only; those on a resting target move.
+        self._draft_health = ReplicaHealth(draft_retry_s)
+        self._target_health = ReplicaHealth(draft_retry_s)
         # Measured costs steer greedy requests. Seeded sampled requests use the fixed prior curve,
         # so their k sequence, and hence their tokens, never depend on timing.
         self._costs = CostModel(k_max=max_auto_k, colocated=draft_colocated)
@@ -167,12 +186,16 @@ class RoundLoop:
         # Whether the targets report their passes (a target that does not batch reports none).
         self._batching_targets = True
 
-    def _pick(self, replicas: dict, current: CacheRef | None):
-        """The replica holding a session's cache, or the next one in turn for a new cache."""
-        if current is not None and current.address in replicas:
+    def _pick(self, replicas: dict, current: CacheRef | None, health: ReplicaHealth):
+        """The replica holding a session's cache while it is healthy, else the next healthy one in
+        turn for a new cache; None when every replica is resting."""
+        if current is not None and current.address in replicas and health.usable(current.address):
             return replicas[current.address]
+        healthy = [r for r in replicas.values() if health.usable(r.address)]
+        if not healthy:
+            return None
         self._next_replica += 1
-        return list(replicas.values())[self._next_replica % len(replicas)]
+        return healthy[self._next_replica % len(healthy)]
 
     async def _load_session(self, session_id: str | None) -> SessionRecord:
         if not session_id:
@@ -182,74 +205,89 @@ class RoundLoop:
             raise SessionNotFound(f"session_id: no session {session_id!r} (unknown or expired)")
         return record
 
+    async def _begin_turn(self, request: GenerationRequest) -> tuple[SessionRecord, bool]:
+        """The session's record with this request's turn in ``record.turn``, and whether the turn is
+        resumed (it ran before, on this or another coordinator). The turn takes the session's lease."""
+        record = await self._load_session(request.session_id)
+        if request.resume is not None:
+            if record.turn is not None and record.turn.fingerprint == request.fingerprint:
+                await self._take_lease(record)
+                return record, True
+            if request.resume.tokens or request.resume.text_chars:
+                raise TurnMismatch(
+                    f"resume: session {record.session_id!r} is not running this request (it expired or a "
+                    "later turn replaced it)"
+                )
+            # Nothing was received and the turn never started: start it now.
+        turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
+        limit = self._facts.max_context
+        if len(turn.tokens) >= limit:
+            raise ValueError(f"prompt: {len(turn.tokens)} tokens leave no room in the context of {limit}")
+        # The caches keep the prefix this turn shares with what the session committed before.
+        shared = common_prefix_len(record.tokens, turn.tokens)
+        record.draft, record.target = _clip(record.draft, shared), _clip(record.target, shared)
+        record.tokens = list(turn.tokens)
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        record.turn = TurnState(request.fingerprint, len(turn.tokens), seed, turn.messages)
+        await self._take_lease(record)
+        return record, False
+
+    async def _take_lease(self, record: SessionRecord) -> None:
+        """Takes a fencing token newer than any earlier turn's, for the record and its caches: from
+        now on the services and the store refuse the older turns' calls and writes."""
+        record.fence = await self._store.take_fence(record.session_id)
+        if record.draft is not None:
+            record.draft = replace(record.draft, fence=record.fence)
+        if record.target is not None:
+            record.target = replace(record.target, fence=record.fence)
+
     async def generate(self, request: GenerationRequest, remaining_s: Callable[[], float | None]) -> AsyncIterator[Chunk]:
-        """Runs one request to completion, yielding chunks as rounds commit tokens."""
+        """Runs one request to completion, yielding chunks as rounds commit tokens.
+
+        A resumed request continues its turn from the latest checkpoint and streams only what its
+        client has not received.
+        """
         started = time.perf_counter()
-        stats = Stats()
         running = self._metrics.running() if self._metrics is not None else nullcontext()
         with self._tracer.start_as_current_span("specdec.generate", kind=trace.SpanKind.SERVER) as span, running:
-            record = await self._load_session(request.session_id)
-            turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
-            limit = self._facts.max_context
-            if len(turn.tokens) >= limit:
-                raise ValueError(f"prompt: {len(turn.tokens)} tokens leave no room in the context of {limit}")
-            # The caches keep the prefix this turn shares with what the session committed before.
-            shared = common_prefix_len(record.tokens, turn.tokens)
-            draft_ref = _clip(record.draft, shared)
-            target_ref = _clip(record.target, shared)
-            committed = list(turn.tokens)
-            prompt_len = len(committed)
-            stats.prompt_tokens = prompt_len
-            sampling = Sampling(
-                request.temperature,
-                request.top_k,
-                request.top_p,
-                request.seed if request.seed is not None else secrets.randbits(63),
-            )
+            record, resumed = await self._begin_turn(request)
+            turn = record.turn
+            committed = record.tokens
+            draft_ref, target_ref = record.draft, record.target
+            stats = Stats(prompt_tokens=turn.prompt_len, generated_tokens=len(committed) - turn.prompt_len)
+            stats.positions = AcceptanceTracker(drafted=list(turn.drafted), accepted=list(turn.accepted))
+            sampling = Sampling(request.temperature, request.top_k, request.top_p, turn.seed)
             fixed_k = self._default_k if request.k is None else request.k
             costs = self._costs if sampling.greedy else self._prior_costs
-            rounds_without_draft = 0
+            limit = self._facts.max_context
             span.set_attributes(
-                _request_attributes(self._facts, request, record.session_id, prompt_len, fixed_k)
+                _request_attributes(self._facts, request, record.session_id, turn.prompt_len, fixed_k, resumed)
             )
 
-            target = self._pick(self._targets, target_ref)
             hidden = None  # target hidden states the draft has not been sent yet
-            if target_ref is None or target_ref.address != target.address:
+            if target_ref is None or not self._target_health.usable(target_ref.address):
                 t0 = time.perf_counter()
-                target_ref, hidden = await target.prefill_with_hidden(committed, remaining_s(), self._want_hidden)
+                target_ref, hidden = await self._place_target(committed, remaining_s, span, record.fence)
                 stats.prefill_ms = (time.perf_counter() - t0) * 1000
-            record.tokens, record.target = committed, target_ref
+            record.target = target_ref
             await self._store.put(record)
+            checkpoints = Checkpoints(self._store)
 
             text = TextStream(self._tokenizer, list(request.stop))
-            finish: str | None = None
-            round_index = 0
+            if resumed:
+                text.skip(committed[turn.prompt_len:], request.resume.tokens, request.resume.text_chars)
+            finish = turn.finish
             while finish is None:
                 room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
-                load = self._fresh_load(target_ref.address) if sampling.greedy else None
-                k = fixed_k if fixed_k is not None else costs.choose(stats.positions, load)
-                if fixed_k is None and sampling.greedy and load is None and self._batching_targets:
-                    # No recent pass seen on this replica: its load is unknown (a burst may just have
-                    # arrived), so this round runs target-only and measures it rather than drafting
-                    # into a busy batch.
-                    k = 0
-                # Probe now and then, so a session whose draft improves can win it back; but only when
-                # its acceptance, not the target's load, holds k at 0, and a good draft would be used.
-                probe = fixed_k is None and k == 0 and rounds_without_draft >= _PROBE_EVERY
-                if probe and costs.choose_unloaded(stats.positions, load) == 0 and costs.worth_probing(load):
-                    k = 1
+                k = self._choose_k(fixed_k, costs, stats, sampling, target_ref.address, turn.rounds_without_draft)
                 k_round = max(0, min(k, room - 1))
                 draft, verdict, draft_ref, target_ref, hidden = await self._round(
-                    round_index, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s
+                    turn.round, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s,
+                    record.fence,
                 )
                 drafted = len(draft.tokens) if draft else 0
-                rounds_without_draft = 0 if drafted else rounds_without_draft + 1
-                if _moved(record.draft, draft_ref) or _moved(record.target, target_ref):
-                    # A new cache was made: record where it lives, so another coordinator finds it.
-                    record.draft, record.target, record.tokens = draft_ref, target_ref, list(committed)
-                    await self._store.put(record)
-                round_index += 1
+                turn.rounds_without_draft = 0 if drafted else turn.rounds_without_draft + 1
+                turn.round += 1
                 stats.add_round(drafted, verdict.accepted, len(verdict.tokens))
 
                 new = verdict.tokens
@@ -266,18 +304,24 @@ class RoundLoop:
                     new = new[: len(text.tokens) - stats.generated_tokens]
                 committed.extend(new)
                 stats.generated_tokens += len(new)
+                if finish is None:
+                    # The checkpoint goes out before the tokens do, so a resume never starts ahead of them.
+                    self._checkpoint(checkpoints, record, draft_ref, target_ref, stats)
+                    if checkpoints.fenced is not None:
+                        raise checkpoints.fenced
                 if released.token_ids or released.text:
                     if not stats.time_to_first_token_ms:
                         stats.time_to_first_token_ms = (time.perf_counter() - started) * 1000
                     yield Chunk(record.session_id, released.text, released.token_ids)
 
             tail = text.finish()
-            record.tokens = committed
-            record.draft = _clip(draft_ref, len(committed))
-            record.target = _clip(target_ref, len(committed))
-            if turn.messages is not None:
+            if turn.messages is not None and turn.finish is None:
                 record.messages = [*turn.messages, {"role": "assistant", "content": text.text}]
-            await self._store.put(record)
+            turn.finish = finish
+            self._checkpoint(checkpoints, record, draft_ref, target_ref, stats)
+            await checkpoints.flush()
+            if checkpoints.fenced is not None:
+                raise checkpoints.fenced
             stats.total_ms = (time.perf_counter() - started) * 1000
             if self._metrics is not None:
                 first_s = stats.time_to_first_token_ms / 1000 if stats.time_to_first_token_ms else None
@@ -295,6 +339,38 @@ class RoundLoop:
             )
             yield Chunk(record.session_id, tail.text, tail.token_ids, finish, stats)
 
+    def _choose_k(
+        self, fixed_k: int | None, costs: CostModel, stats: Stats, sampling: Sampling, address: str,
+        rounds_without_draft: int,
+    ) -> int:
+        """This round's draft length: the request's fixed k, or the adaptive choice."""
+        if fixed_k is not None:
+            return fixed_k
+        load = self._fresh_load(address) if sampling.greedy else None
+        if sampling.greedy and load is None and self._batching_targets:
+            # No recent pass seen on this replica: its load is unknown (a burst may just have
+            # arrived), so this round runs target-only and measures it rather than drafting into a
+            # busy batch.
+            return 0
+        k = costs.choose(stats.positions, load)
+        # Probe now and then, so a session whose draft improves can win it back; but only when its
+        # acceptance, not the target's load, holds k at 0, and a good draft would be used.
+        probe = k == 0 and rounds_without_draft >= _PROBE_EVERY
+        if probe and costs.choose_unloaded(stats.positions, load) == 0 and costs.worth_probing(load):
+            return 1
+        return k
+
+    def _checkpoint(
+        self, checkpoints: Checkpoints, record: SessionRecord, draft_ref: CacheRef | None, target_ref: CacheRef,
+        stats: Stats,
+    ) -> None:
+        """Hands the turn's progress (tokens, caches, round, acceptance) to the background writer."""
+        record.draft = _clip(draft_ref, len(record.tokens))
+        record.target = _clip(target_ref, len(record.tokens))
+        record.turn.drafted = list(stats.positions.drafted)
+        record.turn.accepted = list(stats.positions.accepted)
+        checkpoints.submit(record)
+
     async def _round(
         self,
         round_index: int,
@@ -306,6 +382,7 @@ class RoundLoop:
         hidden: HiddenStates | None,
         stats: Stats,
         remaining_s: Callable[[], float | None],
+        fence: int,
     ) -> tuple[DraftResult | None, VerifyResult, CacheRef | None, CacheRef, HiddenStates | None]:
         """One round in its own span: draft k tokens (if k > 0), verify, and time both.
 
@@ -315,21 +392,23 @@ class RoundLoop:
         with self._tracer.start_as_current_span("specdec.round") as span:
             round_t0 = time.perf_counter()
             draft, draft_ms, drafting = None, 0.0, False
-            if k > 0 and self._draft_usable(draft_ref):
+            if k > 0 and self._pick(self._drafts, draft_ref, self._draft_health) is not None:
                 drafting = True
                 t0 = time.perf_counter()
                 try:
                     draft, draft_ref = await self._propose(
-                        draft_ref, committed, k, sampling, round_index, remaining_s, hidden
+                        draft_ref, committed, k, sampling, round_index, remaining_s, hidden, fence
                     )
                     hidden = None
                 except (BackendUnavailable, BackendRejected) as error:
-                    self._draft_failed(draft_ref, error, span)
+                    self._failed(self._draft_health, error, span, "draft", "draft failed, this round runs target-only")
                 draft_ms = (time.perf_counter() - t0) * 1000
                 if draft is not None:
                     self._costs.record_draft(draft_ms, len(draft.tokens))
             t0 = time.perf_counter()
-            verdict, target_ref, fed = await self._verify(target_ref, committed, draft, sampling, round_index, remaining_s)
+            verdict, target_ref, fed = await self._verify(
+                target_ref, committed, draft, sampling, round_index, remaining_s, span
+            )
             hidden = merge_hidden(hidden, fed)
             verify_ms = (time.perf_counter() - t0) * 1000
             drafted = len(draft.tokens) if draft else 0
@@ -364,20 +443,12 @@ class RoundLoop:
             return None
         return seen[1]
 
-    def _draft_usable(self, ref: CacheRef | None) -> bool:
-        """False while the replica that would draft for this session is backing off after a failure."""
-        address = ref.address if ref is not None and ref.address in self._drafts else None
-        if address is None:
-            return any(time.monotonic() >= self._draft_down_until.get(a, 0.0) for a in self._drafts)
-        return time.monotonic() >= self._draft_down_until.get(address, 0.0)
-
-    def _draft_failed(self, ref: CacheRef | None, error: Exception, span: trace.Span) -> None:
-        """Notes a failed draft call: the round goes on target-only and the replica rests a while."""
-        address = getattr(error, "address", None) or (ref.address if ref is not None else None)
-        if address is not None:
-            self._draft_down_until[address] = time.monotonic() + self._draft_retry_s
-        span.add_event("specdec.draft_failed", {"error": str(error)})
-        log.warning("draft failed, this round runs target-only: %s", error)
+    def _failed(self, health: ReplicaHealth, error: BackendUnavailable | BackendRejected, span: trace.Span,
+                service: str, what: str) -> None:
+        """Notes a failed call (a ``specdec.<service>_failed`` span event): the replica rests a while."""
+        health.failed(error.address)
+        span.add_event(f"specdec.{service}_failed", {"error": str(error)})
+        log.warning("%s: %s", what, error)
 
     async def _propose(
         self,
@@ -388,18 +459,36 @@ class RoundLoop:
         round_index: int,
         remaining_s: Callable[[], float | None],
         hidden: HiddenStates | None,
+        fence: int,
     ) -> tuple[DraftResult, CacheRef]:
         """Asks the session's draft replica for k tokens, prefilling it first if it lost the cache."""
-        draft = self._pick(self._drafts, ref)
+        draft = self._pick(self._drafts, ref, self._draft_health)
         if ref is not None and ref.address == draft.address:
             try:
                 result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden)
                 return result, replace(ref, committed=result.committed)
             except CacheLost:
                 pass
-        ref = await draft.prefill(committed, remaining_s())
+        ref = await draft.prefill(committed, remaining_s(), fence)
         result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden)
         return result, replace(ref, committed=result.committed)
+
+    async def _place_target(
+        self, committed: list[int], remaining_s: Callable[[], float | None], span: trace.Span, fence: int
+    ) -> tuple[CacheRef, HiddenStates | None]:
+        """Builds the session's target cache over ``committed`` on a healthy replica, trying the
+        others when one is unreachable; also returns the fed hidden states (when the draft wants them)."""
+        error: BackendUnavailable | None = None
+        for _ in range(len(self._targets)):
+            target = self._pick(self._targets, None, self._target_health)
+            if target is None:
+                break
+            try:
+                return await target.prefill_with_hidden(committed, remaining_s(), self._want_hidden, fence)
+            except BackendUnavailable as exc:
+                error = exc
+                self._failed(self._target_health, exc, span, "target", "target unreachable, trying another")
+        raise error or BackendUnavailable("target", "*", "every target replica is resting after a failure")
 
     async def _verify(
         self,
@@ -409,19 +498,33 @@ class RoundLoop:
         sampling: Sampling,
         round_index: int,
         remaining_s: Callable[[], float | None],
+        span: trace.Span,
     ) -> tuple[VerifyResult, CacheRef, HiddenStates | None]:
-        """Verifies on the session's target replica, prefilling it again if it lost the cache; also
-        returns the hidden states the target fed (when the draft wants them)."""
-        target = self._targets[ref.address]
+        """Verifies on the session's target replica; also returns the hidden states the target fed
+        (when the draft wants them).
+
+        A replica that lost the cache gets it again from the committed tokens. A replica that is
+        unreachable hands the session to another: the same round, with the same draft and round
+        index, is verified there, so the stream goes on as if nothing happened.
+        """
         want = self._want_hidden
-        try:
-            result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
-            fed = result.hidden
-        except CacheLost:
-            ref, fed = await target.prefill_with_hidden(committed, remaining_s(), want)
-            result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
-            fed = merge_hidden(fed, result.hidden)
-        return result, replace(ref, committed=result.committed), fed
+        fed = None
+        for _ in range(len(self._targets) + 1):
+            if not self._target_health.usable(ref.address) or ref.address not in self._targets:
+                ref, fed = await self._place_target(committed, remaining_s, span, ref.fence)
+            target = self._targets[ref.address]
+            try:
+                try:
+                    result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
+                except CacheLost:
+                    ref, fed = await target.prefill_with_hidden(committed, remaining_s(), want, ref.fence)
+                    result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
+                return result, replace(ref, committed=result.committed), merge_hidden(fed, result.hidden)
+            except BackendUnavailable as exc:
+                if remaining_s() is not None and remaining_s() <= 0:
+                    raise
+                self._failed(self._target_health, exc, span, "target", "target unreachable, moving the session")
+        raise BackendUnavailable("target", ref.address, "no target replica could verify this round")
 
     async def close(self) -> None:
         """Closes every replica channel."""
@@ -433,17 +536,12 @@ def _clip(ref: CacheRef | None, committed: int) -> CacheRef | None:
     return None if ref is None else replace(ref, committed=min(ref.committed, committed))
 
 
-def _moved(stored: CacheRef | None, current: CacheRef | None) -> bool:
-    """True when the cache a record points to is not the one in use."""
-    if current is None:
-        return False
-    return stored is None or (stored.address, stored.cache_id) != (current.address, current.cache_id)
-
-
 def _request_attributes(
-    facts: ModelFacts, request: GenerationRequest, session_id: str, prompt_tokens: int, k: int | None
+    facts: ModelFacts, request: GenerationRequest, session_id: str, prompt_tokens: int, k: int | None,
+    resumed: bool,
 ) -> dict:
     return {
+        "specdec.resumed": resumed,
         "gen_ai.operation.name": "chat" if request.messages is not None else "text_completion",
         "gen_ai.system": "specdec",
         "gen_ai.request.model": facts.name,

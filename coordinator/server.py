@@ -13,9 +13,9 @@ from opentelemetry import trace
 
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor
-from coordinator.backends import BackendRejected, BackendUnavailable, DraftReplica, TargetReplica
-from coordinator.rounds import Chunk, GenerationRequest, RoundLoop, SessionNotFound, Stats
-from coordinator.sessions import SessionStore, open_store
+from coordinator.backends import BackendRejected, BackendUnavailable, DraftReplica, Fenced, TargetReplica
+from coordinator.rounds import Chunk, GenerationRequest, Resume, RoundLoop, SessionNotFound, Stats, TurnMismatch
+from coordinator.sessions import SessionStore, StoreUnavailable, open_store
 from specdec.config import MAX_K, CoordinatorConfig
 from specdec.config import FEATURE_KIND
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
@@ -76,6 +76,11 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
     k = request.k if request.HasField("k") else None
     if k is not None and not 0 <= k <= MAX_K:
         raise ValueError(f"k: must lie in [0, {MAX_K}]")
+    resume = None
+    if request.HasField("resume"):
+        if not request.session_id:
+            raise ValueError("resume: needs the session_id of the stream to resume")
+        resume = Resume(request.resume.tokens, request.resume.text_chars)
     return GenerationRequest(
         text=text,
         messages=messages,
@@ -87,7 +92,19 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
         stop=tuple(request.stop),
         session_id=request.session_id or None,
         k=k,
+        resume=resume,
+        fingerprint=fingerprint(request),
     )
+
+
+def fingerprint(request: coordinator_pb2.GenerateRequest) -> str:
+    """A digest of what the request asks for, leaving out the session and resume fields, which
+    differ between a request and its resumption."""
+    core = coordinator_pb2.GenerateRequest()
+    core.CopyFrom(request)
+    core.ClearField("session_id")
+    core.ClearField("resume")
+    return hashlib.sha256(core.SerializeToString(deterministic=True)).hexdigest()[:32]
 
 
 def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
@@ -122,6 +139,12 @@ def _chunk_pb(chunk: Chunk) -> coordinator_pb2.GenerateChunk:
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, SessionNotFound):
         return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, TurnMismatch):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, Fenced):
+        return grpc.StatusCode.ABORTED, str(exc)
+    if isinstance(exc, StoreUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, BackendUnavailable):

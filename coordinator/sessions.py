@@ -2,7 +2,12 @@
 
 A record says which draft and target replica hold the session's caches, under which ids and at
 which committed length, plus the committed tokens themselves, so any coordinator can continue the
-session or rebuild a lost cache. Records are written whole (one SET), so none is ever half written.
+session or rebuild a lost cache. While a turn runs, the record also holds that turn's progress,
+checkpointed every round, so another coordinator can resume a stream its client lost.
+
+Records are written whole (one SET inside a script), so none is ever half written. Each turn takes a
+fencing token (an INCR per session): a write carrying an older token than the session's latest is
+refused, so of two coordinators racing for one session only the later one's writes land.
 """
 
 from __future__ import annotations
@@ -13,8 +18,41 @@ from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import redis.asyncio as aioredis
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
-from coordinator.backends import CacheRef
+from coordinator.backends import CacheRef, Fenced
+
+
+class StoreUnavailable(RuntimeError):
+    """The session store could not be reached, even after bounded retries."""
+
+
+@dataclass
+class TurnState:
+    """The turn running (or last run) on a session, as of its latest round.
+
+    With the session's committed tokens this is all a coordinator needs to continue the turn exactly:
+    the next round index and the acceptance history steer k (and so, for a seeded sampled request, the
+    random draws) just as they would have on the coordinator that wrote them.
+    """
+
+    # Digest of the request (session and resume fields cleared): a resume must be the same request.
+    fingerprint: str
+    # Committed length where this turn's generation began.
+    prompt_len: int
+    seed: int
+    # The conversation including this turn's messages (None for plain text).
+    messages: list[dict[str, str]] | None = None
+    round: int = 0
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    rounds_without_draft: int = 0
+    # Set once the turn ended: "stop", "length" or "context".
+    finish: str | None = None
 
 
 @dataclass
@@ -28,6 +66,9 @@ class SessionRecord:
     draft: CacheRef | None = None
     target: CacheRef | None = None
     updated_at: float = field(default_factory=time.time)
+    turn: TurnState | None = None
+    # The fencing token of the turn that wrote this record (0: written outside any turn).
+    fence: int = 0
 
     def to_json(self) -> str:
         """Serialized form stored under the session's key."""
@@ -40,6 +81,8 @@ class SessionRecord:
         for role in ("draft", "target"):
             if data.get(role) is not None:
                 data[role] = CacheRef(**data[role])
+        if data.get("turn") is not None:
+            data["turn"] = TurnState(**data["turn"])
         return cls(**data)
 
 
@@ -50,7 +93,12 @@ class SessionStore(Protocol):
         """The record, refreshing its expiry, or None when unknown or expired."""
 
     async def put(self, record: SessionRecord) -> None:
-        """Writes the whole record and refreshes its expiry."""
+        """Writes the whole record and refreshes its expiry; raises Fenced when a turn with a newer
+        fencing token than ``record.fence`` holds the session."""
+
+    async def take_fence(self, session_id: str) -> int:
+        """A fencing token newer than every earlier one of this session: the caller's turn now
+        holds the session, and older turns' writes are refused."""
 
     async def delete(self, session_id: str) -> None:
         """Forgets a session."""
@@ -62,28 +110,63 @@ class SessionStore(Protocol):
         """Releases connections."""
 
 
-class RedisSessionStore:
-    """Session records in Redis under ``specdec:session:<id>``, with a TTL refreshed on use."""
+# KEYS: record, fence counter; ARGV: record JSON, writer's fence, TTL seconds. Returns 0 when a newer
+# turn holds the session. One script, so the check and the write cannot interleave with another's.
+_FENCED_SET = """
+local latest = tonumber(redis.call('GET', KEYS[2]) or '0')
+if latest > tonumber(ARGV[2]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
+if latest > 0 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
+return 1
+"""
 
-    def __init__(self, url: str, ttl_s: int, prefix: str = "specdec:session:") -> None:
-        self._redis = aioredis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+
+class RedisSessionStore:
+    """Session records in Redis under ``specdec:session:<id>``, with a TTL refreshed on use.
+
+    Commands that fail to connect are retried with backoff for about ``retry_s`` seconds (a Redis
+    restart), then raise StoreUnavailable.
+    """
+
+    def __init__(self, url: str, ttl_s: int, prefix: str = "specdec:session:", retry_s: float = 3.0) -> None:
+        retries = max(1, int(retry_s / 0.5))
+        self._redis = aioredis.from_url(
+            url, socket_timeout=5.0, socket_connect_timeout=2.0,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+        )
         self._ttl_s = ttl_s
         self._prefix = prefix
+        self._fenced_set = self._redis.register_script(_FENCED_SET)
+
+    async def _do(self, command):
+        try:
+            return await command
+        except RedisError as exc:
+            raise StoreUnavailable(f"session store unreachable: {exc}") from None
 
     async def get(self, session_id: str) -> SessionRecord | None:
-        raw = await self._redis.getex(self._prefix + session_id, ex=self._ttl_s)
+        raw = await self._do(self._redis.getex(self._prefix + session_id, ex=self._ttl_s))
         return None if raw is None else SessionRecord.from_json(raw)
 
     async def put(self, record: SessionRecord) -> None:
         record.updated_at = time.time()
-        await self._redis.set(self._prefix + record.session_id, record.to_json(), ex=self._ttl_s)
+        keys = [self._prefix + record.session_id, self._prefix + record.session_id + ":fence"]
+        if not await self._do(self._fenced_set(keys=keys, args=[record.to_json(), record.fence, self._ttl_s])):
+            raise Fenced(f"session {record.session_id}: a newer turn holds it (this turn's fence {record.fence})")
+
+    async def take_fence(self, session_id: str) -> int:
+        key = self._prefix + session_id + ":fence"
+        async with self._redis.pipeline(transaction=True) as pipe:
+            fence, _ = await self._do(pipe.incr(key).expire(key, self._ttl_s).execute())
+        return int(fence)
 
     async def delete(self, session_id: str) -> None:
-        await self._redis.delete(self._prefix + session_id)
+        await self._do(self._redis.delete(self._prefix + session_id, self._prefix + session_id + ":fence"))
 
     async def ping(self) -> None:
         """Fails fast when Redis is unreachable."""
-        await self._redis.ping()
+        await self._do(self._redis.ping())
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -95,6 +178,7 @@ class MemorySessionStore:
     def __init__(self, ttl_s: int) -> None:
         self._ttl_s = ttl_s
         self._records: dict[str, tuple[float, str]] = {}
+        self._fences: dict[str, int] = {}
 
     async def get(self, session_id: str) -> SessionRecord | None:
         entry = self._records.get(session_id)
@@ -105,11 +189,18 @@ class MemorySessionStore:
         return SessionRecord.from_json(entry[1])
 
     async def put(self, record: SessionRecord) -> None:
+        if self._fences.get(record.session_id, 0) > record.fence:
+            raise Fenced(f"session {record.session_id}: a newer turn holds it (this turn's fence {record.fence})")
         record.updated_at = time.time()
         self._records[record.session_id] = (time.monotonic() + self._ttl_s, record.to_json())
 
+    async def take_fence(self, session_id: str) -> int:
+        self._fences[session_id] = self._fences.get(session_id, 0) + 1
+        return self._fences[session_id]
+
     async def delete(self, session_id: str) -> None:
         self._records.pop(session_id, None)
+        self._fences.pop(session_id, None)
 
     async def ping(self) -> None:
         """Always reachable."""

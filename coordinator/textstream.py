@@ -44,6 +44,13 @@ class TextStream:
             safe = min(safe, len(self.text.rstrip("\ufffd")))
         return self._release(len(self.tokens), max(safe, self._sent_text))
 
+    def skip(self, tokens: list[int], sent_tokens: int, sent_chars: int) -> None:
+        """Restarts a stream a client lost: ``tokens`` were committed, and the client already holds
+        the first ``sent_tokens`` of them (or of tokens still to come) and ``sent_chars`` characters
+        of text, so nothing it holds is released again."""
+        self.push(tokens)
+        self._sent_tokens, self._sent_text = sent_tokens, sent_chars
+
     def finish(self) -> Release:
         """Releases whatever was held back (generation ended without a stop string)."""
         return self._release(len(self.tokens), len(self.text))
@@ -61,5 +68,6 @@ class TextStream:
 
     def _release(self, n_tokens: int, n_chars: int, stopped: bool = False) -> Release:
         out = Release(self.tokens[self._sent_tokens : n_tokens], self.text[self._sent_text : n_chars], stopped)
-        self._sent_tokens, self._sent_text = n_tokens, max(n_chars, self._sent_text)
+        # max(): after a resume the client may hold more than has been committed again so far.
+        self._sent_tokens, self._sent_text = max(n_tokens, self._sent_tokens), max(n_chars, self._sent_text)
         return out

@@ -35,6 +35,8 @@ class ProposeCall:
     sampling: Sampling
     round_index: int
     hidden: HiddenRows | None = None
+    # The caller's fencing token (see SessionCache.sync).
+    fence: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,12 +74,13 @@ class DraftEngine:
         if any(t < 0 or t >= vocab for t in tokens):
             raise ValueError(f"{what}: token ids must lie in [0, {vocab})")
 
-    def prefill(self, tokens: list[int]) -> tuple[str, int]:
-        """Creates a session cache over ``tokens``; returns its id and committed length."""
+    def prefill(self, tokens: list[int], fence: int = 0) -> tuple[str, int]:
+        """Creates a session cache over ``tokens`` for a caller with fencing token ``fence``; returns
+        its id and committed length."""
         if not tokens:
             raise ValueError("tokens: prefill needs at least one token")
         self._check_tokens(tokens, "tokens")
-        cache_id, cache = self._caches.create(tokens)
+        cache_id, cache = self._caches.create(tokens, fence)
         self._prefill(cache)
         return cache_id, len(cache.committed)
 
@@ -123,7 +126,7 @@ class DraftEngine:
         """Checks a call, syncs its cache (and hidden states); returns the cache and the k it allows."""
         self._check_tokens(call.new_tokens, "sync.tokens")
         cache = self._caches.get(call.cache_id)
-        cache.sync(call.start, call.new_tokens)
+        cache.sync(call.start, call.new_tokens, call.fence)
         if call.hidden is not None:
             self._take_hidden(cache, call.hidden)
         return cache, min(call.k, self._facts.max_context - len(cache.committed) - 1)

@@ -37,7 +37,7 @@ from draft_service.token_draft import (
     save_draft_weights,
 )
 from specdec.errors import CacheBehind
-from specdec.kvcache import GrowableCache, common_prefix_len
+from specdec.kvcache import GrowableCache, common_prefix_len, newest_fence
 from specdec.config import FEATURE_KIND
 from specdec.ragged import RaggedLayout, ragged_decoder_layer
 
@@ -199,14 +199,18 @@ class FeatureSession:
     features: torch.Tensor | None = None
     kv: GrowableCache = field(default_factory=GrowableCache)
     kv_pairs: int = 0
+    # The highest fencing token a caller showed (see SessionCache.sync).
+    fence: int = 0
 
     @property
     def feature_end(self) -> int:
         """One past the last position with a target feature."""
         return self.window + (0 if self.features is None else len(self.features))
 
-    def sync(self, start: int, new_tokens: list[int]) -> None:
-        """Crops to ``start`` committed tokens and appends ``new_tokens`` (see ``CacheSync``)."""
+    def sync(self, start: int, new_tokens: list[int], fence: int = 0) -> None:
+        """Crops to ``start`` committed tokens and appends ``new_tokens`` (see ``CacheSync``); refuses a
+        caller with an older fencing token than seen."""
+        self.fence = newest_fence(self.fence, fence)
         if start > len(self.committed):
             raise CacheBehind(f"cache holds {len(self.committed)} committed tokens, caller expected at least {start}")
         old = self.committed

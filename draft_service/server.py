@@ -57,6 +57,7 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
             sampling_from_pb(request.sampling),
             request.round,
             hidden_from_pb(request.hidden, hidden_size) if hidden_size else None,
+            request.sync.fence,
         )
         return await self._batcher.submit(call)
 

@@ -4,6 +4,7 @@ The client SDK lives here: ``from specdec import Client, AsyncClient``.
 """
 
 from specdec.client import (
+    Aborted,
     AsyncClient,
     Chunk,
     Client,
@@ -11,6 +12,7 @@ from specdec.client import (
     DeadlineExceeded,
     InvalidArgument,
     ResourceExhausted,
+    RetryPolicy,
     SessionNotFound,
     SpecdecError,
     Stats,
@@ -20,6 +22,7 @@ from specdec.client import (
 from specdec.config import TlsClientConfig
 
 __all__ = [
+    "Aborted",
     "AsyncClient",
     "Chunk",
     "Client",
@@ -27,6 +30,7 @@ __all__ = [
     "DeadlineExceeded",
     "InvalidArgument",
     "ResourceExhausted",
+    "RetryPolicy",
     "SessionNotFound",
     "SpecdecError",
     "Stats",

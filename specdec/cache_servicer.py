@@ -20,7 +20,7 @@ class CacheEngine(Protocol):
     @property
     def facts(self) -> ModelFacts: ...
 
-    def prefill(self, tokens: list[int]) -> tuple[str, int]: ...
+    def prefill(self, tokens: list[int], fence: int = 0) -> tuple[str, int]: ...
 
     def release(self, cache_id: str) -> bool: ...
 
@@ -37,7 +37,7 @@ class CacheServicer:
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         with server_span(self._tracer, f"{self._name}/Prefill", context) as span:
             span.set_attribute("specdec.tokens", len(request.tokens))
-            cache_id, committed = await call_core(context, self._executor, lambda: self._engine.prefill(list(request.tokens)))
+            cache_id, committed = await call_core(context, self._executor, lambda: self._engine.prefill(list(request.tokens), request.fence))
             return common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseReply:

@@ -2,11 +2,19 @@
 
 Both speak plaintext unless given ``tls=TlsClientConfig(...)``, and send ``api_key`` (when given) as
 ``authorization: Bearer <key>`` metadata on every call.
+
+Given several coordinator addresses, a client rides out a coordinator that dies or drains: a call
+that fails with UNAVAILABLE (or is cancelled by the server) is sent again to the next address, and a
+stream that broke off resumes from the last token received, so the caller sees one unbroken answer,
+the same one the first coordinator would have given.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -54,6 +62,10 @@ class Unauthenticated(SpecdecError):
     """The coordinator requires an API key and none, or a wrong one, was sent (UNAUTHENTICATED)."""
 
 
+class Aborted(SpecdecError):
+    """A later request on the same session took it over while this one ran (ABORTED)."""
+
+
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.NOT_FOUND: SessionNotFound,
@@ -61,7 +73,12 @@ _ERRORS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.ABORTED: Aborted,
 }
+
+# Statuses after which the same request may go to another coordinator: it was not served, or its
+# stream broke off and can be resumed.
+_RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
 
 
 def _error(exc: grpc.RpcError) -> SpecdecError:
@@ -162,6 +179,69 @@ def build_request(
     return request
 
 
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How a client retries a call whose coordinator went away: ``attempts`` calls in all, waiting
+    ``backoff_s`` before the second, doubling up to ``max_backoff_s``."""
+
+    attempts: int = 6
+    backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+    def wait_s(self, attempt: int) -> float:
+        """Seconds to wait before call number ``attempt + 1`` (``attempt`` counts from 1)."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1))
+
+
+class _Attempts:
+    """One request's calls across coordinators: what it received so far, and what to send next.
+
+    A resend names the session and how much of the stream arrived, so the coordinator continues the
+    turn instead of starting it again. Before the first chunk of a new session arrives there is no
+    session to name, and the request is simply sent again.
+    """
+
+    def __init__(self, request: coordinator_pb2.GenerateRequest, policy: RetryPolicy, timeout: float | None) -> None:
+        self.request = request
+        if not request.request_id:
+            request.request_id = uuid.uuid4().hex
+        self._policy = policy
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self.calls = 0
+        self.tokens = 0
+        self.chars = 0
+        self.session_id = request.session_id
+
+    def timeout(self) -> float | None:
+        """What is left of the caller's deadline for the next call."""
+        return None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
+
+    def received(self, msg: coordinator_pb2.GenerateChunk) -> None:
+        """Counts a chunk the caller got."""
+        self.session_id = msg.session_id or self.session_id
+        self.tokens += len(msg.token_ids)
+        self.chars += len(msg.text)
+
+    def retry_after(self, exc: grpc.RpcError) -> float | None:
+        """Seconds to wait before sending again, or None when ``exc`` must reach the caller."""
+        self.calls += 1
+        out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
+        if exc.code() not in _RETRYABLE or self.calls >= self._policy.attempts or out_of_time:
+            return None
+        if self.session_id:
+            self.request.session_id = self.session_id
+            self.request.resume.tokens = self.tokens
+            self.request.resume.text_chars = self.chars
+        return self._policy.wait_s(self.calls)
+
+
+def _addresses(address: str | Sequence[str]) -> list[str]:
+    addresses = [address] if isinstance(address, str) else list(address)
+    if not addresses:
+        raise ValueError("address: give at least one coordinator address")
+    return addresses
+
+
 def _chunk(msg: coordinator_pb2.GenerateChunk) -> Chunk:
     return Chunk(
         text=msg.text,
@@ -186,48 +266,69 @@ def _call_metadata(api_key: str | None, client_id: str | None) -> tuple[tuple[st
 
 
 class Client:
-    """Blocking client. ``timeout`` (seconds) is the deadline of each call; ``api_key`` is sent with
-    every call; ``tls`` opens a TLS channel (its ``ca`` to trust, its ``cert``/``key`` for mutual TLS);
-    ``client_id`` names this client for the coordinator's fair queueing and per-client limits (by
-    default it counts the API key, or else the peer address)."""
+    """Blocking client.
+
+    ``address`` is one coordinator address or several (tried in turn when one goes away, see
+    ``retry``); ``timeout`` (seconds) is the deadline of each request, retries included; ``api_key``
+    is sent with every call; ``tls`` opens a TLS channel (its ``ca`` to trust, its ``cert``/``key``
+    for mutual TLS); ``client_id`` names this client for the coordinator's fair queueing and
+    per-client limits (by default it counts the API key, or else the peer address).
+    """
 
     def __init__(
-        self, address: str, timeout: float | None = 300.0, *, api_key: str | None = None,
-        tls: TlsClientConfig | None = None, client_id: str | None = None,
+        self, address: str | Sequence[str], timeout: float | None = 300.0, *, api_key: str | None = None,
+        tls: TlsClientConfig | None = None, client_id: str | None = None, retry: RetryPolicy = RetryPolicy(),
     ) -> None:
         options = channel_options(_MAX_BYTES)
         credentials = channel_credentials(tls)
-        self._channel = (
-            grpc.insecure_channel(address, options=options) if credentials is None
-            else grpc.secure_channel(address, credentials, options=options)
-        )
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        self._channels = [
+            grpc.insecure_channel(a, options=options) if credentials is None
+            else grpc.secure_channel(a, credentials, options=options)
+            for a in _addresses(address)
+        ]
+        self._stubs = [coordinator_pb2_grpc.CoordinatorStub(c) for c in self._channels]
+        # The coordinator that answered last; a failure moves on to the next.
+        self._current = 0
         self._timeout = timeout
         self._metadata = _call_metadata(api_key, client_id)
+        self._retry = retry
+
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        return self._stubs[self._current % len(self._stubs)]
+
+    def _wait(self, attempts: _Attempts, exc: grpc.RpcError) -> None:
+        pause = attempts.retry_after(exc)
+        if pause is None:
+            raise _error(exc) from None
+        self._current += 1
+        time.sleep(pause)
 
     def complete(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Completion:
         """Generates a whole answer; options are those of ``build_request``."""
-        try:
-            reply = self._stub.Complete(
-                build_request(prompt, **options), timeout=timeout or self._timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        return _completion(reply)
+        attempts = _Attempts(build_request(prompt, **options), self._retry, timeout or self._timeout)
+        while True:
+            try:
+                reply = self._stub().Complete(attempts.request, timeout=attempts.timeout(), metadata=self._metadata)
+                return _completion(reply)
+            except grpc.RpcError as exc:
+                self._wait(attempts, exc)
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Iterator[Chunk]:
         """Yields chunks as rounds commit tokens; the last carries the finish reason and stats."""
-        try:
-            for msg in self._stub.Generate(
-                build_request(prompt, **options), timeout=timeout or self._timeout, metadata=self._metadata
-            ):
-                yield _chunk(msg)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        attempts = _Attempts(build_request(prompt, **options), self._retry, timeout or self._timeout)
+        while True:
+            try:
+                for msg in self._stub().Generate(attempts.request, timeout=attempts.timeout(), metadata=self._metadata):
+                    attempts.received(msg)
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as exc:
+                self._wait(attempts, exc)
 
     def close(self) -> None:
-        """Closes the channel."""
-        self._channel.close()
+        """Closes the channels."""
+        for channel in self._channels:
+            channel.close()
 
     def __enter__(self) -> Client:
         return self
@@ -240,37 +341,56 @@ class AsyncClient:
     """asyncio client with the same calls and options as ``Client``."""
 
     def __init__(
-        self, address: str, timeout: float | None = 300.0, *, api_key: str | None = None,
-        tls: TlsClientConfig | None = None, client_id: str | None = None,
+        self, address: str | Sequence[str], timeout: float | None = 300.0, *, api_key: str | None = None,
+        tls: TlsClientConfig | None = None, client_id: str | None = None, retry: RetryPolicy = RetryPolicy(),
     ) -> None:
-        self._channel = aio_channel(address, channel_options(_MAX_BYTES), channel_credentials(tls))
-        self._stub = coordinator_pb2_grpc.CoordinatorStub(self._channel)
+        credentials = channel_credentials(tls)
+        self._channels = [aio_channel(a, channel_options(_MAX_BYTES), credentials) for a in _addresses(address)]
+        self._stubs = [coordinator_pb2_grpc.CoordinatorStub(c) for c in self._channels]
+        self._current = 0
         self._timeout = timeout
         self._metadata = _call_metadata(api_key, client_id)
+        self._retry = retry
+
+    def _stub(self) -> coordinator_pb2_grpc.CoordinatorStub:
+        return self._stubs[self._current % len(self._stubs)]
+
+    async def _wait(self, attempts: _Attempts, exc: grpc.RpcError) -> None:
+        pause = attempts.retry_after(exc)
+        if pause is None:
+            raise _error(exc) from None
+        self._current += 1
+        await asyncio.sleep(pause)
 
     async def complete(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Completion:
         """Generates a whole answer; options are those of ``build_request``."""
-        try:
-            reply = await self._stub.Complete(
-                build_request(prompt, **options), timeout=timeout or self._timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
-        return _completion(reply)
+        attempts = _Attempts(build_request(prompt, **options), self._retry, timeout or self._timeout)
+        while True:
+            try:
+                reply = await self._stub().Complete(
+                    attempts.request, timeout=attempts.timeout(), metadata=self._metadata
+                )
+                return _completion(reply)
+            except grpc.RpcError as exc:
+                await self._wait(attempts, exc)
 
     async def stream(self, prompt: Prompt, *, timeout: float | None = None, **options) -> AsyncIterator[Chunk]:
         """Yields chunks as rounds commit tokens; the last carries the finish reason and stats."""
-        try:
-            async for msg in self._stub.Generate(
-                build_request(prompt, **options), timeout=timeout or self._timeout, metadata=self._metadata
-            ):
-                yield _chunk(msg)
-        except grpc.RpcError as exc:
-            raise _error(exc) from None
+        attempts = _Attempts(build_request(prompt, **options), self._retry, timeout or self._timeout)
+        while True:
+            try:
+                async for msg in self._stub().Generate(
+                    attempts.request, timeout=attempts.timeout(), metadata=self._metadata
+                ):
+                    attempts.received(msg)
+                    yield _chunk(msg)
+                return
+            except grpc.RpcError as exc:
+                await self._wait(attempts, exc)
 
     async def close(self) -> None:
-        """Closes the channel."""
-        await self._channel.close()
+        """Closes the channels."""
+        await asyncio.gather(*(c.close() for c in self._channels))
 
     async def __aenter__(self) -> AsyncClient:
         return self

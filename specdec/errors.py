@@ -5,6 +5,10 @@ class CacheNotFound(LookupError):
     """No cache under the given id (never created, released, or evicted)."""
 
 
+class StaleFence(RuntimeError):
+    """A call carried an older fencing token than its cache has seen: a newer turn owns the session."""
+
+
 class CacheBehind(ValueError):
     """The caller expects more committed tokens than the cache has seen; it must prefill again."""
 

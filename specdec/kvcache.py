@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from specdec.errors import CacheBehind, CacheNotFound
+from specdec.errors import CacheBehind, CacheNotFound, StaleFence
 
 
 class GrowableLayer(DynamicLayer):
@@ -103,6 +103,14 @@ class HiddenRows:
     rows: torch.Tensor
 
 
+def newest_fence(held: int, shown: int) -> int:
+    """The fencing token a cache keeps after a call showed ``shown``; a token older than the ``held``
+    one raises StaleFence, before the call changes anything."""
+    if shown < held:
+        raise StaleFence(f"fencing token {shown} is older than this cache's {held}: a newer turn owns the session")
+    return shown
+
+
 @dataclass
 class SessionCache:
     """The committed tokens a service knows for one session, and its KV cache over them."""
@@ -110,9 +118,15 @@ class SessionCache:
     committed: list[int]
     kv: DynamicCache = field(default_factory=GrowableCache)
     kv_tokens: list[int] = field(default_factory=list)
+    # The highest fencing token a caller showed: callers with a lower one are stale.
+    fence: int = 0
 
-    def sync(self, start: int, new_tokens: list[int]) -> None:
-        """Crops to ``start`` committed tokens, appends ``new_tokens``, and drops stale KV entries."""
+    def sync(self, start: int, new_tokens: list[int], fence: int = 0) -> None:
+        """Crops to ``start`` committed tokens, appends ``new_tokens``, and drops stale KV entries.
+
+        A caller whose ``fence`` is below the highest seen is refused before anything changes.
+        """
+        self.fence = newest_fence(self.fence, fence)
         if start > len(self.committed):
             raise CacheBehind(
                 f"cache holds {len(self.committed)} committed tokens, caller expected at least {start}"
@@ -219,13 +233,15 @@ class CacheTable:
         """Most caches held at once."""
         return self._capacity
 
-    def create(self, committed: list[int]) -> tuple[str, SessionCache]:
-        """Adds a cache for ``committed`` tokens, evicting the least recently used if full."""
+    def create(self, committed: list[int], fence: int = 0) -> tuple[str, SessionCache]:
+        """Adds a cache for ``committed`` tokens (for a caller with fencing token ``fence``),
+        evicting the least recently used if full."""
         while len(self._caches) >= self._capacity:
             self._caches.popitem(last=False)
             self.evictions += 1
         cache_id = f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         cache = self._factory(committed=list(committed))
+        cache.fence = fence
         self._caches[cache_id] = cache
         return cache_id, cache
 

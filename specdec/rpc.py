@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from specdec.config import ServerConfig, TlsClientConfig
-from specdec.errors import CacheBehind, CacheNotFound
+from specdec.errors import CacheBehind, CacheNotFound, StaleFence
 from specdec.tracing import make_tracer_provider
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,7 @@ T = TypeVar("T")
 _STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (CacheNotFound, grpc.StatusCode.NOT_FOUND),
     (CacheBehind, grpc.StatusCode.FAILED_PRECONDITION),
+    (StaleFence, grpc.StatusCode.ABORTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 

@@ -72,7 +72,44 @@ class Process:
         self._log.close()
 
 
-def _child_env(threads: int, passive: bool) -> dict[str, str]:
+def wait_for_line(proc: Process, prefix: str, timeout_s: float) -> str:
+    """The rest of the first log line of ``proc`` that starts with ``prefix`` (``READY`` announces
+    a server's address), waiting up to ``timeout_s``; raises if the process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in proc.log_path.read_text(errors="replace").splitlines():
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
+        time.sleep(0.1)
+    raise TimeoutError(f"{proc.name} did not start within {timeout_s:.0f}s:\n{proc.log_tail()}")
+
+
+def redis_argv(port: int) -> list[str]:
+    """A redis-server on loopback ``port`` that keeps nothing on disk."""
+    server = shutil.which("redis-server")
+    if server is None:
+        raise RuntimeError("redis-server is not installed (make install puts it there)")
+    return [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+
+
+def wait_for_redis(proc: Process, port: int, timeout_s: float = 20.0) -> None:
+    """Waits until the redis-server ``proc`` answers PING on ``port``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"redis-server did not start:\n{proc.log_tail()}")
+
+
+def child_env(threads: int, passive: bool) -> dict[str, str]:
+    """The environment of a service child process: its thread count, and whether idle threads sleep."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})
     if passive:
@@ -101,38 +138,17 @@ class LocalStack:
         return self.coordinator_addresses[0]
 
     def _spawn(self, name: str, argv: list[str], threads: int = 1, passive: bool = True) -> Process:
-        proc = Process(name, argv, self.log_dir, _child_env(threads, passive))
+        proc = Process(name, argv, self.log_dir, child_env(threads, passive))
         self.processes.append(proc)
         return proc
 
     def _wait_for_line(self, proc: Process, prefix: str) -> str:
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        while time.monotonic() < deadline:
-            for line in proc.log_path.read_text(errors="replace").splitlines():
-                if line.startswith(prefix):
-                    return line[len(prefix) :].strip()
-            if proc.popen.poll() is not None:
-                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log_tail()}")
-            time.sleep(0.1)
-        raise TimeoutError(f"{proc.name} did not start within {self.config.startup_timeout_s:.0f}s:\n{proc.log_tail()}")
+        return wait_for_line(proc, prefix, self.config.startup_timeout_s)
 
     def _start_redis(self) -> None:
-        server = shutil.which("redis-server")
-        if server is None:
-            raise RuntimeError("redis-server is not installed (make install puts it there)")
         port = free_port()
-        proc = self._spawn("redis", [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        self.redis_url = f"redis://127.0.0.1:{port}/0"
-                        return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not start:\n{proc.log_tail()}")
+        wait_for_redis(self._spawn("redis", redis_argv(port)), port)
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
 
     def start(self) -> LocalStack:
         """Starts every process and waits until the coordinator serves."""

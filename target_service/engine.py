@@ -54,6 +54,8 @@ class VerifyCall:
     sampling: Sampling
     round_index: int
     with_hidden: bool = False
+    # The caller's fencing token (see SessionCache.sync).
+    fence: int = 0
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,9 @@ class TargetEngine:
         if any(t < 0 or t >= vocab for t in tokens):
             raise ValueError(f"{what}: token ids must lie in [0, {vocab})")
 
-    def prefill(self, tokens: list[int], with_hidden: bool = False) -> tuple[str, int, HiddenRows | None]:
+    def prefill(
+        self, tokens: list[int], with_hidden: bool = False, fence: int = 0
+    ) -> tuple[str, int, HiddenRows | None]:
         """Creates a session cache over ``tokens``; returns its id, committed length and, when asked,
         the hidden states of the positions it fed."""
         if not tokens:
@@ -130,7 +134,7 @@ class TargetEngine:
         if len(tokens) >= self._loaded.max_context:
             raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._loaded.max_context}")
         self._check_tokens(tokens, "tokens")
-        cache_id, cache = self._caches.create(tokens)
+        cache_id, cache = self._caches.create(tokens, fence)
         hidden = cache.prefill(self._loaded.model, with_hidden)
         if hidden is not None and len(hidden.rows) > PREFILL_HIDDEN_ROWS:
             # A long prompt's rows would outgrow a message; the draft attends to the newest ones only.
@@ -197,7 +201,7 @@ class TargetEngine:
                 if len(dist.probs) != len(dist.token_ids) or any(not 0.0 <= x <= 1.0 for x in dist.probs):
                     raise ValueError("q.probs: need one probability in [0, 1] per token id")
         cache = self._caches.get(call.cache_id)
-        cache.sync(call.start, call.new_tokens)
+        cache.sync(call.start, call.new_tokens, call.fence)
         if len(cache.committed) + len(call.draft_tokens) >= self._loaded.max_context:
             raise ValueError(f"draft_tokens: the round would exceed the context of {self._loaded.max_context}")
         return _Prepared(index, call, cache, cache.pending() + list(call.draft_tokens))

@@ -34,7 +34,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
             span.set_attribute("specdec.tokens", len(request.tokens))
             cache_id, committed, hidden = await call_core(
-                context, self._executor, lambda: self._target.prefill(list(request.tokens), request.return_hidden)
+                context, self._executor, lambda: self._target.prefill(list(request.tokens), request.return_hidden, request.fence)
             )
             reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
             if hidden is not None:
@@ -52,6 +52,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             sampling_from_pb(request.sampling),
             request.round,
             request.return_hidden,
+            request.sync.fence,
         )
         return await self._batcher.submit(call)
 

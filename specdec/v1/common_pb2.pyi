@@ -19,14 +19,16 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class CacheSync(_message.Message):
-    __slots__ = ("cache_id", "start", "tokens")
+    __slots__ = ("cache_id", "start", "tokens", "fence")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     start: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, cache_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    fence: int
+    def __init__(self, cache_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., fence: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "kind")
@@ -49,12 +51,14 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("tokens", "return_hidden")
+    __slots__ = ("tokens", "return_hidden", "fence")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     return_hidden: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
+    fence: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., return_hidden: _Optional[bool] = ..., fence: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("cache_id", "committed", "hidden")

@@ -1,0 +1,54 @@
+"""Writing a running turn's progress to the session store without holding up its stream.
+
+Each round hands its record over; one background write runs at a time and always carries the latest
+round, so a slow or restarting Redis delays checkpoints, never tokens. A resumed turn may therefore
+start a few rounds back from where its client was; it replays them and streams only what the client
+has not seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from coordinator.backends import Fenced
+from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class Checkpoints:
+    """Background writer of one turn's session record, latest round wins."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self._store = store
+        self._pending: SessionRecord | None = None
+        self._task: asyncio.Task | None = None
+        # Set when a newer turn took the session: the turn that owns these checkpoints must stop.
+        self.fenced: Fenced | None = None
+
+    def submit(self, record: SessionRecord) -> None:
+        """Queues a snapshot of ``record`` (copied now, so later rounds cannot change it)."""
+        self._pending = SessionRecord.from_json(record.to_json())
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        while self._pending is not None and self.fenced is None:
+            record, self._pending = self._pending, None
+            try:
+                await self._store.put(record)
+            except Fenced as exc:
+                self.fenced = exc
+            except StoreUnavailable as exc:
+                # The stream goes on; the next round's checkpoint tries again.
+                log.warning("checkpoint of session %s skipped: %s", record.session_id, exc)
+
+    async def flush(self) -> None:
+        """Waits for the write in flight, if any."""
+        if self._task is not None:
+            await asyncio.shield(self._task)
+
+    def cancel(self) -> None:
+        """Drops what is queued (the turn was abandoned)."""
+        self._pending = None
