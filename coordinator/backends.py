@@ -7,7 +7,10 @@ protocol message. Every call carries a deadline and the current trace context.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import grpc
 
@@ -47,21 +50,55 @@ class BackendRejected(RuntimeError):
         self.address = address
 
 
-class ReplicaHealth:
-    """Which replicas of one service failed lately: each rests ``rest_s`` after a failure, then gets
-    work again (the next call is the probe)."""
+R = TypeVar("R", bound="_Replica")
 
-    def __init__(self, rest_s: float) -> None:
+
+class ReplicaSet(Generic[R]):
+    """One service's replicas: which failed lately, and how many of this coordinator's requests each
+    holds a cache for right now.
+
+    A replica that failed rests ``rest_s``, then gets work again (its next call is the probe). A new
+    cache goes to the healthy replica holding the fewest running requests, ties taken in turn.
+    """
+
+    def __init__(self, replicas: Sequence[R], rest_s: float) -> None:
+        self.by_address: dict[str, R] = {r.address: r for r in replicas}
         self._rest_s = rest_s
         self._down_until: dict[str, float] = {}
+        self._running: Counter[str] = Counter()
+        self._turn = 0
+
+    def __len__(self) -> int:
+        return len(self.by_address)
 
     def failed(self, address: str) -> None:
         """Rests ``address`` from now."""
         self._down_until[address] = time.monotonic() + self._rest_s
 
     def usable(self, address: str) -> bool:
-        """False while ``address`` rests."""
-        return time.monotonic() >= self._down_until.get(address, 0.0)
+        """True for a known replica that is not resting."""
+        return address in self.by_address and time.monotonic() >= self._down_until.get(address, 0.0)
+
+    def pick(self, current: CacheRef | None) -> R | None:
+        """The replica holding ``current`` while it is healthy, else the least busy healthy one for a
+        new cache; None when every replica rests."""
+        if current is not None and self.usable(current.address):
+            return self.by_address[current.address]
+        healthy = [a for a in self.by_address if self.usable(a)]
+        if not healthy:
+            return None
+        self._turn += 1
+        fewest = min(self._running[a] for a in healthy)
+        least = [a for a in healthy if self._running[a] == fewest]
+        return self.by_address[least[self._turn % len(least)]]
+
+    def hold(self, old: str | None, new: str | None) -> None:
+        """A running request moved from replica ``old`` to ``new`` (None: none)."""
+        if old != new:
+            if old is not None:
+                self._running[old] -= 1
+            if new is not None:
+                self._running[new] += 1
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from coordinator.backends import (
     DraftResult,
     TargetReplica,
     VerifyResult,
-    ReplicaHealth,
+    ReplicaSet,
     merge_hidden,
 )
 from coordinator.prompts import build_turn
@@ -163,18 +163,15 @@ class RoundLoop:
     ) -> None:
         self._tokenizer = tokenizer
         self._facts = target_facts
-        self._drafts = {d.address: d for d in drafts}
-        self._targets = {t.address: t for t in targets}
+        # A replica that failed rests this long before new work goes to it. Sessions on a resting
+        # draft replica move to another or run target-only; those on a resting target move.
+        self._drafts = ReplicaSet(drafts, draft_retry_s)
+        self._targets = ReplicaSet(targets, draft_retry_s)
         self._store = store
         self._tracer = tracer
         self._default_k = default_k
-        self._next_replica = 0
         # A feature draft reads the target's hidden states: ask the target for them, carry them over.
         self._want_hidden = want_hidden
-        # A replica that failed rests this long before new work goes to it. Sessions on a resting
-        # draft replica move to another or run target-only; those on a resting target move.
-        self._draft_health = ReplicaHealth(draft_retry_s)
-        self._target_health = ReplicaHealth(draft_retry_s)
         # Measured costs steer greedy requests. Seeded sampled requests use the fixed prior curve,
         # so their k sequence, and hence their tokens, never depend on timing.
         self._costs = CostModel(k_max=max_auto_k, colocated=draft_colocated)
@@ -185,17 +182,6 @@ class RoundLoop:
         self._target_load: dict[str, tuple[float, PassLoad]] = {}
         # Whether the targets report their passes (a target that does not batch reports none).
         self._batching_targets = True
-
-    def _pick(self, replicas: dict, current: CacheRef | None, health: ReplicaHealth):
-        """The replica holding a session's cache while it is healthy, else the next healthy one in
-        turn for a new cache; None when every replica is resting."""
-        if current is not None and current.address in replicas and health.usable(current.address):
-            return replicas[current.address]
-        healthy = [r for r in replicas.values() if health.usable(r.address)]
-        if not healthy:
-            return None
-        self._next_replica += 1
-        return healthy[self._next_replica % len(healthy)]
 
     async def _load_session(self, session_id: str | None) -> SessionRecord:
         if not session_id:
@@ -249,7 +235,11 @@ class RoundLoop:
         """
         started = time.perf_counter()
         running = self._metrics.running() if self._metrics is not None else nullcontext()
-        with self._tracer.start_as_current_span("specdec.generate", kind=trace.SpanKind.SERVER) as span, running:
+        with (
+            self._tracer.start_as_current_span("specdec.generate", kind=trace.SpanKind.SERVER) as span,
+            running,
+            _Holding(self._drafts, self._targets) as holding,
+        ):
             record, resumed = await self._begin_turn(request)
             turn = record.turn
             committed = record.tokens
@@ -265,11 +255,12 @@ class RoundLoop:
             )
 
             hidden = None  # target hidden states the draft has not been sent yet
-            if target_ref is None or not self._target_health.usable(target_ref.address):
+            if target_ref is None or not self._targets.usable(target_ref.address):
                 t0 = time.perf_counter()
                 target_ref, hidden = await self._place_target(committed, remaining_s, span, record.fence)
                 stats.prefill_ms = (time.perf_counter() - t0) * 1000
             record.target = target_ref
+            holding.update(draft_ref, target_ref)
             await self._store.put(record)
             checkpoints = Checkpoints(self._store)
 
@@ -285,6 +276,7 @@ class RoundLoop:
                     turn.round, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s,
                     record.fence,
                 )
+                holding.update(draft_ref, target_ref)
                 drafted = len(draft.tokens) if draft else 0
                 turn.rounds_without_draft = 0 if drafted else turn.rounds_without_draft + 1
                 turn.round += 1
@@ -392,7 +384,7 @@ class RoundLoop:
         with self._tracer.start_as_current_span("specdec.round") as span:
             round_t0 = time.perf_counter()
             draft, draft_ms, drafting = None, 0.0, False
-            if k > 0 and self._pick(self._drafts, draft_ref, self._draft_health) is not None:
+            if k > 0 and self._drafts.pick(draft_ref) is not None:
                 drafting = True
                 t0 = time.perf_counter()
                 try:
@@ -401,7 +393,7 @@ class RoundLoop:
                     )
                     hidden = None
                 except (BackendUnavailable, BackendRejected) as error:
-                    self._failed(self._draft_health, error, span, "draft", "draft failed, this round runs target-only")
+                    self._failed(self._drafts, error, span, "draft", "draft failed, this round runs target-only")
                 draft_ms = (time.perf_counter() - t0) * 1000
                 if draft is not None:
                     self._costs.record_draft(draft_ms, len(draft.tokens))
@@ -443,10 +435,10 @@ class RoundLoop:
             return None
         return seen[1]
 
-    def _failed(self, health: ReplicaHealth, error: BackendUnavailable | BackendRejected, span: trace.Span,
+    def _failed(self, replicas: ReplicaSet, error: BackendUnavailable | BackendRejected, span: trace.Span,
                 service: str, what: str) -> None:
         """Notes a failed call (a ``specdec.<service>_failed`` span event): the replica rests a while."""
-        health.failed(error.address)
+        replicas.failed(error.address)
         span.add_event(f"specdec.{service}_failed", {"error": str(error)})
         log.warning("%s: %s", what, error)
 
@@ -462,7 +454,7 @@ class RoundLoop:
         fence: int,
     ) -> tuple[DraftResult, CacheRef]:
         """Asks the session's draft replica for k tokens, prefilling it first if it lost the cache."""
-        draft = self._pick(self._drafts, ref, self._draft_health)
+        draft = self._drafts.pick(ref)
         if ref is not None and ref.address == draft.address:
             try:
                 result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden)
@@ -480,14 +472,14 @@ class RoundLoop:
         others when one is unreachable; also returns the fed hidden states (when the draft wants them)."""
         error: BackendUnavailable | None = None
         for _ in range(len(self._targets)):
-            target = self._pick(self._targets, None, self._target_health)
+            target = self._targets.pick(None)
             if target is None:
                 break
             try:
                 return await target.prefill_with_hidden(committed, remaining_s(), self._want_hidden, fence)
             except BackendUnavailable as exc:
                 error = exc
-                self._failed(self._target_health, exc, span, "target", "target unreachable, trying another")
+                self._failed(self._targets, exc, span, "target", "target unreachable, trying another")
         raise error or BackendUnavailable("target", "*", "every target replica is resting after a failure")
 
     async def _verify(
@@ -510,9 +502,9 @@ class RoundLoop:
         want = self._want_hidden
         fed = None
         for _ in range(len(self._targets) + 1):
-            if not self._target_health.usable(ref.address) or ref.address not in self._targets:
+            if not self._targets.usable(ref.address):
                 ref, fed = await self._place_target(committed, remaining_s, span, ref.fence)
-            target = self._targets[ref.address]
+            target = self._targets.by_address[ref.address]
             try:
                 try:
                     result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
@@ -523,12 +515,34 @@ class RoundLoop:
             except BackendUnavailable as exc:
                 if remaining_s() is not None and remaining_s() <= 0:
                     raise
-                self._failed(self._target_health, exc, span, "target", "target unreachable, moving the session")
+                self._failed(self._targets, exc, span, "target", "target unreachable, moving the session")
         raise BackendUnavailable("target", ref.address, "no target replica could verify this round")
 
     async def close(self) -> None:
         """Closes every replica channel."""
-        await asyncio.gather(*(r.close() for r in [*self._drafts.values(), *self._targets.values()]))
+        replicas = [*self._drafts.by_address.values(), *self._targets.by_address.values()]
+        await asyncio.gather(*(r.close() for r in replicas))
+
+
+class _Holding:
+    """The replicas one running request keeps caches on, counted in their replica sets while it runs."""
+
+    def __init__(self, drafts: ReplicaSet, targets: ReplicaSet) -> None:
+        self._sets = (drafts, targets)
+        self._held: list[str | None] = [None, None]
+
+    def update(self, draft: CacheRef | None, target: CacheRef | None) -> None:
+        """The request's caches are now at ``draft`` and ``target``."""
+        for i, ref in enumerate((draft, target)):
+            address = None if ref is None else ref.address
+            self._sets[i].hold(self._held[i], address)
+            self._held[i] = address
+
+    def __enter__(self) -> _Holding:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.update(None, None)
 
 
 def _clip(ref: CacheRef | None, committed: int) -> CacheRef | None:

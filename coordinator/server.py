@@ -26,6 +26,8 @@ from specdec.metadata import CLIENT_METADATA, RETRY_AFTER_METADATA
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+# Retry hint sent with a replica's RESOURCE_EXHAUSTED (its KV budget is full of running sessions).
+_BACKEND_RETRY_MS = 1000
 
 
 class Undecodable:
@@ -189,6 +191,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Exception as exc:  # noqa: BLE001 - every failure must reach the client as a status
             code, detail = _status(exc)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # A replica's KV budget is held by running sessions: one finishes within seconds.
+                context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(_BACKEND_RETRY_MS)),))
             await context.abort(code, detail)
 
     async def Generate(self, request, context):

@@ -55,9 +55,11 @@ class DraftEngine:
     # Width of the target hidden states the drafter reads; None: it reads none.
     hidden_size: int | None = None
 
-    def __init__(self, facts: ModelFacts, max_sessions: int, cache_factory=SessionCache) -> None:
+    def __init__(self, facts: ModelFacts, max_sessions: int, cache_factory=SessionCache, *,
+                 budget_bytes: int = 0, idle_s: float = 0.0) -> None:
+        """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches (see CacheTable)."""
         self._facts = facts
-        self._caches = CacheTable(max_sessions, factory=cache_factory)
+        self._caches = CacheTable(max_sessions, factory=cache_factory, budget_bytes=budget_bytes, idle_s=idle_s)
 
     @property
     def facts(self) -> ModelFacts:
@@ -82,6 +84,7 @@ class DraftEngine:
         self._check_tokens(tokens, "tokens")
         cache_id, cache = self._caches.create(tokens, fence)
         self._prefill(cache)
+        self._caches.fit_budget(cache_id)
         return cache_id, len(cache.committed)
 
     def propose(
@@ -168,8 +171,8 @@ class NgramDrafter(DraftEngine):
 
     kind = "ngram"
 
-    def __init__(self, facts: ModelFacts, max_sessions: int, max_n: int, min_n: int) -> None:
-        super().__init__(facts, max_sessions)
+    def __init__(self, facts: ModelFacts, max_sessions: int, max_n: int, min_n: int, **limits) -> None:
+        super().__init__(facts, max_sessions, **limits)
         self._max_n = max_n
         self._min_n = min_n
 
@@ -184,8 +187,8 @@ class ModelDrafter(DraftEngine):
 
     kind = "model"
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, sample_top_k: int) -> None:
-        super().__init__(loaded.facts("model"), max_sessions)
+    def __init__(self, loaded: LoadedModel, max_sessions: int, sample_top_k: int, **limits) -> None:
+        super().__init__(loaded.facts("model"), max_sessions, **limits)
         self._loaded = loaded
         self._sample_top_k = sample_top_k
 
@@ -217,8 +220,8 @@ class FeatureDrafter(DraftEngine):
     kind = FEATURE_KIND
 
     def __init__(self, draft: FeatureDraft, facts: ModelFacts, max_sessions: int, sample_top_k: int,
-                 lookup_max: int = 4, lookup_min: int = 2) -> None:
-        super().__init__(replace(facts, kind=FEATURE_KIND), max_sessions, FeatureSession)
+                 lookup_max: int = 4, lookup_min: int = 2, **limits) -> None:
+        super().__init__(replace(facts, kind=FEATURE_KIND), max_sessions, FeatureSession, **limits)
         self._draft_model = draft
         self._sample_top_k = sample_top_k
         self._lookup_max = lookup_max

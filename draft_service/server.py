@@ -98,14 +98,16 @@ def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
     if config.int8_head:
         draft.quantize_head_int8()
     facts = replace(target.facts(FEATURE_KIND), name=str(path))
-    return FeatureDrafter(draft, facts, config.model.max_sessions, config.sample_top_k, lookup_min=config.lookup_min)
+    return FeatureDrafter(draft, facts, config.model.max_sessions, config.sample_top_k, lookup_min=config.lookup_min,
+                          **config.model.cache_limits())
 
 
 def build_drafter(config: DraftConfig) -> DraftEngine:
     """The drafter a deployment asked for: a model or feature draft, or n-gram lookup in the model's
     tokenizer."""
     if config.kind == "model":
-        return ModelDrafter(load_draft_model(config), config.model.max_sessions, config.sample_top_k)
+        return ModelDrafter(load_draft_model(config), config.model.max_sessions, config.sample_top_k,
+                            **config.model.cache_limits())
     if config.kind == FEATURE_KIND:
         return load_feature_drafter(config)
     if config.kind != "ngram":
@@ -121,7 +123,8 @@ def build_drafter(config: DraftConfig) -> DraftEngine:
         eos_token_ids=(),
         fingerprint=tokenizer_fingerprint(tokenizer),
     )
-    return NgramDrafter(facts, config.model.max_sessions, config.ngram_max, config.ngram_min)
+    return NgramDrafter(facts, config.model.max_sessions, config.ngram_max, config.ngram_min,
+                        **config.model.cache_limits())
 
 
 async def start_draft(config: DraftConfig, engine: DraftEngine, tracer: trace.Tracer) -> RunningServer:
@@ -130,6 +133,7 @@ async def start_draft(config: DraftConfig, engine: DraftEngine, tracer: trace.Tr
     running = await start_server(
         config.server, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), (SERVICE_NAME,)
     )
+    servicer.sweep_idle_caches(config.model.cache_idle_s)
     await running.set_serving()
     return running
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from opentelemetry import trace
 
+from specdec.kvcache import CacheTable
 from specdec.models import ModelFacts
 from specdec.rpc import call_core
 from specdec.tracing import server_span
@@ -24,6 +26,9 @@ class CacheEngine(Protocol):
 
     def release(self, cache_id: str) -> bool: ...
 
+    @property
+    def caches(self) -> CacheTable: ...
+
 
 class CacheServicer:
     """Mixin servicer: model work runs on one worker thread, since caches and model are not shared."""
@@ -33,6 +38,19 @@ class CacheServicer:
         self._tracer = tracer
         self._name = name
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._sweeper: asyncio.Task | None = None
+
+    def sweep_idle_caches(self, idle_s: float) -> None:
+        """Drops caches idle for ``idle_s`` even when no call arrives to notice (0: never), so an
+        expired session's memory comes back on every replica."""
+        if idle_s > 0 and self._sweeper is None:
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep(idle_s))
+
+    async def _sweep(self, idle_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(min(30.0, max(0.5, idle_s / 4)))
+            await loop.run_in_executor(self._executor, self._engine.caches.expire_idle)
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         with server_span(self._tracer, f"{self._name}/Prefill", context) as span:

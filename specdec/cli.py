@@ -113,9 +113,17 @@ def _coordinator_config(args) -> CoordinatorConfig:
     )
 
 
+def _add_cache_limits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-budget-mb", type=int, default=0,
+                   help="MiB of KV cache all sessions may take; past it idle caches are evicted, and a new session "
+                        "gets RESOURCE_EXHAUSTED when only busy ones remain (0: no budget)")
+    p.add_argument("--cache-idle", type=float, default=3600.0,
+                   help="seconds after which an unused session cache is dropped (0: never)")
+
+
 def _model(args, model: str) -> ModelConfig:
     return ModelConfig(model=model, cache_dir=args.cache_dir, threads=args.threads, max_sessions=args.max_sessions,
-                       pack=not args.no_pack)
+                       pack=not args.no_pack, kv_budget_mb=args.kv_budget_mb, cache_idle_s=args.cache_idle)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -127,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=_env("TARGET_MODEL", "default"), help="'default', a HF folder or a .gguf file")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
+    _add_cache_limits(p)
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
     p.add_argument("--max-batch-rows", type=int, default=256,
                    help="most token rows one batched verify pass feeds (all sessions together)")
@@ -139,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
                         "(default: the draft shipped for the default target)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
+    _add_cache_limits(p)
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
     p.add_argument("--target-model", default=_env("TARGET_MODEL", "default"),
                    help="the target a distilled token draft was made for (it lends the draft its embedding)")

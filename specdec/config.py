@@ -81,8 +81,16 @@ class ModelConfig:
     threads: int = 1
     # Session caches held at once; the least recently used is evicted past this.
     max_sessions: int = 64
+    # MiB of KV buffers all session caches may take (0: no budget); idle caches go first past it.
+    kv_budget_mb: int = 0
+    # Seconds after which an unused session cache is dropped (0: never).
+    cache_idle_s: float = 3600.0
     # Prepack linear weights for oneDNN: a verify pass over k+1 tokens then costs about one step.
     pack: bool = True
+
+    def cache_limits(self) -> dict[str, float]:
+        """The session cache bounds beyond ``max_sessions``, as engine keyword arguments."""
+        return {"budget_bytes": self.kv_budget_mb * 2**20, "idle_s": self.cache_idle_s}
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,10 @@ class CacheNotFound(LookupError):
     """No cache under the given id (never created, released, or evicted)."""
 
 
+class CacheBudgetExceeded(RuntimeError):
+    """A new cache would take the KV budget past its limit while every other cache is in use."""
+
+
 class StaleFence(RuntimeError):
     """A call carried an older fencing token than its cache has seen: a newer turn owns the session."""
 

@@ -10,6 +10,7 @@ a cache is never silently wrong.
 from __future__ import annotations
 
 import itertools
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
-from specdec.errors import CacheBehind, CacheNotFound, StaleFence
+from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
 
 
 class GrowableLayer(DynamicLayer):
@@ -215,15 +216,29 @@ class SessionCache:
 
 
 class CacheTable:
-    """Session caches of one service by id, evicting the least recently used past ``capacity``."""
+    """Session caches of one service by id, in least recently used order.
 
-    def __init__(self, capacity: int, factory=SessionCache) -> None:
+    Three limits keep it bounded: at most ``capacity`` caches; caches idle for ``idle_s`` seconds
+    are dropped (their sessions expired, or moved elsewhere); and past ``budget_bytes`` of KV
+    buffers, idle caches go, least recently used first. A cache used within ``active_s`` seconds
+    counts as in use: when only those remain over the budget, a new cache is refused (CacheBudgetExceeded)
+    rather than evicting a running session's. 0 turns a limit off. An evicted session is not lost:
+    its coordinator prefills it again.
+    """
+
+    def __init__(self, capacity: int, factory=SessionCache, budget_bytes: int = 0, idle_s: float = 0.0,
+                 active_s: float = 5.0) -> None:
         self._capacity = capacity
         self._factory = factory
+        self._budget_bytes = budget_bytes
+        self._idle_s = idle_s
+        self._active_s = active_s
         self._caches: OrderedDict[str, SessionCache] = OrderedDict()
+        self._used: dict[str, float] = {}
         self._ids = itertools.count()
-        # Caches evicted to make room since start-up; the metrics scrape reads it.
+        # Caches evicted to make room, and dropped as idle, since start-up; the metrics scrape reads them.
         self.evictions = 0
+        self.expired = 0
 
     def __len__(self) -> int:
         return len(self._caches)
@@ -236,14 +251,55 @@ class CacheTable:
     def create(self, committed: list[int], fence: int = 0) -> tuple[str, SessionCache]:
         """Adds a cache for ``committed`` tokens (for a caller with fencing token ``fence``),
         evicting the least recently used if full."""
+        self.expire_idle()
         while len(self._caches) >= self._capacity:
-            self._caches.popitem(last=False)
+            self._drop(next(iter(self._caches)))
             self.evictions += 1
         cache_id = f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
         cache = self._factory(committed=list(committed))
         cache.fence = fence
         self._caches[cache_id] = cache
+        self._used[cache_id] = time.monotonic()
         return cache_id, cache
+
+    def _drop(self, cache_id: str) -> None:
+        del self._caches[cache_id]
+        del self._used[cache_id]
+
+    def expire_idle(self) -> int:
+        """Drops caches idle for ``idle_s`` or longer; returns how many."""
+        if not self._idle_s:
+            return 0
+        cutoff = time.monotonic() - self._idle_s
+        dropped = 0
+        while self._caches and self._used[next(iter(self._caches))] <= cutoff:
+            self._drop(next(iter(self._caches)))
+            dropped += 1
+        self.expired += dropped
+        return dropped
+
+    def fit_budget(self, new_id: str) -> None:
+        """Brings the KV buffers within the budget after cache ``new_id`` grew: idle caches go first,
+        least recently used first. If the caches in use still exceed it, ``new_id`` is dropped and
+        CacheBudgetExceeded raised."""
+        if not self._budget_bytes:
+            return
+        total = self.kv_bytes()
+        busy_since = time.monotonic() - self._active_s
+        for cache_id in list(self._caches):
+            if total <= self._budget_bytes:
+                return
+            if cache_id != new_id and self._used[cache_id] < busy_since:
+                total -= kv_buffer_bytes(self._caches[cache_id].kv)
+                self._drop(cache_id)
+                self.evictions += 1
+        if total > self._budget_bytes:
+            in_use = len(self._caches) - 1
+            self._drop(new_id)
+            raise CacheBudgetExceeded(
+                f"KV cache budget of {self._budget_bytes / 2**20:.0f} MiB is held by {in_use} sessions in use; "
+                "retry shortly"
+            )
 
     def get(self, cache_id: str) -> SessionCache:
         """The cache under ``cache_id``, marked as most recently used."""
@@ -252,11 +308,15 @@ class CacheTable:
         except KeyError:
             raise CacheNotFound(f"no cache {cache_id!r} (released, evicted, or held by another replica)") from None
         self._caches.move_to_end(cache_id)
+        self._used[cache_id] = time.monotonic()
         return cache
 
     def release(self, cache_id: str) -> bool:
         """Drops a cache; returns whether it existed."""
-        return self._caches.pop(cache_id, None) is not None
+        if cache_id not in self._caches:
+            return False
+        self._drop(cache_id)
+        return True
 
     def kv_bytes(self) -> int:
         """Bytes of every cache's key and value buffers; safe to call from a thread other than the model's."""

@@ -17,7 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from specdec.config import ServerConfig, TlsClientConfig
-from specdec.errors import CacheBehind, CacheNotFound, StaleFence
+from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
 from specdec.tracing import make_tracer_provider
 
 log = logging.getLogger(__name__)
@@ -28,6 +28,7 @@ _STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (CacheNotFound, grpc.StatusCode.NOT_FOUND),
     (CacheBehind, grpc.StatusCode.FAILED_PRECONDITION),
     (StaleFence, grpc.StatusCode.ABORTED),
+    (CacheBudgetExceeded, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
 )
 

@@ -93,9 +93,11 @@ class TargetEngine:
     supports it, so a batch costs about one weight read instead of one per session.
     """
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, curve_rows: int = CURVE_ROWS) -> None:
+    def __init__(self, loaded: LoadedModel, max_sessions: int, curve_rows: int = CURVE_ROWS, *,
+                 budget_bytes: int = 0, idle_s: float = 0.0) -> None:
+        """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches (see CacheTable)."""
         self._loaded = loaded
-        self._caches = CacheTable(max_sessions)
+        self._caches = CacheTable(max_sessions, budget_bytes=budget_bytes, idle_s=idle_s)
         self._ragged = supports_ragged(loaded.model)
         self._costs = PassCosts()
         self._curve_rows = curve_rows
@@ -136,6 +138,7 @@ class TargetEngine:
         self._check_tokens(tokens, "tokens")
         cache_id, cache = self._caches.create(tokens, fence)
         hidden = cache.prefill(self._loaded.model, with_hidden)
+        self._caches.fit_budget(cache_id)
         if hidden is not None and len(hidden.rows) > PREFILL_HIDDEN_ROWS:
             # A long prompt's rows would outgrow a message; the draft attends to the newest ones only.
             cut = len(hidden.rows) - PREFILL_HIDDEN_ROWS

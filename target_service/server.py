@@ -77,6 +77,7 @@ async def start_target(config: TargetConfig, engine: TargetEngine, tracer: trace
     running = await start_server(
         config.server, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s), (SERVICE_NAME,)
     )
+    servicer.sweep_idle_caches(config.model.cache_idle_s)
     await running.set_serving()
     return running
 
@@ -85,7 +86,8 @@ def main(config: TargetConfig) -> None:
     """Entry point of ``specdec serve-target``: load, warm, serve until SIGTERM."""
     torch.set_num_threads(config.model.threads)
     engine = TargetEngine(
-        load_model(config.model.model, config.model.cache_dir, pack=config.model.pack), config.model.max_sessions
+        load_model(config.model.model, config.model.cache_dir, pack=config.model.pack), config.model.max_sessions,
+        **config.model.cache_limits(),
     )
     engine.warmup()
     if config.server.metrics_port is not None:

@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,8 @@ class Cluster:
 
     def __init__(
         self, tiny_dir: Path, log_dir: Path, drafts: int = 2, targets: int = 2, coordinators: int = 2,
-        default_k: int = 3, rpc_timeout_s: float = 2.0, grace_s: float = 5.0,
+        default_k: int = 3, rpc_timeout_s: float = 2.0, grace_s: float = 5.0, session_ttl_s: int = 20,
+        cache_idle_s: float = 8.0,
     ) -> None:
         self.log_dir = log_dir
         self.members: dict[str, Member] = {}
@@ -44,14 +46,16 @@ class Cluster:
         self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
         self._add("redis", redis_argv(redis_port), redis_port)
         target, draft = str(tiny_dir / "target"), str(tiny_dir / "draft")
-        common = ["--cache-dir", str(tiny_dir), "--threads", "1", "--grace", str(grace_s)]
+        common = ["--cache-dir", str(tiny_dir), "--threads", "1", "--grace", str(grace_s),
+                  "--cache-idle", str(cache_idle_s)]
         for i in range(targets):
             port = self._free_port()
-            self._add(f"target{i}", [*exe, "serve-target", "--port", str(port), "--model", target, *common], port)
+            self._add(f"target{i}", [*exe, "serve-target", "--port", str(port), "--model", target,
+                                     "--metrics-port", str(self._free_port()), *common], port)
         for i in range(drafts):
             port = self._free_port()
             self._add(f"draft{i}", [*exe, "serve-draft", "--port", str(port), "--kind", "model", "--model", draft,
-                                    "--target-model", target, *common], port)
+                                    "--target-model", target, "--metrics-port", str(self._free_port()), *common], port)
         backends = [arg for name, m in self.members.items() if name.startswith(("draft", "target"))
                     for arg in (f"--{name.rstrip('0123456789')}", f"127.0.0.1:{m.port}")]
         for i in range(coordinators):
@@ -59,6 +63,7 @@ class Cluster:
             self._add(f"coordinator{i}", [
                 *exe, "serve-coordinator", "--port", str(port), "--tokenizer", target, "--redis-url", self.redis_url,
                 "--default-k", str(default_k), "--rpc-timeout", str(rpc_timeout_s), "--grace", str(grace_s),
+                "--session-ttl", str(session_ttl_s),
                 "--cache-dir", str(tiny_dir), *backends,
             ], port)
 
@@ -126,6 +131,24 @@ class Cluster:
         self._spawn(name)
         self._wait(name)
 
+    def rss_bytes(self, name: str) -> int:
+        """Resident memory of the process ``name`` now."""
+        pid = self.members[name].process.popen.pid
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError(f"no VmRSS for {name}")
+
+    def metric(self, name: str, metric: str) -> float:
+        """The value of ``metric`` on the metrics endpoint of service ``name``."""
+        argv = self.members[name].argv
+        port = argv[argv.index("--metrics-port") + 1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            for line in reply.read().decode().splitlines():
+                if line.startswith(metric + " "):
+                    return float(line.split()[1])
+        raise KeyError(metric)
+
     def alive(self, name: str) -> bool:
         """Whether the process ``name`` is running."""
         process = self.members[name].process
@@ -134,6 +157,10 @@ class Cluster:
     def log_tail(self, name: str) -> str:
         """The last lines ``name`` logged."""
         return self.members[name].process.log_tail()
+
+    def logs(self, prefix: str) -> str:
+        """Everything the processes whose names start with ``prefix`` logged, restarts included."""
+        return "".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob(f"{prefix}*.log")))
 
     def close(self) -> None:
         """Stops every process, coordinators first."""
@@ -164,28 +191,40 @@ class StreamResult:
 
 
 class Streams:
-    """Client streams running in threads, each with the SDK pointed at every coordinator."""
+    """Client streams running in threads, each with the SDK pointed at every coordinator.
 
-    def __init__(self, addresses: list[str], prompts: list[str], max_new_tokens: int, **options) -> None:
-        self.results = [StreamResult() for _ in prompts]
+    Each thread streams its prompt once, or, given ``until``, again and again until that is set.
+    """
+
+    def __init__(
+        self, addresses: list[str], prompts: list[str], max_new_tokens: int,
+        until: threading.Event | None = None, **options,
+    ) -> None:
+        self.runs: list[tuple[str, StreamResult]] = []
         self._received = 0
         self._lock = threading.Lock()
         self._threads = [
-            threading.Thread(target=self._run, args=(addresses, p, r, max_new_tokens, options), daemon=True)
-            for p, r in zip(prompts, self.results)
+            threading.Thread(target=self._run, args=(addresses, p, max_new_tokens, until, options), daemon=True)
+            for p in prompts
         ]
 
-    def _run(self, addresses, prompt, result: StreamResult, max_new_tokens: int, options) -> None:
+    def _run(self, addresses, prompt: str, max_new_tokens: int, until: threading.Event | None, options) -> None:
         retry = RetryPolicy(attempts=30, backoff_s=0.05, max_backoff_s=0.5)
-        try:
-            with Client(addresses, timeout=120, retry=retry) as client:
-                for chunk in client.stream(prompt, max_new_tokens=max_new_tokens, **options):
-                    result.tokens.extend(chunk.token_ids)
-                    result.arrivals.append(time.monotonic())
-                    with self._lock:
-                        self._received += len(chunk.token_ids)
-        except Exception as exc:  # noqa: BLE001 - the test reports every failure
-            result.error = exc
+        with Client(addresses, timeout=120, retry=retry) as client:
+            while True:
+                result = StreamResult()
+                with self._lock:
+                    self.runs.append((prompt, result))
+                try:
+                    for chunk in client.stream(prompt, max_new_tokens=max_new_tokens, **options):
+                        result.tokens.extend(chunk.token_ids)
+                        result.arrivals.append(time.monotonic())
+                        with self._lock:
+                            self._received += len(chunk.token_ids)
+                except Exception as exc:  # noqa: BLE001 - the test reports every failure
+                    result.error = exc
+                if until is None or until.is_set():
+                    return
 
     def start(self) -> Streams:
         """Starts every stream."""
@@ -200,9 +239,9 @@ class Streams:
             assert time.monotonic() < deadline, f"streams stalled at {self._received} tokens"
             time.sleep(0.005)
 
-    def join(self, timeout_s: float = 120.0) -> list[StreamResult]:
-        """Waits for every stream to end."""
+    def join(self, timeout_s: float = 120.0) -> list[tuple[str, StreamResult]]:
+        """Waits for every stream to end; returns each request's prompt and result."""
         for thread in self._threads:
             thread.join(timeout_s)
             assert not thread.is_alive(), "a stream hung"
-        return self.results
+        return self.runs

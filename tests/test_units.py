@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
-from coordinator.backends import CacheRef
+from coordinator.backends import CacheRef, ReplicaSet
 from coordinator.prompts import build_turn
 from coordinator.sessions import MemorySessionStore, SessionRecord
 from coordinator.textstream import TextStream
 from draft_service.ngram import propose_ngram
-from specdec.errors import CacheBehind, CacheNotFound
-from specdec.kvcache import CacheTable, SessionCache
+from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound
+from specdec.kvcache import CacheTable, SessionCache, kv_buffer_bytes
 
 
 def test_ngram_prefers_longest_most_recent_match():
@@ -121,3 +122,67 @@ def test_memory_store_round_trips_records():
         assert await store.get("s1") is None
 
     asyncio.run(scenario())
+
+
+def test_replica_set_places_new_caches_on_the_least_busy_healthy_replica():
+    class Replica:
+        def __init__(self, address: str) -> None:
+            self.address = address
+
+    replicas = ReplicaSet([Replica("a"), Replica("b"), Replica("c")], rest_s=60)
+    first = replicas.pick(None)
+    replicas.hold(None, first.address)
+    second = replicas.pick(None)
+    assert second.address != first.address
+    replicas.hold(None, second.address)
+    third = replicas.pick(None)
+    assert third.address not in (first.address, second.address)
+    # A session keeps its replica while it is healthy; when it rests, the session moves.
+    assert replicas.pick(CacheRef(first.address, "c1", 3)) is first
+    replicas.failed(first.address)
+    moved = replicas.pick(CacheRef(first.address, "c1", 3))
+    assert moved is not None and moved is not first
+    replicas.hold(second.address, None)
+    replicas.hold(None, third.address)
+    assert replicas.pick(None) is second  # now the only healthy replica with nothing running
+    for r in (second, third):
+        replicas.failed(r.address)
+    assert replicas.pick(None) is None
+
+
+def test_cache_table_budget_evicts_idle_caches_then_refuses(tiny_target):
+    def prefilled(table: CacheTable, tokens: list[int]) -> str:
+        cache_id, cache = table.create(tokens)
+        cache.prefill(tiny_target.model)
+        table.fit_budget(cache_id)
+        return cache_id
+
+    probe = CacheTable(8)
+    one = probe.get(prefilled(probe, [3, 4, 5, 6]))
+    size = kv_buffer_bytes(one.kv)
+    assert size > 0
+    # Room for two caches: the third evicts the least recently used idle one.
+    idle = CacheTable(8, budget_bytes=int(2.5 * size), active_s=0.0)
+    a, b = prefilled(idle, [3, 4, 5, 6]), prefilled(idle, [7, 8, 9, 10])
+    idle.get(a)  # a is now more recently used than b
+    c = prefilled(idle, [11, 12, 13, 14])
+    assert len(idle) == 2 and idle.evictions == 1 and idle.kv_bytes() <= 2.5 * size
+    idle.get(a), idle.get(c)
+    with pytest.raises(CacheNotFound):
+        idle.get(b)
+    # Every cache in use: the newcomer is refused, and nobody running loses a cache.
+    busy = CacheTable(8, budget_bytes=int(2.5 * size), active_s=60.0)
+    kept = [prefilled(busy, [3, 4, 5, 6]), prefilled(busy, [7, 8, 9, 10])]
+    with pytest.raises(CacheBudgetExceeded, match="in use"):
+        prefilled(busy, [11, 12, 13, 14])
+    assert len(busy) == 2 and all(busy.get(k) for k in kept)
+
+
+def test_cache_table_drops_idle_caches():
+    table = CacheTable(8, idle_s=0.2)
+    table.create([1, 2])
+    time.sleep(0.3)
+    fresh, _ = table.create([3, 4])  # creating also sweeps
+    assert len(table) == 1 and table.expired == 1 and table.get(fresh)
+    time.sleep(0.3)
+    assert table.expire_idle() == 1 and len(table) == 0

@@ -13,7 +13,9 @@ import os
 import random
 import signal
 import statistics
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 
 import pytest
@@ -59,25 +61,37 @@ def _prompts(references, count: int = STREAMS) -> list[str]:
 
 def _run_with_fault(
     name: str, cluster: Cluster, references, inject: Callable[[], None], sampled: bool = False,
-    after: Callable[[], None] | None = None,
+    after: Callable[[], None] | None = None, evidence: str | None = None, keep_streaming: bool = False,
 ) -> None:
-    """Streams, injects ``inject`` at a random point mid-stream, checks and records the outcome."""
+    """Streams, injects ``inject`` at a random point mid-stream, checks and records the outcome.
+
+    ``evidence`` is a line the coordinators must have logged after the fault, so a fault that missed
+    every session cannot pass; with ``keep_streaming`` the clients send request after request until
+    ``inject`` returns.
+    """
     prompts = _prompts(references)
-    streams = Streams(cluster.coordinators, prompts, MAX_NEW, **(SAMPLED if sampled else {})).start()
+    logged_before = cluster.logs("coordinator").count(evidence) if evidence else 0
+    until = threading.Event() if keep_streaming else None
+    streams = Streams(cluster.coordinators, prompts, MAX_NEW, until, **(SAMPLED if sampled else {})).start()
     threshold = random.Random(name).randint(STREAMS * 4, STREAMS * 30)
     streams.wait_received(threshold)
     moment = time.monotonic()
-    inject()
     try:
-        results = streams.join()
+        inject()
+    finally:
+        if until is not None:
+            until.set()
+    try:
+        runs = streams.join()
     finally:
         if after is not None:
             after()
-    failed = [r.error for r in results if r.error is not None]
-    mismatched = [p for p, r in zip(prompts, results) if r.error is None and r.tokens != references[(p, sampled)]]
-    gaps = [g for r in results if (g := r.gap_after(moment)) is not None]
+    failed = [r.error for _, r in runs if r.error is not None]
+    mismatched = [p for p, r in runs if r.error is None and r.tokens != references[(p, sampled)]]
+    gaps = [g for _, r in runs if (g := r.gap_after(moment)) is not None]
     _report[name] = {
-        "streams": len(prompts),
+        "requests": len(runs),
+        "in_flight_at_fault": len(prompts),
         "failed": len(failed),
         "mismatched": len(mismatched),
         "recovery_p50_s": round(statistics.median(gaps), 3) if gaps else None,
@@ -87,22 +101,24 @@ def _run_with_fault(
     print(name, _report[name])
     assert not failed, failed
     assert not mismatched, f"streams differ from the fault-free output: {mismatched}"
+    if evidence:
+        assert cluster.logs("coordinator").count(evidence) > logged_before, f"the fault missed: no {evidence!r}"
 
 
 def test_draft_killed_mid_stream(cluster, references):
     _run_with_fault("draft SIGKILL", cluster, references, lambda: cluster.kill("draft0"),
-                    after=lambda: cluster.restart("draft0"))
+                    after=lambda: cluster.restart("draft0"), evidence="draft failed")
 
 
 def test_draft_hangs_past_the_deadline(cluster, references):
     # A frozen process keeps its socket open: only the deadline tells the coordinator.
     _run_with_fault("draft hang (deadline)", cluster, references, lambda: cluster.signal("draft1", signal.SIGSTOP),
-                    after=lambda: cluster.signal("draft1", signal.SIGCONT))
+                    after=lambda: cluster.signal("draft1", signal.SIGCONT), evidence="DEADLINE_EXCEEDED")
 
 
 def test_target_killed_with_a_second_replica(cluster, references):
     _run_with_fault("target SIGKILL", cluster, references, lambda: cluster.kill("target0"),
-                    after=lambda: cluster.restart("target0"))
+                    after=lambda: cluster.restart("target0"), evidence="moving the session")
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampled"])
@@ -123,7 +139,7 @@ def test_redis_restarted_mid_stream(cluster, references):
         assert time.monotonic() - t0 < 15
         cluster.restart("redis")
 
-    _run_with_fault("redis-server restart", cluster, references, outage)
+    _run_with_fault("redis-server restart", cluster, references, outage, evidence="session store unreachable")
 
 
 def test_sigterm_drains_in_flight_streams(cluster, references):
@@ -145,8 +161,8 @@ def test_rolling_restart_under_load_fails_nothing(cluster, references):
         for name in ("coordinator0", "coordinator1", "target0", "target1", "draft0", "draft1"):
             cluster.restart(name)
 
-    # The roll outlasts one wave of streams, so keep streams coming until it is done.
-    _run_with_fault("rolling restart (every replica)", cluster, references, roll)
+    # SIGTERM and a fresh start, one process at a time, while clients keep sending requests.
+    _run_with_fault("rolling restart (every replica)", cluster, references, roll, keep_streaming=True)
     for name in cluster.members:
         assert cluster.alive(name), cluster.log_tail(name)
 
@@ -168,3 +184,56 @@ def test_two_coordinators_racing_for_one_session(cluster, references):
         assert len(received) < MAX_NEW
         after = second.complete("w7", max_new_tokens=4, session_id=session)
         assert after.session_id == session
+
+
+def test_soak_no_errors_flat_memory_caches_released(cluster, references):
+    """Many clients, many requests each: no error, every answer right, each process's resident memory
+    within 10% of its post-warm-up value, and every cache released once the sessions expire.
+    SPECDEC_SOAK=full runs the 32 clients x 100 requests of the closing note; the default is smaller."""
+    clients, per_client = (32, 100) if os.environ.get("SPECDEC_SOAK") == "full" else (8, 12)
+    new_tokens = 12
+    prompts = sorted({p for p, _ in references})
+    services = [n for n in cluster.members if n != "redis"]
+
+    def client_run(index: int, requests: int) -> list[str]:
+        problems = []
+        with Client(cluster.coordinators, timeout=120, retry=RetryPolicy(attempts=1)) as client:
+            for i in range(requests):
+                prompt = prompts[(index + i) % len(prompts)]
+                try:
+                    got = client.complete(prompt, max_new_tokens=new_tokens).token_ids
+                except Exception as exc:  # noqa: BLE001 - every failure is reported
+                    problems.append(f"{prompt}: {exc}")
+                    continue
+                if got != references[(prompt, False)][:new_tokens]:
+                    problems.append(f"{prompt}: wrong tokens")
+        return problems
+
+    def wave(requests: int) -> list[str]:
+        with ThreadPoolExecutor(clients) as pool:
+            return [p for problems in pool.map(lambda i: client_run(i, requests), range(clients)) for p in problems]
+
+    assert wave(2) == []  # warm-up: every process has seen the full load once
+    before = {n: cluster.rss_bytes(n) for n in services}
+    t0 = time.monotonic()
+    problems = wave(per_client)
+    seconds = time.monotonic() - t0
+    after = {n: cluster.rss_bytes(n) for n in services}
+    growth = {n: round(after[n] / before[n] - 1, 3) for n in services}
+    deadline = time.monotonic() + 60
+    held = {}
+    while time.monotonic() < deadline:
+        held = {n: cluster.metric(n, "specdec:active_sessions") for n in services if not n.startswith("coord")}
+        if not any(held.values()):
+            break
+        time.sleep(1)
+    _report["soak"] = {
+        "clients": clients, "requests": clients * per_client, "errors": len(problems), "seconds": round(seconds, 1),
+        "rss_mb_before": {n: round(v / 2**20, 1) for n, v in before.items()},
+        "rss_mb_after": {n: round(v / 2**20, 1) for n, v in after.items()},
+        "caches_held_after_expiry": held,
+    }
+    print("soak", _report["soak"])
+    assert problems == []
+    assert all(g <= 0.10 for g in growth.values()), growth
+    assert not any(held.values()), held
