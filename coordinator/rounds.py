@@ -384,12 +384,14 @@ class RoundLoop:
         with self._tracer.start_as_current_span("specdec.round") as span:
             round_t0 = time.perf_counter()
             draft, draft_ms, drafting = None, 0.0, False
-            if k > 0 and self._drafts.pick(draft_ref) is not None:
+            # Picked once per round: picking rotates among equally busy replicas.
+            replica = self._drafts.pick(draft_ref) if k > 0 else None
+            if replica is not None:
                 drafting = True
                 t0 = time.perf_counter()
                 try:
                     draft, draft_ref = await self._propose(
-                        draft_ref, committed, k, sampling, round_index, remaining_s, hidden, fence
+                        replica, draft_ref, committed, k, sampling, round_index, remaining_s, hidden, fence
                     )
                     hidden = None
                 except (BackendUnavailable, BackendRejected) as error:
@@ -444,6 +446,7 @@ class RoundLoop:
 
     async def _propose(
         self,
+        draft: DraftReplica,
         ref: CacheRef | None,
         committed: list[int],
         k: int,
@@ -453,8 +456,7 @@ class RoundLoop:
         hidden: HiddenStates | None,
         fence: int,
     ) -> tuple[DraftResult, CacheRef]:
-        """Asks the session's draft replica for k tokens, prefilling it first if it lost the cache."""
-        draft = self._drafts.pick(ref)
+        """Asks ``draft`` for k tokens, prefilling it first if it lacks the session's cache."""
         if ref is not None and ref.address == draft.address:
             try:
                 result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden)

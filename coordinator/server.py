@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable
 
 import grpc
-from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from coordinator.admission import Admission, Overloaded
@@ -20,7 +18,14 @@ from specdec.config import MAX_K, CoordinatorConfig
 from specdec.config import FEATURE_KIND
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
 from specdec.models import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
-from specdec.rpc import RunningServer, channel_credentials, serve_forever, start_server, wait_ready
+from specdec.rpc import (
+    RunningServer,
+    channel_credentials,
+    lenient_service,
+    serve_forever,
+    start_server,
+    wait_ready,
+)
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.metadata import CLIENT_METADATA, RETRY_AFTER_METADATA
 
@@ -28,23 +33,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 # Retry hint sent with a replica's RESOURCE_EXHAUSTED (its KV budget is full of running sessions).
 _BACKEND_RETRY_MS = 1000
-
-
-class Undecodable:
-    """Stands in for a request whose bytes did not parse, so the handler can answer INVALID_ARGUMENT."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-
-def _lenient(message_type) -> Callable[[bytes], object]:
-    def parse(data: bytes):
-        try:
-            return message_type.FromString(data)
-        except (DecodeError, RuntimeError, ValueError) as exc:
-            return Undecodable(str(exc) or "malformed protobuf")
-
-    return parse
 
 
 def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> GenerationRequest:
@@ -179,8 +167,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._admission = admission
 
     async def _chunks(self, request, context):
-        if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: could not parse: {request.error}")
         try:
             core_request = validate(request, self._max_context)
             async with self._admission.slot(client_of(context)):
@@ -210,24 +196,6 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
                 reply.finish_reason = chunk.finish_reason
                 reply.stats.CopyFrom(_stats_pb(chunk.stats))
         return reply
-
-
-def _register(servicer: CoordinatorServicer) -> Callable[[grpc.aio.Server], None]:
-    """Registers the servicer with lenient request parsing (garbled bytes get INVALID_ARGUMENT, not INTERNAL)."""
-    request_type = coordinator_pb2.GenerateRequest
-
-    def register(server: grpc.aio.Server) -> None:
-        handlers = {
-            "Generate": grpc.unary_stream_rpc_method_handler(
-                servicer.Generate, _lenient(request_type), coordinator_pb2.GenerateChunk.SerializeToString
-            ),
-            "Complete": grpc.unary_unary_rpc_method_handler(
-                servicer.Complete, _lenient(request_type), coordinator_pb2.CompleteReply.SerializeToString
-            ),
-        }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
-
-    return register
 
 
 class IncompatibleReplicas(RuntimeError):
@@ -267,14 +235,15 @@ async def start_coordinator(
     target_facts, draft_facts = await check_replicas(
         tokenizer_fingerprint(tokenizer), drafts, targets, config.startup_timeout_s, credentials
     )
-    store = store or open_store(config.redis_url, config.session_ttl_s)
+    store = store or open_store(config.redis_url, config.session_ttl_s, config.redis_password, config.redis_ca)
     await store.ping()
     want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
     loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k, config.max_auto_k,
                      want_hidden=want_hidden, metrics=metrics, draft_colocated=config.draft_colocated)
     servicer = CoordinatorServicer(loop, target_facts.max_context, Admission(config.admission))
     interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []
-    running = await start_server(config.server, _register(servicer), (SERVICE_NAME,), interceptors)
+    service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
+    running = await start_server(config.server, lenient_service(servicer, service), (SERVICE_NAME,), interceptors)
     await running.set_serving()
     return running, loop
 

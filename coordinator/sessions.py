@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 import redis.asyncio as aioredis
@@ -128,12 +129,15 @@ class RedisSessionStore:
     restart), then raise StoreUnavailable.
     """
 
-    def __init__(self, url: str, ttl_s: int, prefix: str = "specdec:session:", retry_s: float = 3.0) -> None:
+    def __init__(self, url: str, ttl_s: int, prefix: str = "specdec:session:", retry_s: float = 3.0,
+                 password: str | None = None, ca: Path | None = None) -> None:
         retries = max(1, int(retry_s / 0.5))
+        tls = {"ssl_ca_certs": str(ca)} if ca is not None and url.startswith("rediss://") else {}
+        auth = {"password": password} if password else {}
         self._redis = aioredis.from_url(
             url, socket_timeout=5.0, socket_connect_timeout=2.0,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            retry_on_error=[RedisConnectionError, RedisTimeoutError], **tls, **auth,
         )
         self._ttl_s = ttl_s
         self._prefix = prefix
@@ -209,8 +213,10 @@ class MemorySessionStore:
         self._records.clear()
 
 
-def open_store(url: str, ttl_s: int) -> RedisSessionStore | MemorySessionStore:
-    """A store for ``redis://...`` (or ``rediss://``) URLs, or ``memory://`` for tests."""
+def open_store(
+    url: str, ttl_s: int, password: str | None = None, ca: Path | None = None
+) -> RedisSessionStore | MemorySessionStore:
+    """A store for ``redis://...`` (or ``rediss://``, trusting ``ca``) URLs, or ``memory://`` for tests."""
     if url.startswith("memory://"):
         return MemorySessionStore(ttl_s)
-    return RedisSessionStore(url, ttl_s)
+    return RedisSessionStore(url, ttl_s, password=password, ca=ca)

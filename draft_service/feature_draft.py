@@ -36,8 +36,7 @@ from draft_service.token_draft import (
     read_card,
     save_draft_weights,
 )
-from specdec.errors import CacheBehind
-from specdec.kvcache import GrowableCache, common_prefix_len, newest_fence
+from specdec.kvcache import GrowableCache, check_sync, common_prefix_len
 from specdec.config import FEATURE_KIND
 from specdec.ragged import RaggedLayout, ragged_decoder_layer
 
@@ -210,9 +209,7 @@ class FeatureSession:
     def sync(self, start: int, new_tokens: list[int], fence: int = 0) -> None:
         """Crops to ``start`` committed tokens and appends ``new_tokens`` (see ``CacheSync``); refuses a
         caller with an older fencing token than seen."""
-        self.fence = newest_fence(self.fence, fence)
-        if start > len(self.committed):
-            raise CacheBehind(f"cache holds {len(self.committed)} committed tokens, caller expected at least {start}")
+        self.fence = check_sync(self.fence, len(self.committed), start, len(new_tokens), fence)
         old = self.committed
         self.committed = old[:start] + list(new_tokens)
         # The feature at position i depends on tokens 0..i; the pair at i also on token i + 1.

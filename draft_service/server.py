@@ -27,7 +27,7 @@ from specdec.models import (
 )
 from specdec.packed_linear import pack_linears
 from specdec.batching import PassBatcher
-from specdec.rpc import RunningServer, guarded, serve_forever, start_server
+from specdec.rpc import RunningServer, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.wire import hidden_from_pb, sampling_from_pb
@@ -131,7 +131,8 @@ async def start_draft(config: DraftConfig, engine: DraftEngine, tracer: trace.Tr
     """Starts the draft gRPC server over a ready drafter and reports it ready."""
     servicer = DraftServicer(engine, tracer)
     running = await start_server(
-        config.server, lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s), (SERVICE_NAME,)
+        config.server, lenient_service(servicer, draft_pb2.DESCRIPTOR.services_by_name["DraftService"]),
+        (SERVICE_NAME,),
     )
     servicer.sweep_idle_caches(config.model.cache_idle_s)
     await running.set_serving()

@@ -102,6 +102,8 @@ def _coordinator_config(args) -> CoordinatorConfig:
         target_addresses=tuple(args.target),
         tokenizer=ModelConfig(model=args.tokenizer, cache_dir=args.cache_dir),
         redis_url=args.redis_url,
+        redis_password=os.environ.get("SPECDEC_REDIS_PASSWORD") or None,
+        redis_ca=args.redis_ca,
         session_ttl_s=args.session_ttl,
         default_k=args.default_k,
         max_auto_k=args.max_auto_k,
@@ -164,7 +166,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", action="append", default=[], help="draft replica host:port (repeatable)")
     p.add_argument("--target", action="append", default=[], help="target replica host:port (repeatable)")
     p.add_argument("--tokenizer", default=_env("TARGET_MODEL", "default"), help="model whose tokenizer to use")
-    p.add_argument("--redis-url", default=_env("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    p.add_argument("--redis-url", default=_env("REDIS_URL", "redis://127.0.0.1:6379/0"),
+                   help="session store; rediss:// for TLS (env SPECDEC_REDIS_URL). The password comes from env "
+                        "SPECDEC_REDIS_PASSWORD, never a flag")
+    p.add_argument("--redis-ca", type=Path, default=_path_env("REDIS_CA"),
+                   help="PEM CA bundle of a rediss:// server's certificate (env SPECDEC_REDIS_CA)")
     p.add_argument("--session-ttl", type=int, default=3600, help="seconds an idle session lives")
     p.add_argument("--default-k", type=_k_arg, default=None, help="draft length when a request sets none: N or auto")
     p.add_argument("--max-auto-k", type=int, default=8, help="largest k the adaptive choice tries")

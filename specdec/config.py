@@ -146,8 +146,12 @@ class CoordinatorConfig:
     target_addresses: tuple[str, ...] = ()
     # Model whose tokenizer renders prompts and decodes output; must match the target's.
     tokenizer: ModelConfig = ModelConfig()
-    # Session records; "memory://" keeps them in process (tests only).
+    # Session records; "memory://" keeps them in process (tests only), "rediss://" speaks TLS.
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Redis AUTH password, kept out of the URL (and so out of process listings); None: none or in the URL.
+    redis_password: str | None = field(default=None, repr=False)
+    # PEM CA bundle a rediss:// server's certificate chains to; None: the system's.
+    redis_ca: Path | None = None
     # Idle sessions expire after this many seconds.
     session_ttl_s: int = 3600
     # Draft length when a request does not choose one; None picks k each round (coordinator.adaptive).

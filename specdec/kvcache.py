@@ -104,12 +104,20 @@ class HiddenRows:
     rows: torch.Tensor
 
 
-def newest_fence(held: int, shown: int) -> int:
-    """The fencing token a cache keeps after a call showed ``shown``; a token older than the ``held``
-    one raises StaleFence, before the call changes anything."""
-    if shown < held:
-        raise StaleFence(f"fencing token {shown} is older than this cache's {held}: a newer turn owns the session")
-    return shown
+def check_sync(held_fence: int, committed: int, start: int, new: int, fence: int) -> int:
+    """Checks a sync against a cache holding ``committed`` tokens and fencing token ``held_fence``
+    before it changes anything; returns the fencing token the cache keeps.
+
+    A caller with an older token is stale (StaleFence); one expecting more tokens than the cache holds
+    must prefill again (CacheBehind); a sync may not leave the cache without a committed token.
+    """
+    if fence < held_fence:
+        raise StaleFence(f"fencing token {fence} is older than this cache's {held_fence}: a newer turn owns the session")
+    if start > committed:
+        raise CacheBehind(f"cache holds {committed} committed tokens, caller expected at least {start}")
+    if start + new == 0:
+        raise ValueError("sync: the cache must keep at least one committed token")
+    return fence
 
 
 @dataclass
@@ -127,11 +135,7 @@ class SessionCache:
 
         A caller whose ``fence`` is below the highest seen is refused before anything changes.
         """
-        self.fence = newest_fence(self.fence, fence)
-        if start > len(self.committed):
-            raise CacheBehind(
-                f"cache holds {len(self.committed)} committed tokens, caller expected at least {start}"
-            )
+        self.fence = check_sync(self.fence, len(self.committed), start, len(new_tokens), fence)
         self.committed = self.committed[:start] + list(new_tokens)
         self.trim()
 

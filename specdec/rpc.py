@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
+from google.protobuf import message_factory
+from google.protobuf.descriptor import ServiceDescriptor
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
@@ -136,6 +139,69 @@ class RunningServer:
         """Graceful stop: health goes NOT_SERVING, in-flight calls get ``grace_s`` to finish."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes did not parse, so the call can be answered INVALID_ARGUMENT."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _lenient(message_type) -> Callable[[bytes], object]:
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except (DecodeError, RuntimeError, ValueError) as exc:
+            return _Undecodable(str(exc) or "malformed protobuf")
+
+    return parse
+
+
+async def _refuse(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: could not parse: {request.error}")
+
+
+def _guarded_unary(method):
+    async def handle(request, context):
+        if isinstance(request, _Undecodable):
+            await _refuse(request, context)
+        return await method(request, context)
+
+    return handle
+
+
+def _guarded_stream(method):
+    async def handle(request, context):
+        if isinstance(request, _Undecodable):
+            await _refuse(request, context)
+        async for reply in method(request, context):
+            yield reply
+
+    return handle
+
+
+def lenient_service(servicer: object, service: ServiceDescriptor) -> Callable[[grpc.aio.Server], None]:
+    """Registers ``servicer``'s implementation of every method of ``service`` so that request bytes
+    that do not parse get INVALID_ARGUMENT; gRPC's own parsing would answer INTERNAL."""
+    handlers = {}
+    for method in service.methods:
+        request_type = message_factory.GetMessageClass(method.input_type)
+        serialize = message_factory.GetMessageClass(method.output_type).SerializeToString
+        implementation = getattr(servicer, method.name)
+        if method.server_streaming:
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _guarded_stream(implementation), _lenient(request_type), serialize
+            )
+        else:
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                _guarded_unary(implementation), _lenient(request_type), serialize
+            )
+
+    def register(server: grpc.aio.Server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+
+    return register
 
 
 async def start_server(

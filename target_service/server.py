@@ -11,7 +11,7 @@ from specdec.cache_servicer import CacheServicer
 from specdec.config import TargetConfig
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.models import load_model
-from specdec.rpc import RunningServer, call_core, guarded, serve_forever, start_server
+from specdec.rpc import RunningServer, call_core, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import hidden_to_pb, pass_load_to_pb, sampling_from_pb
@@ -75,7 +75,8 @@ async def start_target(config: TargetConfig, engine: TargetEngine, tracer: trace
     """Starts the target gRPC server over a loaded engine and reports it ready."""
     servicer = TargetServicer(engine, tracer, config.max_batch_rows)
     running = await start_server(
-        config.server, lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s), (SERVICE_NAME,)
+        config.server, lenient_service(servicer, target_pb2.DESCRIPTOR.services_by_name["TargetService"]),
+        (SERVICE_NAME,),
     )
     servicer.sweep_idle_caches(config.model.cache_idle_s)
     await running.set_serving()

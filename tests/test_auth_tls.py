@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,11 +24,13 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator.auth import ApiKeyInterceptor, hash_key, parse_key_entries, read_api_key_hashes
 from coordinator.server import SERVICE_NAME
+from coordinator.sessions import StoreUnavailable, open_store
 from draft_service.engine import ModelDrafter
 from harness import InProcessStack
 from specdec import AsyncClient, Client, SpecdecError, TlsClientConfig, Unauthenticated, Unavailable
 from specdec.cli import _coordinator_config, _parser
 from specdec.config import ServerConfig
+from specdec.stack import Process, free_port, redis_argv
 from target_service.engine import TargetEngine
 
 KEY = "sk-test-3f9c1b7e-right-key"
@@ -260,3 +265,42 @@ def test_full_stack_over_tls_with_mutual_tls_hops(secure, certs, tiny_target):
 def test_coordinator_without_client_certificate_cannot_reach_services(secure, certs):
     with pytest.raises(TimeoutError, match="UNAVAILABLE"):
         secure.add_coordinator(backend_tls=TlsClientConfig(ca=certs.ca_cert), startup_timeout_s=2.0)
+
+
+def test_redis_password_from_the_environment(tmp_path, monkeypatch):
+    """A Redis that requires AUTH: the password comes from SPECDEC_REDIS_PASSWORD (never a flag), and
+    a coordinator without it cannot reach its session store."""
+    port = free_port()
+    proc = Process("redis-auth", [*redis_argv(port), "--requirepass", "s3cret"], tmp_path, dict(os.environ))
+    try:
+        wait_for_port(port)
+        monkeypatch.setenv("SPECDEC_REDIS_PASSWORD", "s3cret")
+        config = _coordinator_config(_parser().parse_args(
+            ["serve-coordinator", "--redis-url", f"redis://127.0.0.1:{port}/0", "--draft", "d:1", "--target", "t:1"]
+        ))
+        assert "s3cret" not in repr(config)
+
+        async def ping(password):
+            store = open_store(config.redis_url, 60, password)
+            try:
+                await store.ping()
+            finally:
+                await store.close()
+
+        asyncio.run(ping(config.redis_password))
+        with pytest.raises(StoreUnavailable):
+            asyncio.run(ping(None))
+    finally:
+        proc.stop()
+
+
+def wait_for_port(port: int, timeout_s: float = 20.0) -> None:
+    """Waits until something listens on loopback ``port``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline, f"nothing listens on {port}"
+            time.sleep(0.05)

@@ -54,7 +54,6 @@ def stack(tiny_target, tiny_draft, tiny_dir, redis_url):
     s.start()
     yield s
     s.close()
-    assert sum(_sent.values()) >= 10_000, _sent
 
 
 def _call(channel: grpc.Channel, method: str, request: bytes, what: str) -> grpc.StatusCode:
@@ -199,6 +198,8 @@ def test_raw_bytes_on_the_wire(stack):
 
 def test_every_service_still_serves_and_answers_right(stack, tiny_target):
     """Runs after the fuzzing above: nothing died, health is SERVING, answers are still exact."""
+    if len(_sent) == 4:  # every fuzz test above ran
+        assert sum(_sent.values()) >= 10_000, _sent
     for address in (stack.address, stack.target_address, stack.draft_address):
         with grpc.insecure_channel(address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
