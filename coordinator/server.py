@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable
 
 import grpc
 from opentelemetry import trace
@@ -198,6 +199,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         return reply
 
 
+def register(servicer: CoordinatorServicer) -> Callable[[grpc.aio.Server], None]:
+    """Adds the coordinator service to a server, with lenient request parsing (garbled bytes get
+    INVALID_ARGUMENT, not INTERNAL)."""
+    return lenient_service(servicer, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
+
+
 class IncompatibleReplicas(RuntimeError):
     """A replica serves a model whose tokenizer differs from the coordinator's."""
 
@@ -242,8 +249,7 @@ async def start_coordinator(
                      want_hidden=want_hidden, metrics=metrics, draft_colocated=config.draft_colocated)
     servicer = CoordinatorServicer(loop, target_facts.max_context, Admission(config.admission))
     interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []
-    service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
-    running = await start_server(config.server, lenient_service(servicer, service), (SERVICE_NAME,), interceptors)
+    running = await start_server(config.server, register(servicer), (SERVICE_NAME,), interceptors)
     await running.set_serving()
     return running, loop
 

@@ -10,7 +10,7 @@ import pytest
 
 from coordinator.admission import Admission, Overloaded
 from coordinator.rounds import Chunk, Stats
-from coordinator.server import SERVICE_NAME, CoordinatorServicer, _register
+from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
 from specdec import Client
 from specdec.client import ResourceExhausted
 from specdec.config import AdmissionLimits, ServerConfig
@@ -117,7 +117,7 @@ def test_a_full_coordinator_answers_resource_exhausted_with_a_retry_hint():
     held = _HeldLoop(loop)
     servicer = CoordinatorServicer(held, 256, Admission(AdmissionLimits(max_active=1, max_queued=0)))
     running = asyncio.run_coroutine_threadsafe(
-        start_server(ServerConfig(), _register(servicer), (SERVICE_NAME,)), loop
+        start_server(ServerConfig(), register(servicer), (SERVICE_NAME,)), loop
     ).result(10)
     try:
         with Client(f"127.0.0.1:{running.port}", timeout=30) as client, ThreadPoolExecutor(1) as pool:
