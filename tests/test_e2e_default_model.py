@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 
 from coordinator.prompts import render_chat
+from draft_service.engine import ModelDrafter, NgramDrafter
+from harness import InProcessStack
 from specdec import Client
 from specdec.stack import LocalStack, StackConfig
+from target_service.engine import TargetEngine
 
 pytestmark = pytest.mark.slow
 NEW_TOKENS = 64
@@ -108,18 +112,30 @@ def test_chat_session_continues(stack, default_model):
     assert second.token_ids == gen[0, len(ids) :].tolist()
 
 
-def test_ngram_draft_real_model(references, tmp_path):
-    config = StackConfig(draft_kind="ngram", default_k=4, target_threads=1, draft_threads=1)
-    with LocalStack(config, log_dir=tmp_path) as s, Client(s.address, timeout=300) as client:
-        for prompt, (_, expected) in list(zip(PROMPTS, references))[:2]:
-            result = client.complete(prompt, max_new_tokens=NEW_TOKENS)
-            assert result.token_ids == expected
+def in_process(default_model, drafter, redis_url) -> InProcessStack:
+    """The real target and ``drafter`` over real gRPC in this process (no second load of the model)."""
+    # "default" names the embedded model, so the coordinator loads its tokenizer from the same cache.
+    return InProcessStack(TargetEngine(default_model, 8), drafter, Path("default"), redis_url).start(default_k=4)
 
 
-def test_draft_equal_to_target_real_model(tmp_path):
+def test_ngram_draft_real_model(references, default_model, redis_url):
+    s = in_process(default_model, NgramDrafter(default_model.facts("ngram"), 8, 3, 1), redis_url)
+    try:
+        with Client(s.address, timeout=300) as client:
+            for prompt, (_, expected) in list(zip(PROMPTS, references))[:2]:
+                result = client.complete(prompt, max_new_tokens=NEW_TOKENS)
+                assert result.token_ids == expected
+    finally:
+        s.close()
+
+
+def test_draft_equal_to_target_real_model(default_model, redis_url):
     k = 3
-    config = StackConfig(draft_kind="model", draft_model="default", default_k=k, target_threads=1, draft_threads=1)
-    with LocalStack(config, log_dir=tmp_path) as s, Client(s.address, timeout=300) as client:
-        result = client.complete(PROMPTS[0], max_new_tokens=4 * (k + 1))
+    s = in_process(default_model, ModelDrafter(default_model, 8, 64), redis_url)
+    try:
+        with Client(s.address, timeout=300) as client:
+            result = client.complete(PROMPTS[0], max_new_tokens=4 * (k + 1), k=k)
+    finally:
+        s.close()
     assert result.stats.acceptance_rate == 1.0
     assert result.stats.mean_accepted_length == k + 1

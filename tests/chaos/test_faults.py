@@ -50,6 +50,8 @@ def references(cluster) -> dict[tuple[str, bool], list[int]]:
             if len(greedy) >= MAX_NEW // 2:
                 out[(prompt, False)] = greedy
                 out[(prompt, True)] = client.complete(prompt, max_new_tokens=MAX_NEW, **SAMPLED).token_ids
+            if len(out) == 2 * (STREAMS + 2):
+                break
     assert len(out) >= 2 * STREAMS, "too few tiny prompts run long enough to inject a fault mid-stream"
     return out
 
@@ -159,11 +161,11 @@ def test_sigterm_drains_in_flight_streams(cluster, references):
 
 def test_rolling_restart_under_load_fails_nothing(cluster, references):
     def roll():
-        for name in ("coordinator0", "coordinator1", "target0", "target1"):
+        for name in ("coordinator0", "coordinator1", "target0"):
             cluster.restart(name)
 
     # SIGTERM and a fresh start, one process at a time, while clients keep sending requests.
-    _run_with_fault("rolling restart (coordinators, targets)", cluster, references, roll, keep_streaming=True)
+    _run_with_fault("rolling restart (both coordinators, a target)", cluster, references, roll, keep_streaming=True)
     for name in cluster.members:
         assert cluster.alive(name), cluster.log_tail(name)
 
@@ -214,7 +216,8 @@ def test_soak_no_errors_flat_memory_caches_released(cluster, references):
         with ThreadPoolExecutor(clients) as pool:
             return [p for problems in pool.map(lambda i: client_run(i, requests), range(clients)) for p in problems]
 
-    assert wave(10) == []  # warm-up: every process has met the full load long enough for its heap to settle
+    # Warm-up: every process meets the full load long enough for its heap to settle.
+    assert wave(10 if clients == 32 else 4) == []
     before = {n: cluster.rss_bytes(n) for n in services}
     t0 = time.monotonic()
     problems = wave(per_client)
