@@ -56,6 +56,10 @@ class SessionNotFound(LookupError):
     """The request named a session that does not exist or has expired."""
 
 
+class TooManySessions(RuntimeError):
+    """The client already keeps as many live sessions as it may."""
+
+
 class TurnMismatch(RuntimeError):
     """A resume named a session that is not running the resumed request."""
 
@@ -87,6 +91,8 @@ class GenerationRequest:
     resume: Resume | None = None
     # Digest of the request minus its session and resume fields: names the turn a resume continues.
     fingerprint: str = ""
+    # Who sent it (see coordinator.server.client_of); counts against its session limit.
+    client: str = ""
 
 
 @dataclass
@@ -160,6 +166,7 @@ class RoundLoop:
         draft_retry_s: float = 5.0,
         metrics: CoordinatorMetrics | None = None,
         draft_colocated: bool = False,
+        max_sessions_per_client: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._facts = target_facts
@@ -182,6 +189,7 @@ class RoundLoop:
         self._target_load: dict[str, tuple[float, PassLoad]] = {}
         # Whether the targets report their passes (a target that does not batch reports none).
         self._batching_targets = True
+        self._max_sessions_per_client = max_sessions_per_client
 
     async def _load_session(self, session_id: str | None) -> SessionRecord:
         if not session_id:
@@ -197,6 +205,7 @@ class RoundLoop:
         record = await self._load_session(request.session_id)
         if request.resume is not None:
             if record.turn is not None and record.turn.fingerprint == request.fingerprint:
+                await self._claim(request, record)
                 await self._take_lease(record)
                 return record, True
             if request.resume.tokens or request.resume.text_chars:
@@ -215,8 +224,18 @@ class RoundLoop:
         record.tokens = list(turn.tokens)
         seed = request.seed if request.seed is not None else secrets.randbits(63)
         record.turn = TurnState(request.fingerprint, len(turn.tokens), seed, turn.messages)
+        await self._claim(request, record)
         await self._take_lease(record)
         return record, False
+
+    async def _claim(self, request: GenerationRequest, record: SessionRecord) -> None:
+        """Counts the session among its client's live ones, refusing one past the client's limit."""
+        limit = self._max_sessions_per_client
+        if limit and request.client and not await self._store.claim(request.client, record.session_id, limit):
+            raise TooManySessions(
+                f"session_id: this client already keeps {limit} live sessions; continue one of them or wait "
+                "for one to expire"
+            )
 
     async def _take_lease(self, record: SessionRecord) -> None:
         """Takes a fencing token newer than any earlier turn's, for the record and its caches: from

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from dataclasses import replace
 from collections.abc import Callable
 
 import grpc
@@ -13,7 +14,16 @@ from opentelemetry import trace
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor
 from coordinator.backends import BackendRejected, BackendUnavailable, DraftReplica, Fenced, TargetReplica
-from coordinator.rounds import Chunk, GenerationRequest, Resume, RoundLoop, SessionNotFound, Stats, TurnMismatch
+from coordinator.rounds import (
+    Chunk,
+    GenerationRequest,
+    Resume,
+    RoundLoop,
+    SessionNotFound,
+    Stats,
+    TooManySessions,
+    TurnMismatch,
+)
 from coordinator.sessions import SessionStore, StoreUnavailable, open_store
 from specdec.config import MAX_K, CoordinatorConfig
 from specdec.config import FEATURE_KIND
@@ -136,6 +146,8 @@ def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.ABORTED, str(exc)
     if isinstance(exc, StoreUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, TooManySessions):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, BackendUnavailable):
@@ -169,8 +181,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _chunks(self, request, context):
         try:
-            core_request = validate(request, self._max_context)
-            async with self._admission.slot(client_of(context)):
+            client = client_of(context)
+            core_request = replace(validate(request, self._max_context), client=client)
+            async with self._admission.slot(client):
                 async for chunk in self._loop.generate(core_request, context.time_remaining):
                     yield chunk
         except Overloaded as exc:
@@ -178,7 +191,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Exception as exc:  # noqa: BLE001 - every failure must reach the client as a status
             code, detail = _status(exc)
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if isinstance(exc, BackendRejected) and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 # A replica's KV budget is held by running sessions: one finishes within seconds.
                 context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(_BACKEND_RETRY_MS)),))
             await context.abort(code, detail)
@@ -246,7 +259,8 @@ async def start_coordinator(
     await store.ping()
     want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
     loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k, config.max_auto_k,
-                     want_hidden=want_hidden, metrics=metrics, draft_colocated=config.draft_colocated)
+                     want_hidden=want_hidden, metrics=metrics, draft_colocated=config.draft_colocated,
+                     max_sessions_per_client=config.admission.max_sessions_per_client)
     servicer = CoordinatorServicer(loop, target_facts.max_context, Admission(config.admission))
     interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []
     running = await start_server(config.server, register(servicer), (SERVICE_NAME,), interceptors)

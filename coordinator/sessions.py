@@ -101,6 +101,10 @@ class SessionStore(Protocol):
         """A fencing token newer than every earlier one of this session: the caller's turn now
         holds the session, and older turns' writes are refused."""
 
+    async def claim(self, client: str, session_id: str, limit: int) -> bool:
+        """Counts ``session_id`` among ``client``'s live sessions (those used within the TTL) unless
+        that would make more than ``limit``; returns whether it is counted."""
+
     async def delete(self, session_id: str) -> None:
         """Forgets a session."""
 
@@ -118,6 +122,19 @@ local latest = tonumber(redis.call('GET', KEYS[2]) or '0')
 if latest > tonumber(ARGV[2]) then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
 if latest > 0 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
+return 1
+"""
+
+
+# KEYS: the client's sorted set of sessions (score: expiry time); ARGV: session id, now, expiry,
+# limit, TTL. Expired members go first; a member already counted is refreshed.
+_CLAIM = """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
+if not redis.call('ZSCORE', KEYS[1], ARGV[1]) and redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then
+  return 0
+end
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[5])
 return 1
 """
 
@@ -142,6 +159,7 @@ class RedisSessionStore:
         self._ttl_s = ttl_s
         self._prefix = prefix
         self._fenced_set = self._redis.register_script(_FENCED_SET)
+        self._claim = self._redis.register_script(_CLAIM)
 
     async def _do(self, command):
         try:
@@ -165,6 +183,12 @@ class RedisSessionStore:
             fence, _ = await self._do(pipe.incr(key).expire(key, self._ttl_s).execute())
         return int(fence)
 
+    async def claim(self, client: str, session_id: str, limit: int) -> bool:
+        now = time.time()
+        key = self._prefix.replace("session:", "client:") + client
+        args = [session_id, now, now + self._ttl_s, limit, self._ttl_s]
+        return bool(await self._do(self._claim(keys=[key], args=args)))
+
     async def delete(self, session_id: str) -> None:
         await self._do(self._redis.delete(self._prefix + session_id, self._prefix + session_id + ":fence"))
 
@@ -183,6 +207,7 @@ class MemorySessionStore:
         self._ttl_s = ttl_s
         self._records: dict[str, tuple[float, str]] = {}
         self._fences: dict[str, int] = {}
+        self._clients: dict[str, dict[str, float]] = {}
 
     async def get(self, session_id: str) -> SessionRecord | None:
         entry = self._records.get(session_id)
@@ -201,6 +226,16 @@ class MemorySessionStore:
     async def take_fence(self, session_id: str) -> int:
         self._fences[session_id] = self._fences.get(session_id, 0) + 1
         return self._fences[session_id]
+
+    async def claim(self, client: str, session_id: str, limit: int) -> bool:
+        now = time.monotonic()
+        live = {s: t for s, t in self._clients.get(client, {}).items() if t > now}
+        if session_id not in live and len(live) >= limit:
+            self._clients[client] = live
+            return False
+        live[session_id] = now + self._ttl_s
+        self._clients[client] = live
+        return True
 
     async def delete(self, session_id: str) -> None:
         self._records.pop(session_id, None)

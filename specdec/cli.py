@@ -110,7 +110,8 @@ def _coordinator_config(args) -> CoordinatorConfig:
         rpc_timeout_s=args.rpc_timeout,
         api_key_hashes=api_key_hashes,
         backend_tls=_client_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
-        admission=AdmissionLimits(args.max_active, args.max_queued, args.max_per_client),
+        admission=AdmissionLimits(args.max_active, args.max_queued, args.max_per_client,
+                                  args.max_sessions_per_client),
         draft_colocated=args.draft_colocated,
     )
 
@@ -180,6 +181,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="requests waiting for a slot; past it requests get RESOURCE_EXHAUSTED with a retry hint")
     p.add_argument("--max-per-client", type=int, default=0,
                    help="requests one client may hold, running or waiting (0: no limit)")
+    p.add_argument("--max-sessions-per-client", type=int, default=0,
+                   help="sessions one client may keep alive at once; a new one past it gets RESOURCE_EXHAUSTED "
+                        "(0: no limit)")
     p.add_argument("--draft-colocated", action="store_true",
                    help="draft and target share one machine's cores: under load, drafting also slows the target")
     p.add_argument("--api-keys-file", type=Path, default=_path_env("API_KEYS_FILE"),

@@ -129,11 +129,13 @@ class DraftConfig:
 
 @dataclass(frozen=True)
 class AdmissionLimits:
-    """How many requests may run at once, wait behind them, and be held by one client (0: no limit)."""
+    """How many requests may run at once, wait behind them, and be held by one client, and how many
+    live sessions one client may have (0: no limit)."""
 
     max_active: int = 32
     max_queued: int = 128
     max_per_client: int = 0
+    max_sessions_per_client: int = 0
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,10 +12,14 @@ import pytest
 from coordinator.admission import Admission, Overloaded
 from coordinator.rounds import Chunk, Stats
 from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
+from coordinator.sessions import MemorySessionStore, RedisSessionStore
+from draft_service.engine import ModelDrafter
+from harness import InProcessStack
 from specdec import Client
 from specdec.client import ResourceExhausted
 from specdec.config import AdmissionLimits, ServerConfig
 from specdec.rpc import start_server
+from target_service.engine import TargetEngine
 
 
 def test_slots_bound_the_running_requests_and_the_queue():
@@ -132,3 +137,36 @@ def test_a_full_coordinator_answers_resource_exhausted_with_a_retry_hint():
     finally:
         asyncio.run_coroutine_threadsafe(running.stop(0), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_a_client_keeps_at_most_its_share_of_live_sessions(kind, redis_url):
+    async def scenario():
+        store = MemorySessionStore(60) if kind == "memory" else RedisSessionStore(redis_url, 60)
+        try:
+            client = f"id:c-{kind}-{time.time()}"
+            assert await store.claim(client, "s1", 2) and await store.claim(client, "s2", 2)
+            assert not await store.claim(client, "s3", 2)
+            assert await store.claim(client, "s1", 2)  # a session already counted goes on
+            assert await store.claim(f"{client}-other", "s3", 2)  # limits are per client
+        finally:
+            await store.close()
+
+    asyncio.run(scenario())
+
+
+def test_sessions_per_client_over_grpc(tiny_target, tiny_draft, tiny_dir, redis_url):
+    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
+                           redis_url)
+    stack.start(admission=AdmissionLimits(max_sessions_per_client=2))
+    try:
+        with Client(stack.address, timeout=30, client_id=f"sessions-{time.time()}") as client:
+            first = client.complete("w1 w2", max_new_tokens=2)
+            client.complete("w3 w4", max_new_tokens=2)
+            with pytest.raises(ResourceExhausted, match="live sessions"):
+                client.complete("w5 w6", max_new_tokens=2)
+            assert client.complete("w7", max_new_tokens=2, session_id=first.session_id).session_id == first.session_id
+        with Client(stack.address, timeout=30, client_id=f"someone-else-{time.time()}") as other:
+            assert other.complete("w1 w2", max_new_tokens=2).token_ids
+    finally:
+        stack.close()
