@@ -96,6 +96,12 @@ class InProcessStack:
                 await running.stop(0.5)
             for round_loop in self._round_loops:
                 await round_loop.close()
+            # Background tasks (the services' idle-cache sweepers) end with the stack, as asyncio.run
+            # ends them in a real process.
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
         try:
             self.run(stop_all())
