@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from coordinator.backends import Fenced
 from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable
@@ -28,8 +29,11 @@ class Checkpoints:
         self.fenced: Fenced | None = None
 
     def submit(self, record: SessionRecord) -> None:
-        """Queues a snapshot of ``record`` (copied now, so later rounds cannot change it)."""
-        self._pending = SessionRecord.from_json(record.to_json())
+        """Queues a snapshot of ``record``: its lists are copied now, so later rounds cannot change
+        what is written (cache refs are frozen and shared)."""
+        turn = record.turn and replace(record.turn, drafted=list(record.turn.drafted),
+                                       accepted=list(record.turn.accepted))
+        self._pending = replace(record, tokens=list(record.tokens), turn=turn)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())
 
@@ -48,7 +52,3 @@ class Checkpoints:
         """Waits for the write in flight, if any."""
         if self._task is not None:
             await asyncio.shield(self._task)
-
-    def cancel(self) -> None:
-        """Drops what is queued (the turn was abandoned)."""
-        self._pending = None

@@ -137,23 +137,24 @@ def _chunk_pb(chunk: Chunk) -> coordinator_pb2.GenerateChunk:
     return msg
 
 
+# The status each failure of a request maps to; anything else is a bug and surfaces as INTERNAL.
+_STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    (SessionNotFound, grpc.StatusCode.NOT_FOUND),
+    (TurnMismatch, grpc.StatusCode.FAILED_PRECONDITION),
+    (Fenced, grpc.StatusCode.ABORTED),
+    (StoreUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (TooManySessions, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (BackendUnavailable, grpc.StatusCode.UNAVAILABLE),
+)
+
+
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(exc, SessionNotFound):
-        return grpc.StatusCode.NOT_FOUND, str(exc)
-    if isinstance(exc, TurnMismatch):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, Fenced):
-        return grpc.StatusCode.ABORTED, str(exc)
-    if isinstance(exc, StoreUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    if isinstance(exc, TooManySessions):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, BackendUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, BackendRejected):
         return exc.code, str(exc)
+    code = next((code for kind, code in _STATUS_OF if isinstance(exc, kind)), None)
+    if code is not None:
+        return code, str(exc)
     log.exception("request failed unexpectedly")
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 

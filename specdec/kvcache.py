@@ -240,9 +240,8 @@ class CacheTable:
         self._caches: OrderedDict[str, SessionCache] = OrderedDict()
         self._used: dict[str, float] = {}
         self._ids = itertools.count()
-        # Caches evicted to make room, and dropped as idle, since start-up; the metrics scrape reads them.
+        # Caches evicted to make room since start-up; the metrics scrape reads it.
         self.evictions = 0
-        self.expired = 0
 
     def __len__(self) -> int:
         return len(self._caches)
@@ -279,7 +278,6 @@ class CacheTable:
         while self._caches and self._used[next(iter(self._caches))] <= cutoff:
             self._drop(next(iter(self._caches)))
             dropped += 1
-        self.expired += dropped
         return dropped
 
     def fit_budget(self, new_id: str) -> None:

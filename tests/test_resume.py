@@ -17,7 +17,7 @@ from specdec import Client
 from specdec.client import build_request
 from specdec.errors import StaleFence
 from specdec.kvcache import SessionCache
-from specdec.v1 import coordinator_pb2_grpc
+from specdec.v1 import common_pb2, coordinator_pb2_grpc, target_pb2
 from target_service.engine import TargetEngine
 
 PROMPT = "w7 w7 w8 w9 w10"
@@ -122,6 +122,26 @@ def test_a_stale_turn_is_aborted_and_the_services_refuse_it(stack, tiny_target):
         with pytest.raises(Exception, match="ABORTED"):
             for _ in stream:
                 pass
+    # Over the wire: a cache made by the turn with token 5 refuses a call with token 4, and moves on
+    # to token 6 when a newer turn shows it.
+    with grpc.insecure_channel(stack.target_address) as channel:
+        prefill = channel.unary_unary("/specdec.v1.TargetService/Prefill")
+        verify = channel.unary_unary("/specdec.v1.TargetService/Verify")
+        made = common_pb2.PrefillReply.FromString(
+            prefill(common_pb2.PrefillRequest(tokens=[3, 4, 5], fence=5).SerializeToString(), timeout=10)
+        )
+
+        def verify_with(fence: int) -> None:
+            sync = common_pb2.CacheSync(cache_id=made.cache_id, start=3, fence=fence)
+            verify(target_pb2.VerifyRequest(sync=sync).SerializeToString(), timeout=10)
+
+        with pytest.raises(grpc.RpcError) as stale:
+            verify_with(4)
+        assert stale.value.code() == grpc.StatusCode.ABORTED
+        verify_with(6)
+        with pytest.raises(grpc.RpcError) as stale:
+            verify_with(5)
+        assert stale.value.code() == grpc.StatusCode.ABORTED
     cache = SessionCache(committed=[1, 2, 3])
     cache.sync(3, [4], fence=5)
     with pytest.raises(StaleFence):
