@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from specdec.config import (
@@ -22,6 +23,7 @@ from specdec.config import (
     ModelConfig,
     ServerConfig,
     TargetConfig,
+    TensorParallelConfig,
     TlsClientConfig,
     default_draft_model,
 )
@@ -116,6 +118,18 @@ def _coordinator_config(args) -> CoordinatorConfig:
     )
 
 
+def _tensor_parallel(args) -> TensorParallelConfig:
+    """The target's tensor-parallel place: from torchrun's variables when a launcher set them, else
+    rank 0 of ``--tp`` ranks that this process starts."""
+    if "WORLD_SIZE" in os.environ:
+        return TensorParallelConfig(
+            world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ.get("RANK", "0")),
+            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(os.environ.get("MASTER_PORT", "0")),
+            backend=args.tp_backend, launched=True,
+        )
+    return TensorParallelConfig(world_size=args.tp, backend=args.tp_backend)
+
+
 def _add_cache_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget-mb", type=int, default=0,
                    help="MiB of KV cache all sessions may take; past it idle caches are evicted, and a new session "
@@ -142,6 +156,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
     p.add_argument("--max-batch-rows", type=int, default=256,
                    help="most token rows one batched verify pass feeds (all sessions together)")
+    p.add_argument("--tp", type=int, default=int(_env("TP", "1")),
+                   help="shard the target over N processes (tensor parallelism; env SPECDEC_TP); this process "
+                        "serves and starts the others unless torchrun did (RANK / WORLD_SIZE set)")
+    p.add_argument("--tp-backend", choices=("gloo", "nccl"), default="gloo",
+                   help="torch.distributed backend of the shards: gloo on CPUs, nccl on GPUs")
 
     p = sub.add_parser("serve-draft", help="run the draft service")
     _add_server(p, 50051)
@@ -247,7 +266,8 @@ def _add_stack(p: argparse.ArgumentParser) -> None:
                         "distilled EAGLE-style draft (bench: a comma-separated list, one stack each)")
     p.add_argument("--draft-model", default=_env("DRAFT_MODEL", None),
                    help="draft model or distilled draft folder (default: the one shipped for the default target)")
-    p.add_argument("--target-threads", type=int, default=2)
+    p.add_argument("--target-threads", type=int, default=2, help="torch threads of the target (of each shard)")
+    p.add_argument("--target-tp", type=int, default=1, help="processes the target is sharded over (tensor parallelism)")
     p.add_argument("--draft-threads", type=int, default=1)
     p.add_argument("--default-k", type=_k_arg, default=None, help="server's draft length: N or auto (default)")
 
@@ -263,6 +283,7 @@ def _stack_config(args, port: int, draft_kind: str | None = None):
         cache_dir=args.cache_dir,
         coordinator_port=port,
         target_threads=args.target_threads,
+        target_tp=args.target_tp,
         draft_threads=args.draft_threads,
         default_k=args.default_k,
         otlp_endpoint=args.otlp_endpoint,
@@ -457,7 +478,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve-target":
         from target_service.server import main as serve
 
-        serve(TargetConfig(server=_server(args), model=_model(args, args.model), max_batch_rows=args.max_batch_rows))
+        config = TargetConfig(server=_server(args), model=_model(args, args.model), max_batch_rows=args.max_batch_rows,
+                              tp=_tensor_parallel(args))
+        if config.tp.world_size > 1 and not config.tp.launched:
+            from target_service.tensor_parallel import free_port, launch_followers, watch_followers
+
+            config = replace(config, tp=replace(config.tp, master_port=config.tp.master_port or free_port("127.0.0.1")))
+            watch_followers(launch_followers(config.tp, argv))
+        serve(config)
     elif args.command == "serve-draft":
         from draft_service.server import main as serve
 

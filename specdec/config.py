@@ -94,6 +94,32 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class TensorParallelConfig:
+    """How one target replica is sharded over processes (``torch.distributed``, torchrun's variables).
+
+    Rank 0 serves gRPC; the other ranks hold their shards and follow rank 0's passes.
+    """
+
+    # Processes the target's attention heads and MLP are split over; 1 runs unsharded.
+    world_size: int = 1
+    # This process's place in the group.
+    rank: int = 0
+    # Rendezvous of the group (torchrun's MASTER_ADDR / MASTER_PORT); port 0: the launcher picks one.
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    # "gloo" (CPU) or "nccl" (GPUs).
+    backend: str = "gloo"
+    # True when torchrun (or another launcher) started every rank; else rank 0 starts the others.
+    launched: bool = False
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ValueError(f"tensor parallel: rank {self.rank} is outside a group of {self.world_size}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"tensor parallel: backend must be gloo or nccl, not {self.backend!r}")
+
+
+@dataclass(frozen=True)
 class TargetConfig:
     """The target service."""
 
@@ -101,6 +127,7 @@ class TargetConfig:
     model: ModelConfig = ModelConfig()
     # Most token rows one batched verify pass feeds; later arrivals wait for the next pass.
     max_batch_rows: int = 256
+    tp: TensorParallelConfig = TensorParallelConfig()
 
 
 @dataclass(frozen=True)

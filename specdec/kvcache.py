@@ -251,14 +251,22 @@ class CacheTable:
         """Most caches held at once."""
         return self._capacity
 
-    def create(self, committed: list[int], fence: int = 0) -> tuple[str, SessionCache]:
-        """Adds a cache for ``committed`` tokens (for a caller with fencing token ``fence``),
-        evicting the least recently used if full."""
+    def new_id(self) -> str:
+        """A fresh cache id."""
+        return f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+
+    def ids(self) -> set[str]:
+        """The ids of the caches held now."""
+        return set(self._caches)
+
+    def create(self, committed: list[int], fence: int = 0, cache_id: str | None = None) -> tuple[str, SessionCache]:
+        """Adds a cache for ``committed`` tokens (for a caller with fencing token ``fence``), under
+        ``cache_id`` or a fresh id, evicting the least recently used if full."""
         self.expire_idle()
         while len(self._caches) >= self._capacity:
             self._drop(next(iter(self._caches)))
             self.evictions += 1
-        cache_id = f"{uuid.uuid4().hex[:16]}-{next(self._ids)}"
+        cache_id = cache_id or self.new_id()
         cache = self._factory(committed=list(committed))
         cache.fence = fence
         self._caches[cache_id] = cache

@@ -38,6 +38,8 @@ class StackConfig:
     cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "specdec")
     coordinator_port: int = 0
     target_threads: int = 2
+    # Processes the target is sharded over (tensor parallelism); each gets target_threads threads.
+    target_tp: int = 1
     draft_threads: int = 1
     # None: the coordinator picks k each round.
     default_k: int | None = None
@@ -159,7 +161,8 @@ class LocalStack:
             self._start_redis()
             target = self._spawn(
                 "target",
-                [*exe, "serve-target", "--port", "0", "--model", c.target_model, "--threads", str(c.target_threads), *common],
+                [*exe, "serve-target", "--port", "0", "--model", c.target_model, "--threads", str(c.target_threads),
+                 "--tp", str(c.target_tp), *common],
                 c.target_threads,
                 passive=False,
             )

@@ -127,16 +127,16 @@ class TargetEngine:
             raise ValueError(f"{what}: token ids must lie in [0, {vocab})")
 
     def prefill(
-        self, tokens: list[int], with_hidden: bool = False, fence: int = 0
+        self, tokens: list[int], with_hidden: bool = False, fence: int = 0, cache_id: str | None = None
     ) -> tuple[str, int, HiddenRows | None]:
-        """Creates a session cache over ``tokens``; returns its id, committed length and, when asked,
-        the hidden states of the positions it fed."""
+        """Creates a session cache over ``tokens`` (under ``cache_id``, or a fresh id); returns its id,
+        committed length and, when asked, the hidden states of the positions it fed."""
         if not tokens:
             raise ValueError("tokens: prefill needs at least one token")
         if len(tokens) >= self._loaded.max_context:
             raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._loaded.max_context}")
         self._check_tokens(tokens, "tokens")
-        cache_id, cache = self._caches.create(tokens, fence)
+        cache_id, cache = self._caches.create(tokens, fence, cache_id)
         hidden = cache.prefill(self._loaded.model, with_hidden)
         self._caches.fit_budget(cache_id)
         if hidden is not None and len(hidden.rows) > PREFILL_HIDDEN_ROWS:
@@ -280,17 +280,26 @@ class TargetEngine:
         """Drops a session cache."""
         return self._caches.release(cache_id)
 
-    def warmup(self, sizes: tuple[int, ...] = WARMUP_ROWS) -> None:
-        """Runs a prefill and passes of several sizes, so the first real request pays no start-up
-        costs and the pass-cost curve starts from measurements rather than guesses."""
+    def warmup_sizes(self, sizes: tuple[int, ...] = WARMUP_ROWS) -> tuple[int, ...]:
+        """The pass sizes of ``sizes`` this engine can run as one pass, smallest first."""
+        fitting = []
+        for rows in sizes:
+            sessions = -(-rows // 3)
+            if sessions > 1 and not self._ragged or sessions > self._caches.capacity:
+                break
+            fitting.append(rows)
+        return tuple(fitting)
+
+    def warmup(self, sizes: tuple[int, ...] | None = None) -> None:
+        """Runs a prefill and passes of several sizes (by default every one of WARMUP_ROWS that fits),
+        so the first real request pays no start-up costs and the pass-cost curve starts from
+        measurements rather than guesses."""
         cache_id, committed, _ = self.prefill([0, 1, 2, 3], with_hidden=True)
         self.verify(cache_id, committed, [], [4, 5], [], Sampling(), 0, with_hidden=True)
         self.release(cache_id)
-        for rows in sizes:
+        for rows in self.warmup_sizes() if sizes is None else sizes:
             # Sessions of up to 3 rows each (one pending token + 2 drafts), the shape of a loaded batch.
             per_session = [min(3, rows - i) for i in range(0, rows, 3)]
-            if len(per_session) > 1 and not self._ragged or len(per_session) > self._caches.capacity:
-                break
             for _ in range(2):  # the first pass of a shape warms allocators; the second is timed
                 ids = [self.prefill([0, 1, 2, 3])[0] for _ in per_session]
                 calls = [VerifyCall(i, 4, [], [4] * (n - 1), [], Sampling(), 0) for i, n in zip(ids, per_session)]

@@ -10,13 +10,15 @@ from opentelemetry import trace
 from specdec.cache_servicer import CacheServicer
 from specdec.config import TargetConfig
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
-from specdec.models import load_model
+from specdec.models import LoadedModel, load_model
+from specdec.packed_linear import pack_linears
 from specdec.rpc import RunningServer, call_core, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import hidden_to_pb, pass_load_to_pb, sampling_from_pb
 from specdec.batching import PassBatcher
 from target_service.engine import SparseQ, TargetEngine, VerifyCall, stamp_queue_wait
+from target_service.tensor_parallel import LeaderEngine, follow, follower_engine, join_group, shard_llama
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -24,7 +26,7 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     """Thin servicer over a TargetEngine."""
 
-    def __init__(self, engine: TargetEngine, tracer: trace.Tracer, max_batch_rows: int) -> None:
+    def __init__(self, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer, max_batch_rows: int) -> None:
         super().__init__(engine, tracer, "TargetService")
         self._target = engine
         self._batcher = PassBatcher(engine.verify_batch, self._executor, lambda call: len(call.draft_tokens) + 1,
@@ -71,7 +73,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             return reply
 
 
-async def start_target(config: TargetConfig, engine: TargetEngine, tracer: trace.Tracer) -> RunningServer:
+async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer) -> RunningServer:
     """Starts the target gRPC server over a loaded engine and reports it ready."""
     servicer = TargetServicer(engine, tracer, config.max_batch_rows)
     running = await start_server(
@@ -83,15 +85,38 @@ async def start_target(config: TargetConfig, engine: TargetEngine, tracer: trace
     return running
 
 
+def load_shard(config: TargetConfig) -> LoadedModel:
+    """The target model, or with tensor parallelism this rank's shard of it."""
+    loaded = load_model(config.model.model, config.model.cache_dir)
+    if config.tp.world_size > 1:
+        shard_llama(loaded.model, config.tp.rank, config.tp.world_size)
+    if config.model.pack:  # after sharding, so each rank packs only its own slices
+        pack_linears(loaded.model)
+    return loaded
+
+
 def main(config: TargetConfig) -> None:
-    """Entry point of ``specdec serve-target``: load, warm, serve until SIGTERM."""
+    """Entry point of ``specdec serve-target``: load, warm, serve until SIGTERM.
+
+    With tensor parallelism every rank runs this; rank 0 serves and the others follow its passes.
+    """
     torch.set_num_threads(config.model.threads)
-    engine = TargetEngine(
-        load_model(config.model.model, config.model.cache_dir, pack=config.model.pack), config.model.max_sessions,
-        **config.model.cache_limits(),
-    )
-    engine.warmup()
-    if config.server.metrics_port is not None:
-        metrics = CacheServiceMetrics(engine.caches)
-        start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
-    asyncio.run(serve_forever(config.server, "target", lambda tracer: start_target(config, engine, tracer)))
+    tp = config.tp
+    if tp.world_size > 1:
+        join_group(tp)
+    loaded = load_shard(config)
+    if tp.rank > 0:
+        follow(follower_engine(loaded))
+        return
+    engine = TargetEngine(loaded, config.model.max_sessions, **config.model.cache_limits())
+    if tp.world_size > 1:
+        engine = LeaderEngine(engine)
+    try:
+        engine.warmup()
+        if config.server.metrics_port is not None:
+            metrics = CacheServiceMetrics(engine.caches)
+            start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
+        asyncio.run(serve_forever(config.server, "target", lambda tracer: start_target(config, engine, tracer)))
+    finally:
+        if isinstance(engine, LeaderEngine):
+            engine.close()

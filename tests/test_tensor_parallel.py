@@ -1,0 +1,98 @@
+"""The tensor-parallel target: its shards split the model as meant, and through the whole stack
+(coordinator, draft, a target sharded over two gloo processes) greedy output is the target's."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from specdec import Client
+from specdec.stack import LocalStack, Process, StackConfig, child_env, wait_for_line
+from target_service.tensor_parallel import shard_llama, split
+from test_e2e_default_model import check_against_reference, prompt_ids
+
+NEW_TOKENS = 32
+PROMPTS = [
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+    [{"role": "user", "content": "Write a short poem about the sea."}],
+    "The history of the printing press begins in",
+]
+
+
+def test_split_is_contiguous_and_balanced():
+    assert split(3, 2) == [range(0, 2), range(2, 3)]
+    assert split(1536, 2) == [range(0, 768), range(768, 1536)]
+    parts = split(10, 4)
+    assert [len(r) for r in parts] == [3, 3, 2, 2]
+    assert [i for r in parts for i in r] == list(range(10))
+
+
+def test_shard_keeps_its_heads_and_refuses_more_ranks_than_kv_heads(tiny_dir):
+    from specdec.models import load_model
+
+    loaded = load_model(str(tiny_dir / "target"), tiny_dir)  # 4 query heads in 2 groups, MLP 64 wide
+    full_q = loaded.model.model.layers[0].self_attn.q_proj.weight.detach().clone()
+    shard_llama(loaded.model, rank=1, world_size=2)
+    attn = loaded.model.model.layers[0].self_attn
+    head_dim = attn.head_dim
+    assert torch.equal(attn.q_proj.weight, full_q[2 * head_dim:])  # the second group's two query heads
+    assert attn.k_proj.weight.shape[0] == head_dim
+    assert attn.o_proj.linear.weight.shape[1] == 2 * head_dim
+    assert loaded.model.model.layers[0].mlp.gate_proj.weight.shape[0] == 32
+
+    with pytest.raises(ValueError, match="only 2 key/value heads"):
+        shard_llama(load_model(str(tiny_dir / "target"), tiny_dir).model, rank=0, world_size=3)
+
+
+@pytest.fixture(scope="module")
+def references(default_model):
+    """Single-process greedy output of HF generate on the whole model."""
+    out = []
+    for prompt in PROMPTS:
+        ids = prompt_ids(default_model.tokenizer, prompt)
+        with torch.inference_mode():
+            gen = default_model.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        out.append((ids, gen[0, len(ids):].tolist()))
+    return out
+
+
+@pytest.mark.slow
+def test_tp2_stack_greedy_equals_single_process(references, default_model, tmp_path):
+    config = StackConfig(target_tp=2, target_threads=1, default_k=4)
+    with LocalStack(config, log_dir=tmp_path) as stack:
+        target = psutil.Process(stack.process("target").popen.pid)
+        shards = [p for p in target.children() if "serve-target" in " ".join(p.cmdline())]
+        assert len(shards) == 1, "the target should run as rank 0 plus one follower process"
+        accepted = 0
+        with Client(stack.address, timeout=300) as client:
+            for prompt, (ids, expected) in zip(PROMPTS, references):
+                result = client.complete(prompt, max_new_tokens=NEW_TOKENS)
+                accepted += result.stats.accepted_tokens
+                check_against_reference(result, prompt, ids, expected, default_model.model)
+            sampled = [client.complete(PROMPTS[2], max_new_tokens=16, temperature=0.8, seed=7) for _ in range(2)]
+        assert accepted > 0
+        assert sampled[0].token_ids == sampled[1].token_ids
+        assert all(shard.is_running() for shard in shards)
+
+
+def test_replica_stops_when_a_shard_dies(tiny_dir, tmp_path):
+    """A target missing a shard cannot run a pass: rank 0 exits rather than hang, so it gets restarted."""
+    argv = [sys.executable, "-m", "specdec.cli", "serve-target", "--port", "0", "--model", str(tiny_dir / "target"),
+            "--cache-dir", str(tiny_dir), "--threads", "1", "--tp", "2"]
+    proc = Process("target", argv, tmp_path, child_env(1, passive=True))
+    try:
+        wait_for_line(proc, "READY ", 120.0)
+        shard = psutil.Process(proc.popen.pid).children()[0]
+        shard.kill()
+        deadline = time.monotonic() + 20
+        while proc.popen.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.popen.returncode == 1, proc.log_tail()
+        assert "exited with -9; this replica stops" in proc.log_tail()
+    finally:
+        proc.stop()
