@@ -64,6 +64,9 @@ def _add_server(p: argparse.ArgumentParser, port: int) -> None:
                    help="PEM CA bundle: demand client certificates chaining to it, i.e. mutual TLS "
                         "(env SPECDEC_TLS_CLIENT_CA)")
     # An empty variable (a chart that renders it unset) means no endpoint, like an absent one.
+    p.add_argument("--health-port", type=int, default=_env("HEALTH_PORT", None) or None,
+                   help="also serve gRPC health alone, in plaintext, on this port (for kubelet probes of a TLS "
+                        "server; env SPECDEC_HEALTH_PORT)")
     p.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None) or None,
                    help="serve Prometheus metrics over HTTP on this port, 0 picks a free one "
                         "(env SPECDEC_METRICS_PORT); unset: none")
@@ -74,7 +77,7 @@ def _server(args) -> ServerConfig:
     try:
         return ServerConfig(host=args.host, port=args.port, grace_s=args.grace, otlp_endpoint=args.otlp_endpoint,
                             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
-                            metrics_port=args.metrics_port)
+                            metrics_port=args.metrics_port, health_port=args.health_port)
     except ValueError as exc:
         raise SystemExit(f"specdec: {exc} (--tls-cert, --tls-key, --tls-client-ca)") from None
 
@@ -125,9 +128,9 @@ def _tensor_parallel(args) -> TensorParallelConfig:
         return TensorParallelConfig(
             world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ.get("RANK", "0")),
             master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(os.environ.get("MASTER_PORT", "0")),
-            backend=args.tp_backend, launched=True,
+            launched=True,
         )
-    return TensorParallelConfig(world_size=args.tp, backend=args.tp_backend)
+    return TensorParallelConfig(world_size=args.tp)
 
 
 def _add_cache_limits(p: argparse.ArgumentParser) -> None:
@@ -156,11 +159,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
     p.add_argument("--max-batch-rows", type=int, default=256,
                    help="most token rows one batched verify pass feeds (all sessions together)")
-    p.add_argument("--tp", type=int, default=int(_env("TP", "1")),
-                   help="shard the target over N processes (tensor parallelism; env SPECDEC_TP); this process "
+    p.add_argument("--tp", type=int, default=int(_env("TENSOR_PARALLEL", "1")),
+                   help="shard the target over N processes (tensor parallelism; env SPECDEC_TENSOR_PARALLEL); this process "
                         "serves and starts the others unless torchrun did (RANK / WORLD_SIZE set)")
-    p.add_argument("--tp-backend", choices=("gloo", "nccl"), default="gloo",
-                   help="torch.distributed backend of the shards: gloo on CPUs, nccl on GPUs")
 
     p = sub.add_parser("serve-draft", help="run the draft service")
     _add_server(p, 50051)

@@ -46,6 +46,8 @@ class ServerConfig:
     tls_key: Path | None = None
     # PEM CA bundle that client certificates must chain to; set, the server demands one (mutual TLS).
     tls_client_ca: Path | None = None
+    # A plaintext port serving only gRPC health, for probes that cannot speak TLS (kubelet's); None: none.
+    health_port: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -107,16 +109,12 @@ class TensorParallelConfig:
     # Rendezvous of the group (torchrun's MASTER_ADDR / MASTER_PORT); port 0: the launcher picks one.
     master_addr: str = "127.0.0.1"
     master_port: int = 0
-    # "gloo" (CPU) or "nccl" (GPUs).
-    backend: str = "gloo"
     # True when torchrun (or another launcher) started every rank; else rank 0 starts the others.
     launched: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ValueError(f"tensor parallel: rank {self.rank} is outside a group of {self.world_size}")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"tensor parallel: backend must be gloo or nccl, not {self.backend!r}")
 
 
 @dataclass(frozen=True)

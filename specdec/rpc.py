@@ -129,6 +129,9 @@ class RunningServer:
     health: health.aio.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    # The plaintext health-only server and its port, when the config asks for one.
+    health_server: grpc.aio.Server | None = None
+    health_port: int | None = None
 
     async def set_serving(self) -> None:
         """Reports every service ready (call once the model is loaded and warmed)."""
@@ -139,6 +142,8 @@ class RunningServer:
         """Graceful stop: health goes NOT_SERVING, in-flight calls get ``grace_s`` to finish."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 class _Undecodable:
@@ -226,7 +231,17 @@ async def start_server(
     if port == 0:
         raise OSError(f"could not bind {config.host}:{config.port}")
     await server.start()
-    running = RunningServer(server, health_servicer, port, service_names)
+    health_server, health_port = None, None
+    if config.health_port is not None:
+        # Kubelet's gRPC probes speak plaintext only: health alone is served there, from the same
+        # servicer, so the probes see exactly what TLS clients see and nothing else is exposed.
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
+        health_port = health_server.add_insecure_port(f"{config.host}:{config.health_port}")
+        if health_port == 0:
+            raise OSError(f"could not bind the health port {config.host}:{config.health_port}")
+        await health_server.start()
+    running = RunningServer(server, health_servicer, port, service_names, health_server, health_port)
     for name in ("", *service_names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return running

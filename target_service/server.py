@@ -7,18 +7,32 @@ import asyncio
 import torch
 from opentelemetry import trace
 
+from specdec.batching import PassBatcher
 from specdec.cache_servicer import CacheServicer
 from specdec.config import TargetConfig
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.models import LoadedModel, load_model
 from specdec.packed_linear import pack_linears
-from specdec.rpc import RunningServer, call_core, guarded, lenient_service, serve_forever, start_server
+from specdec.rpc import (
+    RunningServer,
+    call_core,
+    guarded,
+    lenient_service,
+    serve_forever,
+    start_server,
+)
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import hidden_to_pb, pass_load_to_pb, sampling_from_pb
-from specdec.batching import PassBatcher
 from target_service.engine import SparseQ, TargetEngine, VerifyCall, stamp_queue_wait
-from target_service.tensor_parallel import LeaderEngine, follow, follower_engine, join_group, shard_llama
+from target_service.tensor_parallel import (
+    LeaderEngine,
+    die_with_parent,
+    follow,
+    follower_engine,
+    join_group,
+    shard_llama,
+)
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -106,6 +120,7 @@ def main(config: TargetConfig) -> None:
         join_group(tp)
     loaded = load_shard(config)
     if tp.rank > 0:
+        die_with_parent()
         follow(follower_engine(loaded))
         return
     engine = TargetEngine(loaded, config.model.max_sessions, **config.model.cache_limits())

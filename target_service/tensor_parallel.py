@@ -254,16 +254,19 @@ def launch_followers(tp: TensorParallelConfig, argv: list[str]) -> list[subproce
     for rank in range(1, tp.world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp.world_size),
                    MASTER_ADDR=tp.master_addr, MASTER_PORT=str(tp.master_port))
-        procs.append(subprocess.Popen([sys.executable, "-m", "specdec.cli", *argv], env=env,
-                                      preexec_fn=_die_with_parent))
+        procs.append(subprocess.Popen([sys.executable, "-m", "specdec.cli", *argv], env=env))
     return procs
 
 
-def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG: a follower outliving a killed rank 0 would hold its memory and port forever.
+def die_with_parent() -> None:
+    """Has the kernel kill this process when its launcher dies (Linux): a follower outliving a killed
+    rank 0 would otherwise hold its memory until the group times out."""
     import ctypes
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    parent = os.getppid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)
 
 
 def watch_followers(procs: list[subprocess.Popen]) -> None:
@@ -282,7 +285,9 @@ def watch_followers(procs: list[subprocess.Popen]) -> None:
 
 def join_group(tp: TensorParallelConfig) -> None:
     """Joins the process group (blocking until every rank has)."""
+    # gloo: the engine computes on CPU tensors. A GPU engine would join with "nccl" here, each rank on
+    # cuda:LOCAL_RANK; the engine's tensors are not device-placed yet, so that is not offered.
     dist.init_process_group(
-        tp.backend, init_method=f"tcp://{tp.master_addr}:{tp.master_port}", rank=tp.rank,
+        "gloo", init_method=f"tcp://{tp.master_addr}:{tp.master_port}", rank=tp.rank,
         world_size=tp.world_size, timeout=GROUP_TIMEOUT,
     )

@@ -30,6 +30,7 @@ from harness import InProcessStack
 from specdec import AsyncClient, Client, SpecdecError, TlsClientConfig, Unauthenticated, Unavailable
 from specdec.cli import _coordinator_config, _parser
 from specdec.config import ServerConfig
+from specdec.rpc import start_server
 from specdec.stack import Process, free_port, redis_argv
 from target_service.engine import TargetEngine
 
@@ -304,3 +305,36 @@ def wait_for_port(port: int, timeout_s: float = 20.0) -> None:
         except OSError:
             assert time.monotonic() < deadline, f"nothing listens on {port}"
             time.sleep(0.05)
+
+
+def test_plaintext_health_port_beside_a_tls_server(certs):
+    """Kubelet probes speak plaintext only: a TLS server can serve health alone on a second port, with
+    the same status as the TLS port and nothing else there."""
+
+    async def scenario() -> None:
+        config = ServerConfig(tls_cert=certs.server_cert, tls_key=certs.server_key, health_port=0)
+        running = await start_server(config, lambda server: None, ("specdec.v1.TargetService",))
+        probe_address = f"127.0.0.1:{running.health_port}"
+        try:
+            async with grpc.aio.insecure_channel(probe_address) as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                status = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
+                assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+                await running.set_serving()
+                status = (await stub.Check(health_pb2.HealthCheckRequest(service="specdec.v1.TargetService"),
+                                           timeout=5)).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+                reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    request = reflection_pb2.ServerReflectionRequest(list_services="")
+                    async for _ in reflection.ServerReflectionInfo(iter([request]), timeout=5):
+                        pass
+                assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:  # the main port stays TLS-only
+                    await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        finally:
+            await running.stop(0)
+
+    asyncio.run(scenario())

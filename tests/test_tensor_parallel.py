@@ -9,11 +9,11 @@ import time
 import psutil
 import pytest
 import torch
+from test_e2e_default_model import check_against_reference, prompt_ids
 
 from specdec import Client
 from specdec.stack import LocalStack, Process, StackConfig, child_env, wait_for_line
 from target_service.tensor_parallel import shard_llama, split
-from test_e2e_default_model import check_against_reference, prompt_ids
 
 NEW_TOKENS = 32
 PROMPTS = [
@@ -25,8 +25,8 @@ PROMPTS = [
 
 
 def test_split_is_contiguous_and_balanced():
-    assert split(3, 2) == [range(0, 2), range(2, 3)]
-    assert split(1536, 2) == [range(0, 768), range(768, 1536)]
+    assert split(3, 2) == [range(2), range(2, 3)]
+    assert split(1536, 2) == [range(768), range(768, 1536)]
     parts = split(10, 4)
     assert [len(r) for r in parts] == [3, 3, 2, 2]
     assert [i for r in parts for i in r] == list(range(10))
@@ -80,13 +80,29 @@ def test_tp2_stack_greedy_equals_single_process(references, default_model, tmp_p
         assert all(shard.is_running() for shard in shards)
 
 
-def test_replica_stops_when_a_shard_dies(tiny_dir, tmp_path):
-    """A target missing a shard cannot run a pass: rank 0 exits rather than hang, so it gets restarted."""
+def _start_tp2_target(tiny_dir, tmp_path) -> Process:
     argv = [sys.executable, "-m", "specdec.cli", "serve-target", "--port", "0", "--model", str(tiny_dir / "target"),
             "--cache-dir", str(tiny_dir), "--threads", "1", "--tp", "2"]
     proc = Process("target", argv, tmp_path, child_env(1, passive=True))
+    wait_for_line(proc, "READY ", 120.0)
+    return proc
+
+
+def test_shard_dies_with_rank_0(tiny_dir, tmp_path):
+    """A follower whose rank 0 was killed does not linger holding its shard."""
+    proc = _start_tp2_target(tiny_dir, tmp_path)
     try:
-        wait_for_line(proc, "READY ", 120.0)
+        shard = psutil.Process(proc.popen.pid).children()[0]
+        proc.popen.kill()
+        shard.wait(timeout=20)
+    finally:
+        proc.stop()
+
+
+def test_replica_stops_when_a_shard_dies(tiny_dir, tmp_path):
+    """A target missing a shard cannot run a pass: rank 0 exits rather than hang, so it gets restarted."""
+    proc = _start_tp2_target(tiny_dir, tmp_path)
+    try:
         shard = psutil.Process(proc.popen.pid).children()[0]
         shard.kill()
         deadline = time.monotonic() + 20
