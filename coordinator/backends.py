@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -51,6 +51,8 @@ class BackendRejected(RuntimeError):
 
 
 R = TypeVar("R", bound="_Replica")
+# Seconds a replica that failed a call rests before it gets work again.
+REST_S = 5.0
 
 
 class ReplicaSet(Generic[R]):
@@ -59,21 +61,72 @@ class ReplicaSet(Generic[R]):
 
     A replica that failed rests ``rest_s``, then gets work again (its next call is the probe). A new
     cache goes to the healthy replica holding the fewest running requests, ties taken in turn.
+
+    Members may join and leave (discovery). One that left is retired: never usable or picked again,
+    so its sessions move, but its channel stays open until no call is in flight on it.
     """
 
-    def __init__(self, replicas: Sequence[R], rest_s: float) -> None:
+    def __init__(self, replicas: Sequence[R], rest_s: float = REST_S) -> None:
         self.by_address: dict[str, R] = {r.address: r for r in replicas}
         self._rest_s = rest_s
         self._down_until: dict[str, float] = {}
         self._running: Counter[str] = Counter()
         self._turn = 0
+        self._retired: list[R] = []
 
     def __len__(self) -> int:
         return len(self.by_address)
 
+    def add(self, replica: R) -> None:
+        """A replica joins; it takes work at once."""
+        if replica.address in self.by_address:
+            raise ValueError(f"{replica.address} is already a member")
+        self.by_address[replica.address] = replica
+        self._down_until.pop(replica.address, None)
+
+    def retire(self, address: str) -> R | None:
+        """The replica at ``address`` leaves (None when it is no member)."""
+        replica = self.by_address.pop(address, None)
+        if replica is not None:
+            self._retired.append(replica)
+            self._down_until.pop(address, None)
+            if not self._running[address]:
+                # Kept while requests still hold it: their release must balance the count.
+                del self._running[address]
+        return replica
+
+    def update(self, addresses: Iterable[str], make: Callable[[str], R]) -> tuple[list[R], list[R]]:
+        """Makes the members exactly ``addresses``: each new one gets a replica from ``make``, each
+        departed one is retired. Returns (joined, retired)."""
+        wanted = list(dict.fromkeys(addresses))
+        retired = [self.retire(a) for a in list(self.by_address) if a not in wanted]
+        joined = [make(a) for a in wanted if a not in self.by_address]
+        for replica in joined:
+            self.add(replica)
+        return joined, retired
+
+    def find(self, address: str) -> R | None:
+        """The member at ``address``, else a retired replica there whose channel is still open (a
+        call already placed there may finish), else None."""
+        member = self.by_address.get(address)
+        if member is not None:
+            return member
+        return next((r for r in reversed(self._retired) if r.address == address), None)
+
+    def sweep(self) -> list[R]:
+        """Retired replicas with no call in flight, dropped from the set for the caller to close."""
+        idle = [r for r in self._retired if not r.busy]
+        self._retired = [r for r in self._retired if r.busy]
+        return idle
+
+    def everyone(self) -> list[R]:
+        """Members and retired replicas not yet swept: every open channel."""
+        return [*self.by_address.values(), *self._retired]
+
     def failed(self, address: str) -> None:
-        """Rests ``address`` from now."""
-        self._down_until[address] = time.monotonic() + self._rest_s
+        """Rests ``address`` from now (a replica that already left needs no rest)."""
+        if address in self.by_address:
+            self._down_until[address] = time.monotonic() + self._rest_s
 
     def usable(self, address: str) -> bool:
         """True for a known replica that is not resting."""
@@ -97,6 +150,8 @@ class ReplicaSet(Generic[R]):
         if old != new:
             if old is not None:
                 self._running[old] -= 1
+                if not self._running[old] and old not in self.by_address:
+                    del self._running[old]
             if new is not None:
                 self._running[new] += 1
 
@@ -178,15 +233,28 @@ class _Replica:
         self.address = address
         self._timeout_s = timeout_s
         self._channel = aio_channel(address, channel_options(max_message_bytes), credentials)
+        self._in_flight = 0
+        self._closed = False
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is in flight: closing the channel now would cut it off."""
+        return self._in_flight > 0
 
     def _deadline(self, remaining_s: float | None) -> float:
         return self._timeout_s if remaining_s is None else max(0.001, min(self._timeout_s, remaining_s))
 
     async def _call(self, method, request, remaining_s: float | None):
+        if self._closed:
+            # A replica that left and was closed between two calls of one round: like an outage.
+            raise BackendUnavailable(self.service, self.address, "the replica left")
+        self._in_flight += 1
         try:
             return await method(request, timeout=self._deadline(remaining_s), metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as error:
             raise _translate(self.service, self.address, error) from None
+        finally:
+            self._in_flight -= 1
 
     async def prefill(self, tokens: list[int], remaining_s: float | None = None, fence: int = 0) -> CacheRef:
         """Creates a cache over the committed ``tokens`` for the turn holding fencing token ``fence``."""
@@ -204,6 +272,7 @@ class _Replica:
 
     async def close(self) -> None:
         """Closes the channel."""
+        self._closed = True
         await self._channel.close()
 
 

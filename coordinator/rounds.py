@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 
@@ -29,6 +29,7 @@ from coordinator.backends import (
     DraftResult,
     TargetReplica,
     VerifyResult,
+    REST_S,
     ReplicaSet,
     merge_hidden,
 )
@@ -37,6 +38,7 @@ from coordinator.checkpoints import Checkpoints
 from coordinator.sessions import SessionRecord, SessionStore, TurnState
 from coordinator.textstream import TextStream
 from specdec.batching import PassLoad
+from specdec.config import FEATURE_KIND
 from specdec.kvcache import common_prefix_len
 from specdec.metrics import CoordinatorMetrics
 from specdec.models import ModelFacts
@@ -156,14 +158,14 @@ class RoundLoop:
         self,
         tokenizer,
         target_facts: ModelFacts,
-        drafts: Sequence[DraftReplica],
-        targets: Sequence[TargetReplica],
+        drafts: Sequence[DraftReplica] | ReplicaSet[DraftReplica],
+        targets: Sequence[TargetReplica] | ReplicaSet[TargetReplica],
         store: SessionStore,
         tracer: trace.Tracer,
         default_k: int | None,
         max_auto_k: int = 8,
         want_hidden: bool = False,
-        draft_retry_s: float = 5.0,
+        draft_retry_s: float = REST_S,
         metrics: CoordinatorMetrics | None = None,
         draft_colocated: bool = False,
         max_sessions_per_client: int = 0,
@@ -171,9 +173,12 @@ class RoundLoop:
         self._tokenizer = tokenizer
         self._facts = target_facts
         # A replica that failed rests this long before new work goes to it. Sessions on a resting
-        # draft replica move to another or run target-only; those on a resting target move.
-        self._drafts = ReplicaSet(drafts, draft_retry_s)
-        self._targets = ReplicaSet(targets, draft_retry_s)
+        # (or departed) draft replica move to another or run target-only; those on a target move.
+        # Sets given as such may change while the loop runs (discovery); lists stay fixed.
+        self._drafts = drafts if isinstance(drafts, ReplicaSet) else ReplicaSet(drafts, draft_retry_s)
+        self._targets = targets if isinstance(targets, ReplicaSet) else ReplicaSet(targets, draft_retry_s)
+        # Stopped on close, before the channels: the discovery that changes the sets.
+        self._stoppers: list[Callable[[], Awaitable[None]]] = []
         self._store = store
         self._tracer = tracer
         self._default_k = default_k
@@ -190,6 +195,20 @@ class RoundLoop:
         # Whether the targets report their passes (a target that does not batch reports none).
         self._batching_targets = True
         self._max_sessions_per_client = max_sessions_per_client
+
+    def draft_joined(self, facts: ModelFacts) -> None:
+        """A draft replica joined while running: a feature draft needs the target's hidden states
+        from now on."""
+        if facts.kind == FEATURE_KIND:
+            self._want_hidden = True
+
+    def members(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The addresses of the draft and of the target replicas that take work now."""
+        return frozenset(self._drafts.by_address), frozenset(self._targets.by_address)
+
+    def stop_on_close(self, stop: Callable[[], Awaitable[None]]) -> None:
+        """``close`` awaits ``stop()`` first (a discovery task that adds and retires replicas)."""
+        self._stoppers.append(stop)
 
     async def _load_session(self, session_id: str | None) -> SessionRecord:
         if not session_id:
@@ -501,7 +520,7 @@ class RoundLoop:
             except BackendUnavailable as exc:
                 error = exc
                 self._failed(self._targets, exc, span, "target", "target unreachable, trying another")
-        raise error or BackendUnavailable("target", "*", "every target replica is resting after a failure")
+        raise error or BackendUnavailable("target", "*", "no target replica is available (all resting or none known)")
 
     async def _verify(
         self,
@@ -525,8 +544,11 @@ class RoundLoop:
         for _ in range(len(self._targets) + 1):
             if not self._targets.usable(ref.address):
                 ref, fed = await self._place_target(committed, remaining_s, span, ref.fence)
-            target = self._targets.by_address[ref.address]
+            # The replica may have left while the cache was placed: the call then fails over below.
+            target = self._targets.find(ref.address)
             try:
+                if target is None:
+                    raise BackendUnavailable("target", ref.address, "the replica left")
                 try:
                     result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
                 except CacheLost:
@@ -540,8 +562,10 @@ class RoundLoop:
         raise BackendUnavailable("target", ref.address, "no target replica could verify this round")
 
     async def close(self) -> None:
-        """Closes every replica channel."""
-        replicas = [*self._drafts.by_address.values(), *self._targets.by_address.values()]
+        """Stops discovery, then closes every replica channel."""
+        for stop in self._stoppers:
+            await stop()
+        replicas = [*self._drafts.everyone(), *self._targets.everyone()]
         await asyncio.gather(*(r.close() for r in replicas))
 
 

@@ -7,13 +7,24 @@ import hashlib
 import logging
 from dataclasses import replace
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from opentelemetry import trace
 
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor
-from coordinator.backends import BackendRejected, BackendUnavailable, DraftReplica, Fenced, TargetReplica
+from coordinator.backends import (
+    REST_S,
+    BackendRejected,
+    BackendUnavailable,
+    DraftReplica,
+    Fenced,
+    ReplicaSet,
+    TargetReplica,
+)
+from coordinator.discovery import open_source
+from coordinator.membership import Membership, Refused
 from coordinator.rounds import (
     Chunk,
     GenerationRequest,
@@ -219,50 +230,94 @@ def register(servicer: CoordinatorServicer) -> Callable[[grpc.aio.Server], None]
     return lenient_service(servicer, coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"])
 
 
-class IncompatibleReplicas(RuntimeError):
+class IncompatibleReplicas(Refused):
     """A replica serves a model whose tokenizer differs from the coordinator's."""
 
 
-async def check_replicas(
-    fingerprint: str, drafts: list[DraftReplica], targets: list[TargetReplica], timeout_s: float,
+async def check_replica(
+    fingerprint: str, replica: DraftReplica | TargetReplica, timeout_s: float,
     credentials: grpc.ChannelCredentials | None = None,
-) -> tuple[ModelFacts, list[ModelFacts]]:
-    """Waits for every replica to be ready (over TLS with ``credentials``) and refuses to start unless
-    all share the tokenizer; returns the (first) target's facts and each draft's."""
-    await asyncio.gather(*(wait_ready(r.address, timeout_s, credentials) for r in [*drafts, *targets]))
-    facts = await asyncio.gather(*(r.facts() for r in [*drafts, *targets]))
-    for replica, fact in zip([*drafts, *targets], facts):
-        if fact.fingerprint != fingerprint:
-            raise IncompatibleReplicas(
-                f"{replica.service} at {replica.address} serves {fact.name!r}, whose tokenizer differs from the "
-                "coordinator's: draft and target must share one tokenizer"
-            )
-    return facts[len(drafts)], facts[: len(drafts)]
+) -> ModelFacts:
+    """Waits for one replica to be ready (over TLS with ``credentials``) and refuses it unless it
+    shares the coordinator's tokenizer; returns its facts."""
+    await wait_ready(replica.address, timeout_s, credentials)
+    facts = await replica.facts()
+    if facts.fingerprint != fingerprint:
+        raise IncompatibleReplicas(
+            f"{replica.service} at {replica.address} serves {facts.name!r}, whose tokenizer differs from the "
+            "coordinator's: draft and target must share one tokenizer"
+        )
+    return facts
 
 
 async def start_coordinator(
     config: CoordinatorConfig, tracer: trace.Tracer, store: SessionStore | None = None,
-    metrics: CoordinatorMetrics | None = None,
+    metrics: CoordinatorMetrics | None = None, kubernetes_api: Any = None,
 ) -> tuple[RunningServer, RoundLoop]:
     """Connects to the replicas, checks them, and starts the coordinator server (behind API keys
-    when the config holds any)."""
-    if not config.draft_addresses or not config.target_addresses:
-        raise ValueError("the coordinator needs at least one draft and one target address")
+    when the config holds any).
+
+    Listed replicas must all be ready at start-up. With discovery, start-up waits for one target to
+    join; drafts that join later are used from then on. ``kubernetes_api`` (a
+    ``kubernetes.client.ApiClient``) serves k8s:/// discovery; None: the in-cluster service account.
+    """
+    has_drafts = bool(config.draft_addresses) or config.draft_discovery is not None
+    if not has_drafts or not (config.target_addresses or config.target_discovery is not None):
+        raise ValueError("the coordinator needs draft and target replicas: an address or a discovery spec each")
     tokenizer = load_tokenizer(resolve_model_path(config.tokenizer.model, config.tokenizer.cache_dir))
     max_bytes = config.server.max_message_bytes
     credentials = channel_credentials(config.backend_tls)
-    drafts = [DraftReplica(a, config.rpc_timeout_s, max_bytes, credentials) for a in config.draft_addresses]
-    targets = [TargetReplica(a, config.rpc_timeout_s, max_bytes, credentials) for a in config.target_addresses]
-    target_facts, draft_facts = await check_replicas(
-        tokenizer_fingerprint(tokenizer), drafts, targets, config.startup_timeout_s, credentials
+    fingerprint = tokenizer_fingerprint(tokenizer)
+
+    def make_draft(address: str) -> DraftReplica:
+        return DraftReplica(address, config.rpc_timeout_s, max_bytes, credentials)
+
+    def make_target(address: str) -> TargetReplica:
+        return TargetReplica(address, config.rpc_timeout_s, max_bytes, credentials)
+
+    async def check_joiner(replica: DraftReplica | TargetReplica) -> ModelFacts:
+        # A discovered replica is listed once ready, so a short wait is plenty.
+        return await check_replica(fingerprint, replica, config.rpc_timeout_s, credentials)
+
+    drafts = [make_draft(a) for a in config.draft_addresses]
+    targets = [make_target(a) for a in config.target_addresses]
+    facts = await asyncio.gather(
+        *(check_replica(fingerprint, r, config.startup_timeout_s, credentials) for r in [*drafts, *targets])
     )
-    store = store or open_store(config.redis_url, config.session_ttl_s, config.redis_password, config.redis_ca)
-    await store.ping()
-    want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
-    loop = RoundLoop(tokenizer, target_facts, drafts, targets, store, tracer, config.default_k, config.max_auto_k,
-                     want_hidden=want_hidden, metrics=metrics, draft_colocated=config.draft_colocated,
-                     max_sessions_per_client=config.admission.max_sessions_per_client)
-    servicer = CoordinatorServicer(loop, target_facts.max_context, Admission(config.admission))
+    draft_facts, target_facts = facts[: len(drafts)], facts[len(drafts):]
+    draft_set, target_set = ReplicaSet(drafts, REST_S), ReplicaSet(targets, REST_S)
+    memberships: list[Membership] = []
+    try:
+        if config.target_discovery is not None:
+            source = open_source(config.target_discovery, config.discovery_interval_s, kubernetes_api)
+            following = Membership("target", source, target_set, make_target, check_joiner, config.discovery_interval_s)
+            memberships.append(following)
+            following.start()
+            target_facts = [await following.first_facts(config.startup_timeout_s)]
+        store = store or open_store(config.redis_url, config.session_ttl_s, config.redis_password, config.redis_ca)
+        await store.ping()
+        want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
+        loop = RoundLoop(tokenizer, target_facts[0], draft_set, target_set, store, tracer, config.default_k,
+                         config.max_auto_k, want_hidden=want_hidden, metrics=metrics,
+                         draft_colocated=config.draft_colocated,
+                         max_sessions_per_client=config.admission.max_sessions_per_client)
+        if config.draft_discovery is not None:
+            source = open_source(config.draft_discovery, config.discovery_interval_s, kubernetes_api)
+            following = Membership("draft", source, draft_set, make_draft, check_joiner, config.discovery_interval_s,
+                                   on_join=lambda _, f: loop.draft_joined(f))
+            memberships.append(following)
+            following.start()
+            # The drafts listed now join before serving; none listed is fine (target-only until one joins).
+            if not await following.settled(config.startup_timeout_s):
+                log.warning("draft discovery found no usable draft at start-up; running target-only until one joins")
+    except BaseException:
+        for following in memberships:
+            await following.stop()
+        await asyncio.gather(*(r.close() for r in [*draft_set.everyone(), *target_set.everyone()]))
+        raise
+    for following in memberships:
+        loop.stop_on_close(following.stop)
+    servicer = CoordinatorServicer(loop, target_facts[0].max_context, Admission(config.admission))
     interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []
     running = await start_server(config.server, register(servicer), (SERVICE_NAME,), interceptors)
     await running.set_serving()
@@ -276,11 +331,22 @@ def main(config: CoordinatorConfig) -> None:
         metrics = CoordinatorMetrics()
         start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
 
-    async def start(tracer):
-        running, _ = await start_coordinator(config, tracer, metrics=metrics)
-        return running
+    async def serve() -> None:
+        loops: list[RoundLoop] = []
+
+        async def start(tracer):
+            running, loop = await start_coordinator(config, tracer, metrics=metrics)
+            loops.append(loop)
+            return running
+
+        try:
+            await serve_forever(config.server, "coordinator", start)
+        finally:
+            # Stops discovery (and its watch thread) before the channels close.
+            for loop in loops:
+                await loop.close()
 
     try:
-        asyncio.run(serve_forever(config.server, "coordinator", start))
-    except (IncompatibleReplicas, ValueError) as exc:
+        asyncio.run(serve())
+    except (IncompatibleReplicas, TimeoutError, ValueError) as exc:
         raise SystemExit(f"specdec coordinator: {exc}") from None

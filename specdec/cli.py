@@ -95,16 +95,27 @@ def _client_tls(ca: Path | None, cert: Path | None = None, key: Path | None = No
 def _coordinator_config(args) -> CoordinatorConfig:
     """The coordinator's config from its flags; API keys are read (and hashed) here, once."""
     from coordinator.auth import read_api_key_hashes
+    from coordinator.discovery import parse_replicas
 
     try:
         # Keys come from a file or the environment, never from a flag, which any local user could see in ps.
         api_key_hashes = read_api_key_hashes(args.api_keys_file, os.environ.get("SPECDEC_API_KEYS"))
     except (OSError, ValueError) as exc:
         raise SystemExit(f"specdec: API keys: {exc}") from None
+    try:
+        draft_addresses, draft_discovery = parse_replicas(args.draft, "--draft")
+        target_addresses, target_discovery = parse_replicas(args.target, "--target")
+        if not args.discovery_interval > 0:
+            raise ValueError(f"--discovery-interval: must be positive, not {args.discovery_interval}")
+    except ValueError as exc:
+        raise SystemExit(f"specdec: {exc}") from None
     return CoordinatorConfig(
         server=_server(args),
-        draft_addresses=tuple(args.draft),
-        target_addresses=tuple(args.target),
+        draft_addresses=draft_addresses,
+        target_addresses=target_addresses,
+        draft_discovery=draft_discovery,
+        target_discovery=target_discovery,
+        discovery_interval_s=args.discovery_interval,
         tokenizer=ModelConfig(model=args.tokenizer, cache_dir=args.cache_dir),
         redis_url=args.redis_url,
         redis_password=os.environ.get("SPECDEC_REDIS_PASSWORD") or None,
@@ -184,8 +195,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve-coordinator", help="run the coordinator")
     _add_server(p, 50050)
-    p.add_argument("--draft", action="append", default=[], help="draft replica host:port (repeatable)")
-    p.add_argument("--target", action="append", default=[], help="target replica host:port (repeatable)")
+    p.add_argument("--draft", action="append", default=[],
+                   help="draft replica host:port (repeatable), or all of them found through dns:///host:port "
+                        "(a headless Service) or k8s:///namespace/service:port (the Kubernetes API)")
+    p.add_argument("--target", action="append", default=[],
+                   help="target replica host:port (repeatable), or dns:///host:port or k8s:///namespace/service:port")
+    p.add_argument("--discovery-interval", type=float, default=10.0,
+                   help="seconds between DNS lookups of dns:/// replicas; the longest pause before a failed "
+                        "k8s:/// watch is retried")
     p.add_argument("--tokenizer", default=_env("TARGET_MODEL", "default"), help="model whose tokenizer to use")
     p.add_argument("--redis-url", default=_env("REDIS_URL", "redis://127.0.0.1:6379/0"),
                    help="session store; rediss:// for TLS (env SPECDEC_REDIS_URL). The password comes from env "

@@ -164,13 +164,38 @@ class AdmissionLimits:
 
 
 @dataclass(frozen=True)
+class DnsDiscovery:
+    """Replicas behind one DNS name (a headless Service): every A and AAAA record, looked up again
+    every discovery interval (``dns:///host:port``)."""
+
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
+class KubernetesDiscovery:
+    """Replicas of one Kubernetes Service: the ready endpoints of its EndpointSlices, watched through
+    the Kubernetes API (``k8s:///namespace/service:port``)."""
+
+    namespace: str
+    service: str
+    # The pods' port: a number, or the name of a Service port (the slices then carry its target port).
+    port: int | str
+
+
+@dataclass(frozen=True)
 class CoordinatorConfig:
     """The coordinator."""
 
     server: ServerConfig = ServerConfig()
-    # Draft and target replicas; a new session goes to the next one in turn.
+    # Draft and target replicas as fixed host:port lists; a new session goes to the least busy one.
     draft_addresses: tuple[str, ...] = ()
     target_addresses: tuple[str, ...] = ()
+    # Or found while running (coordinator.discovery), instead of a list: replicas join and leave.
+    draft_discovery: DnsDiscovery | KubernetesDiscovery | None = None
+    target_discovery: DnsDiscovery | KubernetesDiscovery | None = None
+    # Seconds between DNS lookups; also the longest wait before a failed Kubernetes watch is retried.
+    discovery_interval_s: float = 10.0
     # Model whose tokenizer renders prompts and decodes output; must match the target's.
     tokenizer: ModelConfig = ModelConfig()
     # Session records; "memory://" keeps them in process (tests only), "rediss://" speaks TLS.
@@ -187,7 +212,8 @@ class CoordinatorConfig:
     max_auto_k: int = 8
     # Deadline of each call to a draft or target service.
     rpc_timeout_s: float = 30.0
-    # Seconds to wait at start-up for the draft and target services to report ready.
+    # Seconds to wait at start-up for the listed replicas to report ready, or for discovery to find a
+    # ready target.
     startup_timeout_s: float = 300.0
     # SHA-256 hex digests of the API keys a client may send (``authorization: Bearer <key>``); empty
     # leaves the coordinator open. Only hashes are held, so a memory dump does not reveal the keys.
@@ -199,3 +225,11 @@ class CoordinatorConfig:
     # The draft shares the target's cores (one machine without accelerators): under load a draft
     # call then slows the target's pass too, and k is chosen accordingly.
     draft_colocated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft_addresses and self.draft_discovery is not None:
+            raise ValueError("draft replicas come from a list or from discovery, not both")
+        if self.target_addresses and self.target_discovery is not None:
+            raise ValueError("target replicas come from a list or from discovery, not both")
+        if not self.discovery_interval_s > 0:
+            raise ValueError("the discovery interval must be positive")

@@ -15,6 +15,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from coordinator.rounds import RoundLoop
 from coordinator.server import start_coordinator
 from draft_service.engine import DraftEngine
 from draft_service.server import start_draft
@@ -54,19 +55,28 @@ class InProcessStack:
 
     def start(self, **coordinator) -> InProcessStack:
         """Starts target, draft and one coordinator (``coordinator``: CoordinatorConfig overrides)."""
-        tracer = self._provider.get_tracer
-        services = self._services
-        target = self.run(start_target(TargetConfig(server=services), self.target_engine, tracer("specdec.target")))
-        draft = self.run(start_draft(DraftConfig(server=services), self.draft_engine, tracer("specdec.draft")))
-        self._servers += [target, draft]
-        self.target_address = f"127.0.0.1:{target.port}"
-        self.draft_address = f"127.0.0.1:{draft.port}"
+        self.target_address = self.add_target(self.target_engine)
+        self.draft_address = self.add_draft(self.draft_engine)
         self.add_coordinator(**coordinator)
         return self
 
-    def add_coordinator(self, metrics: CoordinatorMetrics | None = None, **overrides) -> str:
+    def add_target(self, engine: TargetEngine) -> str:
+        """Starts one more target server over ``engine``; returns its address."""
+        tracer = self._provider.get_tracer("specdec.target")
+        running = self.run(start_target(TargetConfig(server=self._services), engine, tracer))
+        self._servers.append(running)
+        return f"127.0.0.1:{running.port}"
+
+    def add_draft(self, engine: DraftEngine) -> str:
+        """Starts one more draft server over ``engine``; returns its address."""
+        tracer = self._provider.get_tracer("specdec.draft")
+        running = self.run(start_draft(DraftConfig(server=self._services), engine, tracer))
+        self._servers.append(running)
+        return f"127.0.0.1:{running.port}"
+
+    def add_coordinator(self, metrics: CoordinatorMetrics | None = None, kubernetes_api=None, **overrides) -> str:
         """Starts one more coordinator over the same services and Redis (recording into ``metrics``
-        when given); returns its address."""
+        when given, discovering k8s:/// replicas through ``kubernetes_api``); returns its address."""
         config = CoordinatorConfig(
             draft_addresses=overrides.pop("draft_addresses", (self.draft_address,)),
             target_addresses=overrides.pop("target_addresses", (self.target_address,)),
@@ -76,12 +86,19 @@ class InProcessStack:
             **overrides,
         )
         tracer = self._provider.get_tracer("specdec.coordinator")
-        running, round_loop = self.run(start_coordinator(config, tracer, metrics=metrics))
+        running, round_loop = self.run(
+            start_coordinator(config, tracer, metrics=metrics, kubernetes_api=kubernetes_api)
+        )
         self._servers.append(running)
         self._round_loops.append(round_loop)
         address = f"127.0.0.1:{running.port}"
         self.coordinators.append(address)
         return address
+
+    @property
+    def round_loops(self) -> list[RoundLoop]:
+        """The round loop of each coordinator, in start order."""
+        return list(self._round_loops)
 
     @property
     def address(self) -> str:

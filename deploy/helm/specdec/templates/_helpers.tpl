@@ -97,6 +97,20 @@ In-cluster DNS name of one component's Service. Call with (dict "root" $ "compon
 {{- end }}
 
 {{/*
+How the coordinator finds one role's replicas (a --draft / --target spec), per coordinator.discovery:
+"dns" resolves the role's headless Service again and again; "kubernetes" watches its EndpointSlices
+through the Kubernetes API. Call with (dict "root" $ "component" "draft").
+*/}}
+{{- define "specdec.replicaSpec" -}}
+{{- $port := int (index .root.Values .component).port }}
+{{- if eq .root.Values.coordinator.discovery "kubernetes" }}
+{{- printf "k8s:///%s/%s:%d" .root.Release.Namespace (include "specdec.componentName" .) $port }}
+{{- else }}
+{{- printf "dns:///%s:%d" (include "specdec.serviceHost" .) $port }}
+{{- end }}
+{{- end }}
+
+{{/*
 The specdec image for a pod; GPU pods get the CUDA variant. Call with (dict "root" $ "gpus" N).
 */}}
 {{- define "specdec.image" -}}

@@ -74,6 +74,8 @@ The Deployment of one specdec role. Call with a dict:
   volumes    list of extra Volume objects (may be empty)
   mounts     list of extra VolumeMount objects (may be empty)
   replicas   false to leave spec.replicas to an HPA
+  serviceAccount  optional: the pod's own ServiceAccount, with its token mounted (default: the
+             chart's shared one, per serviceAccount.*)
 */}}
 {{- define "specdec.roleDeployment" -}}
 {{- $root := .root }}
@@ -121,8 +123,13 @@ spec:
       imagePullSecrets:
         {{- toYaml . | nindent 8 }}
       {{- end }}
+      {{- if .serviceAccount }}
+      serviceAccountName: {{ .serviceAccount }}
+      automountServiceAccountToken: true
+      {{- else }}
       serviceAccountName: {{ include "specdec.serviceAccountName" $root }}
       automountServiceAccountToken: {{ $root.Values.serviceAccount.automountServiceAccountToken }}
+      {{- end }}
       {{- with $root.Values.podSecurityContext }}
       securityContext:
         {{- toYaml . | nindent 8 }}
