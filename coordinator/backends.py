@@ -229,10 +229,12 @@ class _Replica:
     service = ""
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, tls_name: str | None = None) -> None:
+        """``tls_name``: the name the replica's certificate must carry, when not the address's host."""
         self.address = address
+        self.tls_name = tls_name
         self._timeout_s = timeout_s
-        self._channel = aio_channel(address, channel_options(max_message_bytes), credentials)
+        self._channel = aio_channel(address, channel_options(max_message_bytes), credentials, tls_name)
         self._in_flight = 0
         self._closed = False
 
@@ -287,8 +289,8 @@ class DraftReplica(_Replica):
     service = "draft"
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        super().__init__(address, timeout_s, max_message_bytes, credentials)
+                 credentials: grpc.ChannelCredentials | None = None, tls_name: str | None = None) -> None:
+        super().__init__(address, timeout_s, max_message_bytes, credentials, tls_name)
         self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
 
     async def propose(
@@ -311,8 +313,8 @@ class TargetReplica(_Replica):
     service = "target"
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        super().__init__(address, timeout_s, max_message_bytes, credentials)
+                 credentials: grpc.ChannelCredentials | None = None, tls_name: str | None = None) -> None:
+        super().__init__(address, timeout_s, max_message_bytes, credentials, tls_name)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
 
     async def prefill_with_hidden(

@@ -240,7 +240,7 @@ async def check_replica(
 ) -> ModelFacts:
     """Waits for one replica to be ready (over TLS with ``credentials``) and refuses it unless it
     shares the coordinator's tokenizer; returns its facts."""
-    await wait_ready(replica.address, timeout_s, credentials)
+    await wait_ready(replica.address, timeout_s, credentials, replica.tls_name)
     facts = await replica.facts()
     if facts.fingerprint != fingerprint:
         raise IncompatibleReplicas(
@@ -269,11 +269,15 @@ async def start_coordinator(
     credentials = channel_credentials(config.backend_tls)
     fingerprint = tokenizer_fingerprint(tokenizer)
 
+    # Discovered replicas are dialled by IP; their certificates name the DNS name or Service instead.
+    draft_tls_name = config.draft_discovery.tls_name if config.draft_discovery is not None else None
+    target_tls_name = config.target_discovery.tls_name if config.target_discovery is not None else None
+
     def make_draft(address: str) -> DraftReplica:
-        return DraftReplica(address, config.rpc_timeout_s, max_bytes, credentials)
+        return DraftReplica(address, config.rpc_timeout_s, max_bytes, credentials, draft_tls_name)
 
     def make_target(address: str) -> TargetReplica:
-        return TargetReplica(address, config.rpc_timeout_s, max_bytes, credentials)
+        return TargetReplica(address, config.rpc_timeout_s, max_bytes, credentials, target_tls_name)
 
     async def check_joiner(replica: DraftReplica | TargetReplica) -> ModelFacts:
         # A discovered replica is listed once ready, so a short wait is plenty.

@@ -171,6 +171,11 @@ class DnsDiscovery:
     host: str
     port: int
 
+    @property
+    def tls_name(self) -> str:
+        """The name a replica's TLS certificate is checked against: its addresses are bare IPs."""
+        return self.host
+
 
 @dataclass(frozen=True)
 class KubernetesDiscovery:
@@ -181,6 +186,11 @@ class KubernetesDiscovery:
     service: str
     # The pods' port: a number, or the name of a Service port (the slices then carry its target port).
     port: int | str
+
+    @property
+    def tls_name(self) -> str:
+        """The name a replica's TLS certificate is checked against (the Service's): its addresses are bare IPs."""
+        return f"{self.service}.{self.namespace}.svc"
 
 
 @dataclass(frozen=True)

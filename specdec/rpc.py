@@ -95,11 +95,18 @@ def channel_credentials(tls: TlsClientConfig | None) -> grpc.ChannelCredentials 
 
 
 def aio_channel(
-    address: str, options: Sequence[tuple[str, int]] = (), credentials: grpc.ChannelCredentials | None = None
+    address: str, options: Sequence[tuple[str, int | str]] = (), credentials: grpc.ChannelCredentials | None = None,
+    tls_name: str | None = None,
 ) -> grpc.aio.Channel:
-    """An asyncio channel: TLS when ``credentials`` are given, plaintext otherwise."""
+    """An asyncio channel: TLS when ``credentials`` are given, plaintext otherwise.
+
+    ``tls_name`` is the name the server's certificate must carry when it differs from the address's
+    host (a replica found by discovery is dialled by IP, but its certificate names its Service).
+    """
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=options)
+    if tls_name:
+        options = [*options, ("grpc.ssl_target_name_override", tls_name)]
     return grpc.aio.secure_channel(address, credentials, options=options)
 
 
@@ -273,10 +280,11 @@ async def serve_forever(
         provider.shutdown()
 
 
-async def wait_ready(address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None) -> None:
+async def wait_ready(address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None,
+                     tls_name: str | None = None) -> None:
     """Polls an address's health service until it reports SERVING, or raises TimeoutError."""
     deadline = asyncio.get_running_loop().time() + timeout_s
-    async with aio_channel(address, credentials=credentials) as channel:
+    async with aio_channel(address, credentials=credentials, tls_name=tls_name) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         last = "no answer yet"
         while True:

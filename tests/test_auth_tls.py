@@ -29,7 +29,7 @@ from draft_service.engine import ModelDrafter
 from harness import InProcessStack
 from specdec import AsyncClient, Client, SpecdecError, TlsClientConfig, Unauthenticated, Unavailable
 from specdec.cli import _coordinator_config, _parser
-from specdec.config import ServerConfig
+from specdec.config import DnsDiscovery, ServerConfig
 from specdec.rpc import start_server
 from specdec.stack import Process, free_port, redis_argv
 from target_service.engine import TargetEngine
@@ -68,9 +68,11 @@ def certs(tmp_path_factory) -> SimpleNamespace:
     _make_cert(folder, "server", "ca", 2, "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n")
     _make_cert(folder, "client", "ca", 3, "extendedKeyUsage=clientAuth\n")
     _make_cert(folder, "rogue", "rogue-ca", 4, "extendedKeyUsage=clientAuth\n")
+    # Names a host only, as a certificate issued for a Service does: dialling its IP does not match it.
+    _make_cert(folder, "named", "ca", 5, "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n")
     return SimpleNamespace(**{
         f"{name}_{part}": folder / f"{name}.{ext}"
-        for name in ("ca", "server", "client", "rogue") for part, ext in (("cert", "pem"), ("key", "key"))
+        for name in ("ca", "server", "client", "rogue", "named") for part, ext in (("cert", "pem"), ("key", "key"))
     })
 
 
@@ -338,3 +340,30 @@ def test_plaintext_health_port_beside_a_tls_server(certs):
             await running.stop(0)
 
     asyncio.run(scenario())
+
+
+def test_discovered_replicas_are_checked_against_their_service_name(certs, tiny_target, tiny_draft, tiny_dir,
+                                                                    redis_url):
+    """Discovery dials replicas by IP, but their certificates name the Service: the coordinator checks
+    each certificate against the discovered name, not the IP."""
+    services = ServerConfig(tls_cert=certs.named_cert, tls_key=certs.named_key)
+    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
+                           redis_url, services=services)
+    try:
+        stack.target_address = stack.add_target(stack.target_engine)
+        stack.draft_address = stack.add_draft(stack.draft_engine)
+        tls = TlsClientConfig(ca=certs.ca_cert)
+        with pytest.raises(TimeoutError, match="UNAVAILABLE"):  # by IP, the certificate does not match
+            stack.add_coordinator(backend_tls=tls, startup_timeout_s=2.0)
+        port = {role: int(getattr(stack, f"{role}_address").rsplit(":", 1)[1]) for role in ("draft", "target")}
+        address = stack.add_coordinator(
+            draft_addresses=(), target_addresses=(), backend_tls=tls, discovery_interval_s=0.5,
+            draft_discovery=DnsDiscovery("localhost", port["draft"]),
+            target_discovery=DnsDiscovery("localhost", port["target"]),
+        )
+        with Client(address, timeout=60) as client:
+            result = client.complete(PROMPT, max_new_tokens=12, k=3)
+        assert result.token_ids == reference(tiny_target, PROMPT, 12)
+        assert result.stats.drafted_tokens > 0
+    finally:
+        stack.close()
