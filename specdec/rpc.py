@@ -64,6 +64,11 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # gRPC's reconnect backoff grows to minutes while a peer is down; a restarted coordinator or
+        # replica must be found again within a second, inside any caller's retry budget.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 

@@ -4,6 +4,7 @@ and Redis, tiny models)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -181,3 +182,39 @@ def test_stores_refuse_a_writer_with_an_older_fence(kind, redis_url):
             await store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_restarted_peer_is_found_again_within_a_second():
+    """After seconds of refused connections, gRPC's default reconnect backoff would leave a channel
+    failing fast for seconds more after its peer is back, longer than the SDK's retry budget; the
+    channels specdec opens retry the connection at least once a second."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from specdec.rpc import channel_options
+    from specdec.stack import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    with grpc.insecure_channel(address, options=channel_options(1 << 20)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        down_until = time.monotonic() + 6.5  # several failed connection attempts
+        while time.monotonic() < down_until:
+            with pytest.raises(grpc.RpcError):
+                stub.Check(health_pb2.HealthCheckRequest(), timeout=0.2)
+            time.sleep(0.05)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+        server.add_insecure_port(address)
+        server.start()
+        try:
+            back = time.monotonic()
+            while True:
+                try:
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=0.2)
+                    break
+                except grpc.RpcError:
+                    time.sleep(0.05)
+            assert time.monotonic() - back < 1.5
+        finally:
+            server.stop(0)

@@ -15,12 +15,11 @@ from specdec import Client
 from specdec.stack import LocalStack, Process, StackConfig, child_env, wait_for_line
 from target_service.tensor_parallel import shard_llama, split
 
-NEW_TOKENS = 32
+NEW_TOKENS = 24
 PROMPTS = [
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
     [{"role": "user", "content": "Write a short poem about the sea."}],
-    "The history of the printing press begins in",
 ]
 
 
@@ -74,7 +73,7 @@ def test_tp2_stack_greedy_equals_single_process(references, default_model, tmp_p
                 result = client.complete(prompt, max_new_tokens=NEW_TOKENS)
                 accepted += result.stats.accepted_tokens
                 check_against_reference(result, prompt, ids, expected, default_model.model)
-            sampled = [client.complete(PROMPTS[2], max_new_tokens=16, temperature=0.8, seed=7) for _ in range(2)]
+            sampled = [client.complete(PROMPTS[2], max_new_tokens=8, temperature=0.8, seed=7) for _ in range(2)]
         assert accepted > 0
         assert sampled[0].token_ids == sampled[1].token_ids
         assert all(shard.is_running() for shard in shards)
