@@ -135,13 +135,18 @@ def _coordinator_config(args) -> CoordinatorConfig:
 def _tensor_parallel(args) -> TensorParallelConfig:
     """The target's tensor-parallel place: from torchrun's variables when a launcher set them, else
     rank 0 of ``--tp`` ranks that this process starts."""
-    if "WORLD_SIZE" in os.environ:
-        return TensorParallelConfig(
-            world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ.get("RANK", "0")),
-            master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"), master_port=int(os.environ.get("MASTER_PORT", "0")),
-            launched=True,
-        )
-    return TensorParallelConfig(world_size=args.tp)
+    try:
+        if "WORLD_SIZE" in os.environ:
+            launcher = os.environ.get("SPECDEC_TP_LAUNCHER_PID")
+            return TensorParallelConfig(
+                world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ.get("RANK", "0")),
+                master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                master_port=int(os.environ.get("MASTER_PORT", "0")), launched=True,
+                launcher_pid=int(launcher) if launcher else None,
+            )
+        return TensorParallelConfig(world_size=args.tp)
+    except ValueError as exc:
+        raise SystemExit(f"specdec: {exc} (--tp, or torchrun's WORLD_SIZE / RANK)") from None
 
 
 def _add_cache_limits(p: argparse.ArgumentParser) -> None:

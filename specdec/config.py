@@ -111,6 +111,8 @@ class TensorParallelConfig:
     master_port: int = 0
     # True when torchrun (or another launcher) started every rank; else rank 0 starts the others.
     launched: bool = False
+    # The process that started this follower (rank 0 when it launched the group); None: the parent.
+    launcher_pid: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:

@@ -251,6 +251,7 @@ async def start_server(
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, health_server)
         health_port = health_server.add_insecure_port(f"{config.host}:{config.health_port}")
         if health_port == 0:
+            await server.stop(0)
             raise OSError(f"could not bind the health port {config.host}:{config.health_port}")
         await health_server.start()
     running = RunningServer(server, health_servicer, port, service_names, health_server, health_port)

@@ -27,7 +27,7 @@ from specdec.wire import hidden_to_pb, pass_load_to_pb, sampling_from_pb
 from target_service.engine import SparseQ, TargetEngine, VerifyCall, stamp_queue_wait
 from target_service.tensor_parallel import (
     LeaderEngine,
-    die_with_parent,
+    become_follower,
     follow,
     follower_engine,
     join_group,
@@ -116,11 +116,12 @@ def main(config: TargetConfig) -> None:
     """
     torch.set_num_threads(config.model.threads)
     tp = config.tp
+    if tp.rank > 0:
+        become_follower(tp.launcher_pid)
     if tp.world_size > 1:
         join_group(tp)
     loaded = load_shard(config)
     if tp.rank > 0:
-        die_with_parent()
         follow(follower_engine(loaded))
         return
     engine = TargetEngine(loaded, config.model.max_sessions, **config.model.cache_limits())

@@ -18,6 +18,10 @@ pair up. The engine's decisions are deterministic given its inputs, and the all-
 are identical on every rank, so each rank's session caches stay identical in shape to rank 0's.
 Caches rank 0 drops on its own (idle expiry, LRU and budget eviction) are sent with the next call,
 so a follower never evicts by itself.
+
+A failed collective means the group is broken (a rank died, or the ranks fell out of step): any rank
+that sees one exits at once, rather than pair later all-reduces with the wrong pass, and its
+supervisor restarts the whole replica.
 """
 
 from __future__ import annotations
@@ -75,8 +79,23 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear(x)
-        dist.all_reduce(out)
+        collective(dist.all_reduce, out)
         return out
+
+
+def collective(op, *args: Any) -> None:
+    """Runs one collective; a failure ends this process (see the module docstring)."""
+    try:
+        op(*args)
+    except Exception as exc:  # noqa: BLE001 - any failure leaves the group unusable
+        group_broken(exc)
+
+
+def group_broken(exc: BaseException) -> None:
+    """Exits now: this rank cannot take part in the group's passes any more."""
+    log.critical("tensor-parallel group broken (%s); exiting so the whole replica restarts", exc)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _slice_linear(linear: nn.Linear, rows: range | None = None, cols: range | None = None) -> nn.Linear:
@@ -130,7 +149,7 @@ class _Call:
 
 def _broadcast(call: _Call | None) -> _Call:
     box = [call]
-    dist.broadcast_object_list(box, src=0)
+    collective(dist.broadcast_object_list, box, 0)
     return box[0]
 
 
@@ -165,6 +184,8 @@ class LeaderEngine:
         return self._engine.batches
 
     def _announce(self, method: str, *args: Any, new_id: str | None = None) -> None:
+        if self._closed:
+            raise RuntimeError("the target is shutting down")
         live = self._engine.caches.ids()
         gone = tuple(self._told - live)
         self._told = live | ({new_id} if new_id else set())
@@ -197,7 +218,10 @@ class LeaderEngine:
         with self._lock:
             sizes = self._engine.warmup_sizes()
             self._announce("warmup", sizes)
-            self._engine.warmup(sizes)
+            try:
+                self._engine.warmup(sizes)
+            except BaseException as exc:  # noqa: BLE001 - the followers would run passes rank 0 skipped
+                group_broken(exc)
 
     def close(self) -> None:
         """Tells the followers to exit."""
@@ -208,7 +232,7 @@ class LeaderEngine:
 
     def _ping(self) -> None:
         # Followers block in a broadcast that times out after GROUP_TIMEOUT: an idle replica keeps
-        # them waiting on purpose, not by a lost leader.
+        # them waiting on purpose, not by a lost leader. A failed ping ends the process (collective).
         while not self._closed:
             time.sleep(PING_EVERY_S / 4)
             with self._lock:
@@ -232,7 +256,7 @@ def follow(engine: TargetEngine) -> None:
         try:
             getattr(engine, call.method)(*call.args)
         except Exception as exc:  # noqa: BLE001 - the same call fails on rank 0, which answers the client
-            log.debug("replayed %s failed as on rank 0: %s", call.method, exc)
+            log.warning("replayed %s failed (rank 0 reports the same error to its caller): %s", call.method, exc)
 
 
 def follower_engine(loaded: LoadedModel) -> TargetEngine:
@@ -253,20 +277,26 @@ def launch_followers(tp: TensorParallelConfig, argv: list[str]) -> list[subproce
     procs = []
     for rank in range(1, tp.world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp.world_size),
-                   MASTER_ADDR=tp.master_addr, MASTER_PORT=str(tp.master_port))
+                   MASTER_ADDR=tp.master_addr, MASTER_PORT=str(tp.master_port),
+                   SPECDEC_TP_LAUNCHER_PID=str(os.getpid()))
         procs.append(subprocess.Popen([sys.executable, "-m", "specdec.cli", *argv], env=env))
     return procs
 
 
-def die_with_parent() -> None:
-    """Has the kernel kill this process when its launcher dies (Linux): a follower outliving a killed
-    rank 0 would otherwise hold its memory until the group times out."""
+def become_follower(launcher_pid: int | None) -> None:
+    """Readies a follower process before it joins the group.
+
+    It dies with its launcher (Linux ``PR_SET_PDEATHSIG``): one outliving a killed rank 0 would hold
+    its memory until the group times out. It ignores SIGINT and SIGTERM: those are for rank 0, which
+    drains and then tells the followers to stop; a follower stopped mid-pass would break the pass.
+    """
     import ctypes
 
-    parent = os.getppid()
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the launcher died before the request took effect
+    if os.getppid() != (launcher_pid or os.getppid()):  # the launcher died before that took effect
         os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def watch_followers(procs: list[subprocess.Popen]) -> None:

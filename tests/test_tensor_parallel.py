@@ -87,6 +87,23 @@ def _start_tp2_target(tiny_dir, tmp_path) -> Process:
     return proc
 
 
+def test_sigterm_is_for_rank_0_which_drains_and_stops_its_shards(tiny_dir, tmp_path):
+    """A follower stopped mid-pass would break the pass: it ignores SIGTERM, and exits when rank 0,
+    having drained, tells it to."""
+    proc = _start_tp2_target(tiny_dir, tmp_path)
+    try:
+        shard = psutil.Process(proc.popen.pid).children()[0]
+        shard.terminate()
+        time.sleep(1.0)
+        assert shard.is_running() and shard.status() != psutil.STATUS_ZOMBIE
+        proc.popen.terminate()
+        assert proc.popen.wait(timeout=30) == 0, proc.log_tail()
+        shard.wait(timeout=30)  # not our child: its exit status went to rank 0
+        assert "exited with" not in proc.log_tail()  # rank 0 saw it stop cleanly (status 0)
+    finally:
+        proc.stop()
+
+
 def test_shard_dies_with_rank_0(tiny_dir, tmp_path):
     """A follower whose rank 0 was killed does not linger holding its shard."""
     proc = _start_tp2_target(tiny_dir, tmp_path)
