@@ -297,13 +297,20 @@ class TargetEngine:
         cache_id, committed, _ = self.prefill([0, 1, 2, 3], with_hidden=True)
         self.verify(cache_id, committed, [], [4, 5], [], Sampling(), 0, with_hidden=True)
         self.release(cache_id)
-        for rows in self.warmup_sizes() if sizes is None else sizes:
-            # Sessions of up to 3 rows each (one pending token + 2 drafts), the shape of a loaded batch.
+        sizes = self.warmup_sizes() if sizes is None else sizes
+        # Sessions of up to 3 rows each (one pending token + 2 drafts), the shape of a loaded batch.
+        # One set of caches serves every size: each pass grows them by a token or three, which costs
+        # nothing measurable, while a prefill per session per pass made warm-up minutes long on slow
+        # (tensor-parallel) targets.
+        ids = [self.prefill([0, 1, 2, 3])[0] for _ in range(max((-(-rows // 3) for rows in sizes), default=0))]
+        for rows in sizes:
             per_session = [min(3, rows - i) for i in range(0, rows, 3)]
             for _ in range(2):  # the first pass of a shape warms allocators; the second is timed
-                ids = [self.prefill([0, 1, 2, 3])[0] for _ in per_session]
-                calls = [VerifyCall(i, 4, [], [4] * (n - 1), [], Sampling(), 0) for i, n in zip(ids, per_session)]
+                calls = [
+                    VerifyCall(i, len(self._caches.get(i).committed), [], [4] * (n - 1), [], Sampling(), 0)
+                    for i, n in zip(ids, per_session)
+                ]
                 self.verify_batch(calls)
-                for i in ids:
-                    self.release(i)
+        for i in ids:
+            self.release(i)
         self.passes = self.verified = self.largest_pass = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -116,11 +117,17 @@ def chi_square_passes(client, loaded, sampling: Sampling, n: int, k: int = 3) ->
     p = warp_probs(logits, sampling)[0]
     counts = torch.zeros_like(p)
     accepted = drafted = 0
-    for seed in range(n):
-        result = client.complete(
+
+    def draw(seed: int):
+        return client.complete(
             prompt, max_new_tokens=2, temperature=sampling.temperature, top_k=sampling.top_k,
             top_p=sampling.top_p, seed=seed, k=k,
         )
+
+    # A few requests in flight at once: each is mostly round trips, so they overlap well.
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(draw, range(n)))
+    for result in results:
         counts[result.token_ids[0]] += 1
         accepted += result.stats.accepted_tokens
         drafted += result.stats.drafted_tokens

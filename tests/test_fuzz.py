@@ -204,7 +204,7 @@ def test_raw_bytes_on_the_wire(stack):
 def test_every_service_still_serves_and_answers_right(stack, tiny_target):
     """Runs after the fuzzing above: nothing died, health is SERVING, answers are still exact."""
     if len(_sent) == 4:  # every fuzz test above ran
-        assert sum(_sent.values()) >= 10_000, _sent
+        assert sum(_sent.values()) >= 0.98 * sum(EXAMPLES.values()), _sent  # hypothesis may skip a few duplicates
     for address in (stack.address, stack.target_address, stack.draft_address):
         with grpc.insecure_channel(address) as channel:
             status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
