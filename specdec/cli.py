@@ -133,20 +133,27 @@ def _coordinator_config(args) -> CoordinatorConfig:
 
 
 def _tensor_parallel(args) -> TensorParallelConfig:
-    """The target's tensor-parallel place: from torchrun's variables when a launcher set them, else
-    rank 0 of ``--tp`` ranks that this process starts."""
+    """The target's tensor-parallel place: rank 0 of ``--tp`` ranks that this process starts, or, when
+    a launcher such as torchrun started every rank (WORLD_SIZE set), this rank of that group.
+
+    torchrun's variables count only with ``--tp`` above 1, and must agree with it: a WORLD_SIZE left
+    in the environment by some other job never turns a plain target into one rank of a group.
+    """
     try:
-        if "WORLD_SIZE" in os.environ:
+        if args.tp > 1 and "WORLD_SIZE" in os.environ:
+            world_size = int(os.environ["WORLD_SIZE"])
+            if world_size != args.tp:
+                raise ValueError(f"--tp {args.tp} but the launcher started {world_size} ranks (WORLD_SIZE)")
             launcher = os.environ.get("SPECDEC_TP_LAUNCHER_PID")
             return TensorParallelConfig(
-                world_size=int(os.environ["WORLD_SIZE"]), rank=int(os.environ.get("RANK", "0")),
+                world_size=world_size, rank=int(os.environ.get("RANK", "0")),
                 master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
                 master_port=int(os.environ.get("MASTER_PORT", "0")), launched=True,
                 launcher_pid=int(launcher) if launcher else None,
             )
         return TensorParallelConfig(world_size=args.tp)
     except ValueError as exc:
-        raise SystemExit(f"specdec: {exc} (--tp, or torchrun's WORLD_SIZE / RANK)") from None
+        raise SystemExit(f"specdec: tensor parallel: {exc}") from None
 
 
 def _add_cache_limits(p: argparse.ArgumentParser) -> None:

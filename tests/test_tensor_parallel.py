@@ -31,6 +31,29 @@ def test_split_is_contiguous_and_balanced():
     assert [i for r in parts for i in r] == list(range(10))
 
 
+def test_cli_reads_the_group_from_torchrun_only_with_tp(monkeypatch):
+    from specdec.cli import _parser, _tensor_parallel
+
+    def place(*flags):
+        return _tensor_parallel(_parser().parse_args(["serve-target", *flags]))
+
+    monkeypatch.delenv("SPECDEC_TENSOR_PARALLEL", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "8")  # left behind by some other job
+    assert place().world_size == 1
+    with pytest.raises(SystemExit, match="--tp 2 but the launcher started 8 ranks"):
+        place("--tp", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("MASTER_PORT", "29511")
+    tp = place("--tp", "2")
+    assert (tp.world_size, tp.rank, tp.master_port, tp.launched) == (2, 1, 29511, True)
+    monkeypatch.delenv("WORLD_SIZE")
+    tp = place("--tp", "2")
+    assert (tp.world_size, tp.rank, tp.launched) == (2, 0, False)
+    with pytest.raises(SystemExit, match="outside a group"):
+        place("--tp", "0")
+
+
 def test_shard_keeps_its_heads_and_refuses_more_ranks_than_kv_heads(tiny_dir):
     from specdec.models import load_model
 
