@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -94,16 +94,6 @@ class ReplicaSet(Generic[R]):
                 # Kept while requests still hold it: their release must balance the count.
                 del self._running[address]
         return replica
-
-    def update(self, addresses: Iterable[str], make: Callable[[str], R]) -> tuple[list[R], list[R]]:
-        """Makes the members exactly ``addresses``: each new one gets a replica from ``make``, each
-        departed one is retired. Returns (joined, retired)."""
-        wanted = list(dict.fromkeys(addresses))
-        retired = [self.retire(a) for a in list(self.by_address) if a not in wanted]
-        joined = [make(a) for a in wanted if a not in self.by_address]
-        for replica in joined:
-            self.add(replica)
-        return joined, retired
 
     def find(self, address: str) -> R | None:
         """The member at ``address``, else a retired replica there whose channel is still open (a

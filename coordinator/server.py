@@ -46,6 +46,7 @@ from specdec.rpc import (
     lenient_service,
     serve_forever,
     start_server,
+    status_of,
     wait_ready,
 )
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
@@ -163,7 +164,7 @@ _STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, BackendRejected):
         return exc.code, str(exc)
-    code = next((code for kind, code in _STATUS_OF if isinstance(exc, kind)), None)
+    code = status_of(exc, _STATUS_OF)
     if code is not None:
         return code, str(exc)
     log.exception("request failed unexpectedly")

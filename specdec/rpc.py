@@ -36,9 +36,12 @@ _STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 )
 
 
-def status_of(exc: BaseException) -> grpc.StatusCode | None:
-    """The gRPC status a core exception maps to, or None for an unexpected one."""
-    for kind, code in _STATUS_OF:
+def status_of(
+    exc: BaseException, table: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = _STATUS_OF
+) -> grpc.StatusCode | None:
+    """The gRPC status an exception maps to in ``table`` (by default the cores' errors), or None for
+    an unexpected one."""
+    for kind, code in table:
         if isinstance(exc, kind):
             return code
     return None

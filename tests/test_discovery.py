@@ -137,8 +137,8 @@ def test_replica_set_membership_changes_move_sessions_and_close_idle_channels():
     replicas = ReplicaSet([FakeReplica("a"), FakeReplica("b")], rest_s=60)
     a = replicas.by_address["a"]
     replicas.hold(None, "a")
-    joined, retired = replicas.update(["b", "c"], FakeReplica)
-    assert [r.address for r in joined] == ["c"] and retired == [a]
+    assert replicas.retire("a") is a and replicas.retire("a") is None
+    replicas.add(FakeReplica("c"))
     # The departed replica is never usable again; its session moves to the least busy member.
     assert not replicas.usable("a") and replicas.pick(CacheRef("a", "x", 3)).address in ("b", "c")
     assert replicas.find("a") is a  # a call already placed there may still finish
@@ -149,9 +149,12 @@ def test_replica_set_membership_changes_move_sessions_and_close_idle_channels():
     replicas.hold("a", "c")  # the session moved off the departed replica
     replicas.hold(None, "b")
     # Back again, the address holds nothing: the least busy replica for a new session.
-    replicas.update(["a", "b", "c"], FakeReplica)
+    replicas.add(FakeReplica("a"))
     assert replicas.pick(None).address == "a" and replicas.by_address["a"] is not a
-    replicas.update([], FakeReplica)
+    with pytest.raises(ValueError, match="already a member"):
+        replicas.add(FakeReplica("a"))
+    for address in ("a", "b", "c"):
+        replicas.retire(address)
     assert len(replicas) == 0 and replicas.pick(None) is None
 
 

@@ -45,16 +45,21 @@ def near_tie(model, context: list[int], threshold: float = 0.02) -> tuple[bool, 
     return gap < threshold, gap
 
 
+def hf_greedy(loaded, prompts, new_tokens: int) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, target-only greedy continuation by HF generate) of each prompt."""
+    out = []
+    for prompt in prompts:
+        ids = prompt_ids(loaded.tokenizer, prompt)
+        with torch.inference_mode():
+            gen = loaded.model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+        out.append((ids, gen[0, len(ids) :].tolist()))
+    return out
+
+
 @pytest.fixture(scope="module")
 def references(default_model):
     """Target-only greedy output of HF generate, computed before any server competes for the cores."""
-    out = []
-    for prompt in PROMPTS:
-        ids = prompt_ids(default_model.tokenizer, prompt)
-        with torch.inference_mode():
-            gen = default_model.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        out.append((ids, gen[0, len(ids) :].tolist()))
-    return out
+    return hf_greedy(default_model, PROMPTS, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psutil
 import pytest
 import torch
-from test_e2e_default_model import check_against_reference, prompt_ids
+from test_e2e_default_model import check_against_reference, hf_greedy
 
 from specdec import Client
 from specdec.stack import LocalStack, Process, StackConfig, child_env, wait_for_line
@@ -74,13 +76,7 @@ def test_shard_keeps_its_heads_and_refuses_more_ranks_than_kv_heads(tiny_dir):
 @pytest.fixture(scope="module")
 def references(default_model):
     """Single-process greedy output of HF generate on the whole model."""
-    out = []
-    for prompt in PROMPTS:
-        ids = prompt_ids(default_model.tokenizer, prompt)
-        with torch.inference_mode():
-            gen = default_model.model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        out.append((ids, gen[0, len(ids):].tolist()))
-    return out
+    return hf_greedy(default_model, PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.slow
@@ -102,20 +98,23 @@ def test_tp2_stack_greedy_equals_single_process(references, default_model, tmp_p
         assert all(shard.is_running() for shard in shards)
 
 
-def _start_tp2_target(tiny_dir, tmp_path) -> Process:
+@contextmanager
+def _tp2_target(tiny_dir, tmp_path) -> Iterator[tuple[Process, psutil.Process]]:
+    """A tiny target sharded over two processes, serving: (rank 0, its follower)."""
     argv = [sys.executable, "-m", "specdec.cli", "serve-target", "--port", "0", "--model", str(tiny_dir / "target"),
             "--cache-dir", str(tiny_dir), "--threads", "1", "--tp", "2"]
     proc = Process("target", argv, tmp_path, child_env(1, passive=True))
-    wait_for_line(proc, "READY ", 120.0)
-    return proc
+    try:
+        wait_for_line(proc, "READY ", 120.0)
+        yield proc, psutil.Process(proc.popen.pid).children()[0]
+    finally:
+        proc.stop()
 
 
 def test_sigterm_is_for_rank_0_which_drains_and_stops_its_shards(tiny_dir, tmp_path):
     """A follower stopped mid-pass would break the pass: it ignores SIGTERM, and exits when rank 0,
     having drained, tells it to."""
-    proc = _start_tp2_target(tiny_dir, tmp_path)
-    try:
-        shard = psutil.Process(proc.popen.pid).children()[0]
+    with _tp2_target(tiny_dir, tmp_path) as (proc, shard):
         shard.terminate()
         time.sleep(1.0)
         assert shard.is_running() and shard.status() != psutil.STATUS_ZOMBIE
@@ -123,31 +122,21 @@ def test_sigterm_is_for_rank_0_which_drains_and_stops_its_shards(tiny_dir, tmp_p
         assert proc.popen.wait(timeout=30) == 0, proc.log_tail()
         shard.wait(timeout=30)  # not our child: its exit status went to rank 0
         assert "exited with" not in proc.log_tail()  # rank 0 saw it stop cleanly (status 0)
-    finally:
-        proc.stop()
 
 
 def test_shard_dies_with_rank_0(tiny_dir, tmp_path):
     """A follower whose rank 0 was killed does not linger holding its shard."""
-    proc = _start_tp2_target(tiny_dir, tmp_path)
-    try:
-        shard = psutil.Process(proc.popen.pid).children()[0]
+    with _tp2_target(tiny_dir, tmp_path) as (proc, shard):
         proc.popen.kill()
         shard.wait(timeout=20)
-    finally:
-        proc.stop()
 
 
 def test_replica_stops_when_a_shard_dies(tiny_dir, tmp_path):
     """A target missing a shard cannot run a pass: rank 0 exits rather than hang, so it gets restarted."""
-    proc = _start_tp2_target(tiny_dir, tmp_path)
-    try:
-        shard = psutil.Process(proc.popen.pid).children()[0]
+    with _tp2_target(tiny_dir, tmp_path) as (proc, shard):
         shard.kill()
         deadline = time.monotonic() + 20
         while proc.popen.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
         assert proc.popen.returncode == 1, proc.log_tail()
         assert "exited with -9; this replica stops" in proc.log_tail()
-    finally:
-        proc.stop()
