@@ -194,6 +194,20 @@ class CostModel:
         gain = 1.05 if load.sessions > 1 else 1.0001
         return choose_k(rates, draft, verify, self.k_max, load.others_committed, gain)
 
+    def choose_free(self, tracker: AcceptanceTracker, load: PassLoad | None, available: int) -> int:
+        """The best k for a proposal that costs nothing to make and delays no one (prompt lookup in
+        the coordinator, ``available`` tokens long): only the verify rows it adds count against it.
+
+        On shared cores this is what speculation can still win under load: the rows are cheap beside
+        a pass that reads every weight anyway, and no draft computes on the cores the pass needs.
+        """
+        rates = tracker.rates(available)
+        free = [0.0] * (available + 1)
+        if load is None or not load.curve_ms:
+            return choose_k(rates, free, self.curve(), available)
+        verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
+        return choose_k(rates, free, verify, available, load.others_committed)
+
     def worth_probing(self, load: PassLoad | None) -> bool:
         """Whether an excellent draft (every token accepted 9 times in 10) would be used under this
         load: if not, trying the draft now would only cost the batch."""

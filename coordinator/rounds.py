@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 
-from coordinator.adaptive import AcceptanceTracker, CostModel
+from coordinator.adaptive import AcceptanceTracker, CostModel, add_counts
 from coordinator.backends import (
     BackendRejected,
     BackendUnavailable,
@@ -42,6 +42,7 @@ from specdec.config import FEATURE_KIND
 from specdec.kvcache import common_prefix_len
 from specdec.metrics import CoordinatorMetrics
 from specdec.models import ModelFacts
+from specdec.ngram import propose_ngram
 from specdec.sampling import Sampling
 from specdec.v1.common_pb2 import HiddenStates
 
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 _PROBE_EVERY = 8
 # Seconds a target's load report stays current for choosing k.
 _LOAD_FRESH_S = 1.0
+# Longest context suffix the coordinator's own prompt lookup matches.
+_LOOKUP_MAX_N = 4
 
 
 class SessionNotFound(LookupError):
@@ -113,16 +116,27 @@ class Stats:
     time_to_first_token_ms: float = 0.0
     # Committed tokens per round, summed: accepted + 1 before any truncation at a stop.
     committed_in_rounds: int = 0
-    # Acceptance by draft position; it also steers the adaptive choice of k.
+    # Acceptance by draft position of the draft service's proposals; it steers the adaptive choice of k.
     positions: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    # The same for the coordinator's own prompt lookup. Its hits follow long repeats, so they start
+    # from a higher prior (offline, along the benchmark prompts' greedy continuations, a hit from a
+    # suffix of 3+ tokens passed 0.70-0.80 per position).
+    lookup: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(prior=0.7))
 
-    def add_round(self, drafted: int, accepted: int, committed: int) -> None:
-        """Counts one finished round."""
+    def add_round(self, drafted: int, accepted: int, committed: int, looked_up: bool = False) -> None:
+        """Counts one finished round; ``looked_up``: the coordinator's prompt lookup drafted it."""
         self.rounds += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.committed_in_rounds += committed
-        self.positions.record(drafted, accepted)
+        (self.lookup if looked_up else self.positions).record(drafted, accepted)
+
+    def by_position(self) -> tuple[list[int], list[int]]:
+        """Drafted and accepted counts by draft position, over every source of proposals."""
+        drafted, accepted = list(self.positions.drafted), list(self.positions.accepted)
+        add_counts(drafted, self.lookup.drafted)
+        add_counts(accepted, self.lookup.accepted)
+        return drafted, accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -169,6 +183,7 @@ class RoundLoop:
         metrics: CoordinatorMetrics | None = None,
         draft_colocated: bool = False,
         max_sessions_per_client: int = 0,
+        free_lookup_min: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._facts = target_facts
@@ -195,6 +210,7 @@ class RoundLoop:
         # Whether the targets report their passes (a target that does not batch reports none).
         self._batching_targets = True
         self._max_sessions_per_client = max_sessions_per_client
+        self._free_lookup_min = free_lookup_min
 
     def draft_joined(self, facts: ModelFacts) -> None:
         """A draft replica joined while running: a feature draft needs the target's hidden states
@@ -310,15 +326,19 @@ class RoundLoop:
                 room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
                 k = self._choose_k(fixed_k, costs, stats, sampling, target_ref.address, turn.rounds_without_draft)
                 k_round = max(0, min(k, room - 1))
+                looked_up = None
+                if k_round == 0 and fixed_k is None and sampling.greedy:
+                    looked_up = self._free_lookup(committed, costs, stats, target_ref.address, room - 1)
                 draft, verdict, draft_ref, target_ref, hidden = await self._round(
                     turn.round, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s,
-                    record.fence,
+                    record.fence, looked_up,
                 )
                 holding.update(draft_ref, target_ref)
                 drafted = len(draft.tokens) if draft else 0
-                turn.rounds_without_draft = 0 if drafted else turn.rounds_without_draft + 1
+                model_drafted = drafted if looked_up is None else 0
+                turn.rounds_without_draft = 0 if model_drafted else turn.rounds_without_draft + 1
                 turn.round += 1
-                stats.add_round(drafted, verdict.accepted, len(verdict.tokens))
+                stats.add_round(drafted, verdict.accepted, len(verdict.tokens), looked_up is not None)
 
                 new = verdict.tokens
                 eos = next((i for i, t in enumerate(new) if t in self._facts.eos_token_ids), None)
@@ -390,6 +410,23 @@ class RoundLoop:
             return 1
         return k
 
+    def _free_lookup(
+        self, committed: list[int], costs: CostModel, stats: Stats, address: str, room: int
+    ) -> DraftResult | None:
+        """A prompt-lookup proposal the coordinator makes itself, for a greedy round the draft service
+        sits out: as many of the looked-up tokens as pay for the verify rows they add, or None."""
+        if not self._free_lookup_min or room <= 0:
+            return None
+        tokens = propose_ngram(committed, min(costs.k_max, room), _LOOKUP_MAX_N, self._free_lookup_min)
+        if not tokens:
+            return None
+        load = self._fresh_load(address)
+        if load is None and self._batching_targets:
+            return None  # the target's load is unknown: measure it first (as ``_choose_k`` does)
+        k = costs.choose_free(stats.lookup, load, len(tokens))
+        # committed: the draft cache's length, which a local proposal leaves as it was.
+        return DraftResult(tokens[:k], [], 0) if k > 0 else None
+
     def _checkpoint(
         self, checkpoints: Checkpoints, record: SessionRecord, draft_ref: CacheRef | None, target_ref: CacheRef,
         stats: Stats,
@@ -413,15 +450,17 @@ class RoundLoop:
         stats: Stats,
         remaining_s: Callable[[], float | None],
         fence: int,
+        looked_up: DraftResult | None = None,
     ) -> tuple[DraftResult | None, VerifyResult, CacheRef | None, CacheRef, HiddenStates | None]:
         """One round in its own span: draft k tokens (if k > 0), verify, and time both.
 
         ``hidden`` holds target hidden states the draft has not been sent; the round returns what is
         still unsent afterwards. A draft that fails costs this round its speculation, never the request.
+        ``looked_up`` is the coordinator's own proposal for a round with k = 0: verified as drafted.
         """
         with self._tracer.start_as_current_span("specdec.round") as span:
             round_t0 = time.perf_counter()
-            draft, draft_ms, drafting = None, 0.0, False
+            draft, draft_ms, drafting = looked_up, 0.0, False
             # Picked once per round: picking rotates among equally busy replicas.
             replica = self._drafts.pick(draft_ref) if k > 0 else None
             if replica is not None:
@@ -461,6 +500,7 @@ class RoundLoop:
                 {
                     "specdec.round": round_index,
                     "specdec.k": drafted,
+                    "specdec.looked_up": looked_up is not None,
                     "specdec.accepted": verdict.accepted,
                     "specdec.draft_ms": draft_ms,
                     "specdec.verify_ms": verify_ms,

@@ -121,6 +121,7 @@ def fingerprint(request: coordinator_pb2.GenerateRequest) -> str:
 
 
 def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
+    by_position = stats.by_position()
     return coordinator_pb2.GenerationStats(
         prompt_tokens=stats.prompt_tokens,
         generated_tokens=stats.generated_tokens,
@@ -135,8 +136,8 @@ def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
         other_ms=stats.other_ms,
         total_ms=stats.total_ms,
         time_to_first_token_ms=stats.time_to_first_token_ms,
-        drafted_at_position=stats.positions.drafted,
-        accepted_at_position=stats.positions.accepted,
+        drafted_at_position=by_position[0],
+        accepted_at_position=by_position[1],
     )
 
 
@@ -304,7 +305,7 @@ async def start_coordinator(
         want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
         loop = RoundLoop(tokenizer, target_facts[0], draft_set, target_set, store, tracer, config.default_k,
                          config.max_auto_k, want_hidden=want_hidden, metrics=metrics,
-                         draft_colocated=config.draft_colocated,
+                         draft_colocated=config.draft_colocated, free_lookup_min=config.free_lookup_min,
                          max_sessions_per_client=config.admission.max_sessions_per_client)
         if config.draft_discovery is not None:
             source = open_source(config.draft_discovery, config.discovery_interval_s, kubernetes_api)

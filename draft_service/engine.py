@@ -14,7 +14,7 @@ import torch
 
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import FeatureDraft, FeatureSession
-from draft_service.ngram import propose_ngram
+from specdec.ngram import propose_ngram
 from specdec.batching import waves
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.ragged import RaggedLayout

@@ -129,6 +129,7 @@ def _coordinator_config(args) -> CoordinatorConfig:
         admission=AdmissionLimits(args.max_active, args.max_queued, args.max_per_client,
                                   args.max_sessions_per_client),
         draft_colocated=args.draft_colocated,
+        free_lookup_min=args.free_lookup_min,
     )
 
 
@@ -235,6 +236,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(0: no limit)")
     p.add_argument("--draft-colocated", action="store_true",
                    help="draft and target share one machine's cores: under load, drafting also slows the target")
+    p.add_argument("--free-lookup-min", type=int, default=3,
+                   help="when the draft service is not worth its cost, propose by prompt lookup in the coordinator "
+                        "from context suffixes of this many tokens up (greedy requests; 0: off)")
     p.add_argument("--api-keys-file", type=Path, default=_path_env("API_KEYS_FILE"),
                    help="require an API key: one key, or one sha256:<hex> digest of a key, per line "
                         "(env SPECDEC_API_KEYS_FILE; env SPECDEC_API_KEYS adds comma-separated keys)")

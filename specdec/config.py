@@ -237,6 +237,10 @@ class CoordinatorConfig:
     # The draft shares the target's cores (one machine without accelerators): under load a draft
     # call then slows the target's pass too, and k is chosen accordingly.
     draft_colocated: bool = False
+    # When the draft service is not worth its cost (a poor draft, or a shared pass on shared cores),
+    # the coordinator proposes by prompt lookup itself, from context suffixes of this many tokens up
+    # (greedy requests; 0: off). A lookup costs no draft compute, only the verify rows it adds.
+    free_lookup_min: int = 3
 
     def __post_init__(self) -> None:
         if self.draft_addresses and self.draft_discovery is not None:
@@ -245,3 +249,5 @@ class CoordinatorConfig:
             raise ValueError("target replicas come from a list or from discovery, not both")
         if not self.discovery_interval_s > 0:
             raise ValueError("the discovery interval must be positive")
+        if self.free_lookup_min < 0:
+            raise ValueError("free_lookup_min: must be 0 (off) or a suffix length of at least 1")

@@ -12,7 +12,7 @@ from coordinator.backends import CacheRef, ReplicaSet
 from coordinator.prompts import build_turn
 from coordinator.sessions import MemorySessionStore, SessionRecord
 from coordinator.textstream import TextStream
-from draft_service.ngram import propose_ngram
+from specdec.ngram import propose_ngram
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound
 from specdec.kvcache import CacheTable, SessionCache, kv_buffer_bytes
 

@@ -1,7 +1,9 @@
 """Prompt-lookup drafting: propose what followed the latest earlier occurrence of the context's tail.
 
-Needs no model. Proposals are deterministic, so for sampled requests q is a point mass on each
-proposed token, and speculative sampling stays exact (a token is then accepted with probability p(x)).
+Needs no model, so both the draft service (before its model) and the coordinator (when the draft
+service is not worth its cost) use it. Proposals are deterministic, so for sampled requests q is a
+point mass on each proposed token, and speculative sampling stays exact (a token is then accepted
+with probability p(x)).
 """
 
 from __future__ import annotations
