@@ -206,7 +206,10 @@ class CostModel:
         if load is None or not load.curve_ms:
             return choose_k(rates, free, self.curve(), available)
         verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
-        return choose_k(rates, free, verify, available, load.others_committed)
+        # A shared pass's curve carries the other sessions' noise, and near compute-bound a row's cost
+        # is close to its share of the pass: as for a draft, rows must promise a clear gain (5%).
+        gain = 1.05 if load.sessions > 1 else 1.0001
+        return choose_k(rates, free, verify, available, load.others_committed, gain)
 
     def worth_probing(self, load: PassLoad | None) -> bool:
         """Whether an excellent draft (every token accepted 9 times in 10) would be used under this

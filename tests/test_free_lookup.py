@@ -24,8 +24,9 @@ def _pass(sessions: int, first_ms: float, per_row_ms: float) -> PassLoad:
 def test_free_lookup_pays_where_rows_are_cheap_and_not_where_they_are_not():
     costs = CostModel(k_max=8)
     hits = AcceptanceTracker(prior=0.7)
-    # Two sessions on a pass that reads every weight anyway: rows are nearly free, take the whole find.
-    assert costs.choose_free(hits, _pass(2, 120.0, 3.0), 4) == 4
+    # Two sessions on a pass that reads every weight anyway: rows are nearly free, take most of the find
+    # (in a shared pass each further row must promise 5% more).
+    assert costs.choose_free(hits, _pass(2, 120.0, 3.0), 4) >= 3
     assert costs.choose_free(hits, _pass(2, 120.0, 3.0), 1) == 1  # never more than was found
     # Sixteen sessions on a compute-bound pass: a row costs its full share of the pass (13 ms of 210),
     # more than the 0.7 of a token it brings.
@@ -61,10 +62,11 @@ def test_rounds_the_draft_sits_out_are_drafted_by_lookup_and_stay_exact(tiny_tar
         assert looked_up, "no round was drafted by the coordinator's lookup"
         assert sum(s.attributes["specdec.accepted"] for s in looked_up) > 0
         assert result.stats.accepted_tokens >= sum(s.attributes["specdec.accepted"] for s in looked_up)
-        # A looked-up round calls no draft service: its only child is the target's verify.
+        # A looked-up round calls no draft service.
+        assert all(s.attributes["specdec.draft_ms"] == 0 for s in looked_up)
         drafts = {s.parent.span_id for s in stack.exporter.get_finished_spans()
                   if s.name.startswith("DraftService/") and s.parent is not None}
-        assert drafts and not any(s.context.span_id in drafts for s in looked_up)
+        assert not any(s.context.span_id in drafts for s in looked_up)
 
         stack.exporter.clear()
         with Client(off, timeout=60) as client:
