@@ -46,7 +46,7 @@ bench: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(BENCH_ARGS) --out reports/bench.json --plot reports/bench.png
 
 # Throughput and latency as concurrent sessions grow (closed loop): hf-batched, specdec-k0, specdec.
-LOAD_ARGS ?= --concurrency 1,2,4,8,16 --n 24 --max-new-tokens 48
+LOAD_ARGS ?= --concurrency 1,2,4,8,16 --n 24 --max-new-tokens 48 --repeats 2
 bench-load: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(LOAD_ARGS) --out reports/bench-load.json --plot reports/bench-load.png
 

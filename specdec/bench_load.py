@@ -39,6 +39,19 @@ class LevelResult:
     outputs: dict[str, list[int]] = field(default_factory=dict)
     drafted: int = 0
     rounds: int = 0
+    # Outputs of earlier runs of the same mode and level folded in by ``absorb``.
+    earlier_outputs: list[dict[str, list[int]]] = field(default_factory=list)
+
+    def absorb(self, other: LevelResult) -> None:
+        """Folds another run of the same mode and level into this one: tokens over seconds summed."""
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.ttft_ms += other.ttft_ms
+        self.per_token_ms += other.per_token_ms
+        self.drafted += other.drafted
+        self.rounds += other.rounds
+        self.earlier_outputs += [self.outputs, *other.earlier_outputs]
+        self.outputs = other.outputs
 
     def summary(self, reference: dict[str, list[int]] | None) -> dict:
         """The level's figures for the JSON report."""
@@ -52,8 +65,9 @@ class LevelResult:
         if self.rounds:
             entry["mean_k"] = round(self.drafted / self.rounds, 3)
         if reference is not None:
-            same = sum(1 for pid, out in self.outputs.items() if reference.get(pid) == out)
-            entry["exact"] = f"{same}/{len(self.outputs)}"
+            runs = [*self.earlier_outputs, self.outputs]
+            same = sum(1 for outputs in runs for pid, out in outputs.items() if reference.get(pid) == out)
+            entry["exact"] = f"{same}/{sum(len(outputs) for outputs in runs)}"
         return entry
 
 

@@ -284,6 +284,8 @@ def _parser() -> argparse.ArgumentParser:
                                     "with --concurrency: hf-batched,specdec-k0,specdec)")
     p.add_argument("--concurrency", type=_levels_arg,
                    help="closed-loop load levels, for example 1,2,4,8,16: throughput and latency per level")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --concurrency: runs of each specdec mode per level, in A B B A order, summed")
     p.add_argument("--address", help="use a running coordinator instead of starting a local stack")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process HF modes")
     p.add_argument("--out", type=Path, default=Path("reports/bench.json"))
@@ -387,6 +389,8 @@ def _bench_load(args) -> None:
         raise SystemExit(f"with --concurrency the modes are {LOAD_MODES}")
     if args.temperature != 0:
         raise SystemExit("--concurrency runs greedy (its exactness check compares with target-only output)")
+    if args.repeats < 1:
+        raise SystemExit("--repeats: at least 1")
     prompts = load_prompts(args.prompts, args.n)
     torch.set_num_threads(args.threads)
     loaded = load_model(args.target_model, args.cache_dir)
@@ -408,11 +412,16 @@ def _bench_load(args) -> None:
             address = stack.address
         try:
             for level in args.concurrency:
-                # Alternate the modes level by level, so slow drift of a shared machine hits both alike.
-                for mode in spec_modes:
-                    results.setdefault(mode, {})[level] = run_specdec_level(
-                        mode, address, prompts, level, args.max_new_tokens, args.k
-                    )
+                # The modes take turns at each level, in mirrored order on every second repeat (A B B A):
+                # a shared machine's speed drifts by tens of percent over minutes, and a drift that is
+                # steady across the level then falls on both modes alike.
+                for repeat in range(args.repeats):
+                    for mode in spec_modes if repeat % 2 == 0 else spec_modes[::-1]:
+                        run = run_specdec_level(mode, address, prompts, level, args.max_new_tokens, args.k)
+                        if repeat == 0:
+                            results.setdefault(mode, {})[level] = run
+                        else:
+                            results[mode][level].absorb(run)
         finally:
             if stack is not None:
                 stack.close()
@@ -420,7 +429,7 @@ def _bench_load(args) -> None:
         "config": {"prompts": str(args.prompts), "n": len(prompts), "max_new_tokens": args.max_new_tokens,
                    "concurrency": args.concurrency, "k": "auto" if args.k is None else args.k,
                    "draft_kind": args.draft_kind.split(",")[0], "target_threads": args.target_threads,
-                   "draft_threads": args.draft_threads, "hf_threads": args.threads},
+                   "draft_threads": args.draft_threads, "hf_threads": args.threads, "repeats": args.repeats},
         **summarize_load(results, reference_level.outputs),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -49,3 +49,15 @@ def test_report_has_percentiles_exactness_and_ratios():
     assert report["modes"]["specdec-k0"]["1"]["ttft_ms"] == {"p50": 25.0, "p95": 38.5}
     assert report["specdec_vs_k0"] == {"1": 1.2, "4": 1.0}
     assert report["scaling_vs_single_session"]["specdec-k0"] == {"1": 1.0, "4": 4.0}
+
+
+def test_repeated_runs_sum_tokens_and_seconds_and_check_every_output():
+    reference = {"a": [1, 2], "b": [3]}
+    first = LevelResult(tokens=3, seconds=1.0, ttft_ms=[10.0], outputs=dict(reference), drafted=2, rounds=4)
+    second = LevelResult(tokens=3, seconds=2.0, ttft_ms=[30.0], outputs={"a": [1, 2], "b": [5]}, drafted=0, rounds=3)
+    first.absorb(second)
+    entry = first.summary(reference)
+    assert entry["tokens_per_s"] == 2.0  # 6 tokens over 3 s, not the mean of 3.0 and 1.5
+    assert entry["exact"] == "3/4"  # the second run's mismatch counts
+    assert entry["mean_k"] == round(2 / 7, 3)
+    assert entry["ttft_ms"]["p50"] == 20.0
