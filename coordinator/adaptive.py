@@ -178,21 +178,13 @@ class CostModel:
         Without a load report (a target that does not batch) the verify costs are the ones measured
         here, call by call.
         """
-        rates = tracker.rates(self.k_max)
-        draft = self.draft_curve()
-        if load is None or not load.curve_ms:
-            return choose_k(rates, draft, self.curve(), self.k_max)
-        if self.colocated and load.sessions > 1:
+        if self.colocated and load is not None and load.curve_ms and load.sessions > 1:
             # The draft computes on the cores the shared pass needs, and a session that drafts falls
             # out of step with the batch, so the others' next pass runs without it. Neither shows in
             # the cost curve; measured on 2 shared cores at 2 sessions, even a draft costed twice
             # (mean k 0.36) ran 0.91x target-only. So a shared pass gets no draft from shared cores.
             return 0
-        verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
-        # In a shared pass the estimates carry other sessions' noise and a late draft delays them
-        # all: speculation must promise a clear gain (5%) before it is worth the risk.
-        gain = 1.05 if load.sessions > 1 else 1.0001
-        return choose_k(rates, draft, verify, self.k_max, load.others_committed, gain)
+        return self._best(tracker.rates(self.k_max), self.draft_curve(), load, self.k_max)
 
     def choose_free(self, tracker: AcceptanceTracker, load: PassLoad | None, available: int) -> int:
         """The best k for a proposal that costs nothing to make and delays no one (prompt lookup in
@@ -201,15 +193,19 @@ class CostModel:
         On shared cores this is what speculation can still win under load: the rows are cheap beside
         a pass that reads every weight anyway, and no draft computes on the cores the pass needs.
         """
-        rates = tracker.rates(available)
-        free = [0.0] * (available + 1)
+        return self._best(tracker.rates(available), [0.0] * (available + 1), load, available)
+
+    def _best(self, rates: list[float], draft: list[float], load: PassLoad | None, k_max: int) -> int:
+        """``choose_k`` over the target's reported pass curve, or over the costs measured here
+        without one (a target that does not batch)."""
         if load is None or not load.curve_ms:
-            return choose_k(rates, free, self.curve(), available)
+            return choose_k(rates, draft, self.curve(), k_max)
         verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
-        # A shared pass's curve carries the other sessions' noise, and near compute-bound a row's cost
-        # is close to its share of the pass: as for a draft, rows must promise a clear gain (5%).
+        # In a shared pass the estimates carry other sessions' noise, a late draft delays them all, and
+        # near compute-bound a row costs about its share of the pass: speculation, a free lookup too,
+        # must promise a clear gain (5%) before it is worth the risk.
         gain = 1.05 if load.sessions > 1 else 1.0001
-        return choose_k(rates, free, verify, available, load.others_committed, gain)
+        return choose_k(rates, draft, verify, k_max, load.others_committed, gain)
 
     def worth_probing(self, load: PassLoad | None) -> bool:
         """Whether an excellent draft (every token accepted 9 times in 10) would be used under this

@@ -417,12 +417,13 @@ class RoundLoop:
         sits out: as many of the looked-up tokens as pay for the verify rows they add, or None."""
         if not self._free_lookup_min or room <= 0:
             return None
-        tokens = propose_ngram(committed, min(costs.k_max, room), _LOOKUP_MAX_N, self._free_lookup_min)
-        if not tokens:
-            return None
         load = self._fresh_load(address)
         if load is None and self._batching_targets:
             return None  # the target's load is unknown: measure it first (as ``_choose_k`` does)
+        # The scan is linear in the context: only after the cheap checks, once per round.
+        tokens = propose_ngram(committed, min(costs.k_max, room), _LOOKUP_MAX_N, self._free_lookup_min)
+        if not tokens:
+            return None
         k = costs.choose_free(stats.lookup, load, len(tokens))
         # committed: the draft cache's length, which a local proposal leaves as it was.
         return DraftResult(tokens[:k], [], 0) if k > 0 else None
