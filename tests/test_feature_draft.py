@@ -16,7 +16,7 @@ from draft_service.token_draft import CARD_FILE, WEIGHTS_FILE, target_weights_ha
 from specdec.distill.collect import Sample
 from specdec.distill.evaluate import evaluate_feature
 from specdec.distill.feature_train import feature_batcher, feature_loss, make_feature_examples
-from specdec.distill.features import sample_features
+from specdec.distill.features import extract_features, sample_features
 from specdec.distill.train import TrainConfig, train
 from specdec.kvcache import HiddenRows
 from specdec.sampling import Sampling
@@ -123,6 +123,21 @@ def test_training_lowers_loss_and_evaluation_replays(tiny_target, tmp_path):
     assert after["mean_accepted_length"] > before["mean_accepted_length"]
     assert after["rounds"] > 0 and len(after["acceptance_by_position"]) == 3
 
+
+
+def test_feature_shards_resume_when_more_samples_arrive(tiny_target, tmp_path):
+    """A collection resumed with more data extends the last feature shard rather than misaligning it."""
+    r = random.Random(5)
+    samples = [Sample([r.randrange(4, 30) for _ in range(r.randint(4, 12))], 2, [], 0.0) for _ in range(7)]
+    first = extract_features(tiny_target.model, samples[:5], tmp_path, shard_samples=3)  # shards of 3 and 2
+    stamp = (tmp_path / "features-00000.pt").stat().st_mtime_ns
+    grown = extract_features(tiny_target.model, samples, tmp_path, shard_samples=3)  # shards of 3, 3 and 1
+    fresh = [sample_features(tiny_target.model, [s.tokens])[0] for s in samples]
+    assert len(first) == 5 and len(grown) == 7
+    assert (tmp_path / "features-00000.pt").stat().st_mtime_ns == stamp  # a full shard is reused
+    for got, want, s in zip(grown, fresh, samples):
+        assert got.shape == (len(s.tokens), want.shape[-1])
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-3, rtol=2e-3)
 
 
 def test_target_returns_hidden_states_of_committed_positions(tiny_target):

@@ -42,9 +42,9 @@ def extract_features(model, samples: list[Sample], folder: Path, batch_tokens: i
         for index, first in enumerate(range(0, len(samples), shard_samples)):
             group = samples[first:first + shard_samples]
             path = folder / f"features-{index:05d}.pt"
-            if path.exists():
-                feats = torch.load(path)
-            else:
+            feats = torch.load(path) if path.exists() else None
+            # A shard written when fewer samples were collected holds a shorter group: redo it.
+            if feats is None or len(feats) != len(group):
                 feats = _group_features(model, [s.tokens for s in group], batch_tokens)
                 partial = path.with_suffix(".partial")
                 torch.save(feats, partial)
