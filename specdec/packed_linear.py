@@ -5,14 +5,23 @@ shapes of a verify pass (2 to 9 rows) it costs up to twice a one-row GEMV. oneDN
 reordered once into its blocked layout keeps the cost nearly flat in the number of rows, which is
 what makes speculation pay on a CPU (measured per layer shape in ``tests/test_packed_linear.py``).
 
+Sibling projections that read the same input (a Llama layer's q/k/v, and its MLP's gate/up) are
+packed as one stacked weight. A decode pass is about 200 small products whose fixed cost per call
+dominates at this size: on the 2-core development CPU, 30 layers of fused products took 45 ms for
+one row where the 7 separate ones took 52 ms (and 57 against 65 ms for five rows).
+
 The results equal plain ``linear`` up to float rounding (a different summation order), not
-bit for bit; greedy decoding can differ only where the top two logits nearly tie.
+bit for bit; greedy decoding can differ only where the top two logits nearly tie. Fusing does not
+change them further: each output column is the same dot product in the same order.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+# Children of one module that read the same input, fused into one product when all are present.
+SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def packing_available() -> bool:
@@ -21,16 +30,20 @@ def packing_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """An inference-only ``nn.Linear`` whose weight lives in oneDNN's prepacked layout."""
+    """An inference-only linear layer whose weight ``[out, in]`` lives in oneDNN's prepacked layout."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        weight = linear.weight.detach().float().contiguous()  # [out, in]
+        self.out_features, self.in_features = weight.shape
+        weight = weight.detach().float().contiguous()  # [out, in]
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight), persistent=False)
-        bias = None if linear.bias is None else linear.bias.detach().float().contiguous()
+        bias = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> PackedLinear:
+        """The packed twin of ``linear``."""
+        return cls(linear.weight, linear.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [N, in]
@@ -38,16 +51,76 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class FusedProjections(nn.Module):
+    """Several linear layers over the same input as one packed product, split per layer.
+
+    It stands behind ``ProjectionSlice`` modules, so the model code that calls ``q_proj(x)``,
+    ``k_proj(x)``, ``v_proj(x)`` stays unchanged: the first slice called with a new input runs the
+    product, and the others take their part of it.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
+        biases = [lin.bias for lin in linears]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = torch.cat([b.detach() if b is not None else torch.zeros(lin.out_features)
+                              for b, lin in zip(biases, linears)])
+        self.product = PackedLinear(weight, bias)
+        self.sizes = [lin.out_features for lin in linears]
+        self._input: torch.Tensor | None = None
+        self._parts: list[torch.Tensor | None] = []
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        """Output ``[..., sizes[index]]`` of projection ``index`` for input ``x``."""
+        if self._input is not x or self._parts[index] is None:
+            self._input, self._parts = x, list(self.product(x).split(self.sizes, dim=-1))
+        out, self._parts[index] = self._parts[index], None
+        if all(p is None for p in self._parts):
+            self._input = None  # every part taken: hold no activations between passes
+        return out
+
+
+class ProjectionSlice(nn.Module):
+    """One projection of a ``FusedProjections``, in the place of the linear layer it replaced."""
+
+    def __init__(self, fused: FusedProjections, index: int) -> None:
+        super().__init__()
+        self.fused = fused
+        self.index = index
+        self.in_features = fused.product.in_features
+        self.out_features = fused.sizes[index]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fused.part(x, self.index)
+
+
+def _packable(module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and module.weight.dtype == torch.float32
+
+
 def pack_linears(model: nn.Module) -> int:
-    """Replaces every fp32 ``nn.Linear`` of an inference model in place; returns how many."""
+    """Replaces every fp32 ``nn.Linear`` of an inference model in place, fusing sibling projections;
+    returns how many linear layers were replaced."""
     if not packing_available():
         return 0
+    replaced = 0
+    for parent in list(model.modules()):
+        for names in SIBLING_PROJECTIONS:
+            linears = [getattr(parent, name, None) for name in names]
+            if not all(_packable(lin) for lin in linears) or len({lin.in_features for lin in linears}) != 1:
+                continue
+            fused = FusedProjections(linears)
+            for index, name in enumerate(names):
+                setattr(parent, name, ProjectionSlice(fused, index))
+            replaced += len(names)
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.float32
+        if _packable(child)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child))
-    return len(targets)
+        setattr(parent, name, PackedLinear.of(child))
+    return replaced + len(targets)

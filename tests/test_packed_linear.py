@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.packed_linear import PackedLinear, pack_linears, packing_available
+from specdec.packed_linear import PackedLinear, ProjectionSlice, pack_linears, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
@@ -21,7 +21,7 @@ def test_packed_linear_matches_linear(rows, bias):
     x = torch.randn(1, rows, 96)
     with torch.inference_mode():
         expected = linear(x)
-        got = PackedLinear(linear)(x)
+        got = PackedLinear.of(linear)(x)
     assert got.shape == expected.shape
     assert torch.allclose(got, expected, rtol=1e-5, atol=1e-5)
 
@@ -35,3 +35,32 @@ def test_packed_model_gives_same_greedy_tokens(tiny_target):
         fast = packed.generate(ids, max_new_tokens=30, do_sample=False)
         assert torch.allclose(tiny_target.model(ids).logits, packed(ids).logits, atol=1e-4)
     assert torch.equal(plain, fast)
+
+
+def _packed_unfused(model: nn.Module) -> nn.Module:
+    model = copy.deepcopy(model)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, PackedLinear.of(child))
+    return model
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])
+def test_fused_projections_change_no_bit_of_the_logits(tiny_target, rows):
+    fused = copy.deepcopy(tiny_target.model)
+    pack_linears(fused)
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert isinstance(attn.k_proj, ProjectionSlice) and attn.k_proj.fused is attn.q_proj.fused
+    assert isinstance(mlp.up_proj, ProjectionSlice) and isinstance(mlp.down_proj, PackedLinear)
+    ids = torch.arange(3, 3 + rows)[None]
+    with torch.inference_mode():
+        assert torch.equal(fused(ids).logits, _packed_unfused(tiny_target.model)(ids).logits)
+
+
+def test_fused_projections_hold_no_activation_after_a_pass(tiny_target):
+    fused = copy.deepcopy(tiny_target.model)
+    pack_linears(fused)
+    with torch.inference_mode():
+        fused(torch.tensor([[3, 4, 5]]))
+    assert all(m._input is None for m in fused.modules() if hasattr(m, "_input"))
