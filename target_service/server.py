@@ -12,6 +12,7 @@ from specdec.cache_servicer import CacheServicer
 from specdec.config import TargetConfig
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.models import LoadedModel, load_model
+from specdec.gqa_attention import use_gqa_sdpa
 from specdec.packed_linear import pack_linears
 from specdec.rpc import (
     RunningServer,
@@ -106,6 +107,7 @@ def load_shard(config: TargetConfig) -> LoadedModel:
         shard_llama(loaded.model, config.tp.rank, config.tp.world_size)
     if config.model.pack:  # after sharding, so each rank packs only its own slices
         pack_linears(loaded.model)
+    use_gqa_sdpa(loaded.model)  # every verify pass of 2+ tokens has a mask
     return loaded
 
 
