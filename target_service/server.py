@@ -10,9 +10,9 @@ from opentelemetry import trace
 from specdec.batching import PassBatcher
 from specdec.cache_servicer import CacheServicer
 from specdec.config import TargetConfig
+from specdec.gqa_attention import use_gqa_sdpa
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.models import LoadedModel, load_model
-from specdec.gqa_attention import use_gqa_sdpa
 from specdec.packed_linear import pack_linears
 from specdec.rpc import (
     RunningServer,

@@ -8,7 +8,12 @@ import pytest
 import torch
 from torch import nn
 
-from specdec.packed_linear import PackedLinear, ProjectionSlice, pack_linears, packing_available
+from specdec.packed_linear import (
+    PackedLinear,
+    ProjectionSlice,
+    pack_linears,
+    packing_available,
+)
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
