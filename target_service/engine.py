@@ -213,7 +213,10 @@ class TargetEngine:
         """One forward pass over every prepared call, then each call's acceptance decision."""
         model = self._loaded.model
         t0 = time.perf_counter()
-        if len(batch) > 1 and self._ragged:
+        # A lone session takes the ragged path too: its plain layer loop skips transformers' generic
+        # per-call work (mask building, cache objects, output classes) for bit-identical logits, and
+        # measured 85 against 95 ms for a one-token pass of the default target on 2 cores.
+        if self._ragged:
             logits, hidden = ragged_forward(
                 model, [RaggedItem(p.cache.kv, p.fed, len(p.call.draft_tokens) + 1) for p in batch]
             )
