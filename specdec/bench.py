@@ -1,6 +1,6 @@
 """``specdec bench``: tokens/s of specdec against what a user would otherwise run, side by side.
 
-Modes run one after another on the same prompts:
+Modes take turns prompt by prompt (see ``run_interleaved``):
 
 - ``hf-target``: transformers ``generate`` on the target alone, in process (the baseline);
 - ``hf-assisted``: transformers assisted generation with the same draft (prompt lookup for the
@@ -19,6 +19,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,23 +69,42 @@ def load_prompts(path: Path, n: int | None) -> list[BenchPrompt]:
     return prompts[:n] if n else prompts
 
 
-def _progress(mode: str, done: int, total: int, tokens: int, seconds: float) -> None:
-    width = 30
-    filled = width * done // total
-    rate = tokens / seconds if seconds else 0.0
-    sys.stderr.write(f"\r{mode:12s} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} {rate:6.1f} tok/s")
+def _progress(done: int, total: int, results: dict[str, ModeResult]) -> None:
+    rates = "  ".join(f"{mode} {r.tokens_per_s:5.1f}" for mode, r in results.items())
+    sys.stderr.write(f"\rprompt {done}/{total}  tok/s: {rates}")
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()
 
 
-def run_hf(mode: str, loaded, draft, prompts: list[BenchPrompt], max_new_tokens: int, temperature: float, k: int | None) -> ModeResult:
+# Runs one prompt (its index, the prompt) in one mode and adds what it produced to the mode's result.
+PromptRunner = Callable[[int, BenchPrompt, ModeResult], None]
+
+
+def run_interleaved(runners: dict[str, PromptRunner], prompts: list[BenchPrompt],
+                    progress: bool = True) -> dict[str, ModeResult]:
+    """Every mode on prompt 1, then every mode on prompt 2, and so on, the order reversed on every
+    other prompt (A B B A ...).
+
+    On a shared machine a burst of other load lasts seconds to minutes. Run mode after mode, such a
+    burst lands on one mode and skews the ratios between modes; taking turns spreads it over all.
+    """
+    results = {mode: ModeResult() for mode in runners}
+    order = list(runners)
+    for i, prompt in enumerate(prompts):
+        for mode in order if i % 2 == 0 else reversed(order):
+            runners[mode](i, prompt, results[mode])
+        if progress:
+            _progress(i + 1, len(prompts), results)
+    return results
+
+
+def hf_runner(mode: str, loaded, draft, max_new_tokens: int, temperature: float, k: int | None) -> PromptRunner:
     """Runs transformers ``generate`` in process, alone or assisted by the draft."""
     import torch
 
     from coordinator.prompts import render_chat
 
-    result = ModeResult()
     options: dict = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
     if temperature > 0:
         options["temperature"] = temperature
@@ -93,7 +113,8 @@ def run_hf(mode: str, loaded, draft, prompts: list[BenchPrompt], max_new_tokens:
             options["prompt_lookup_num_tokens"] = k or 10  # transformers' documented default
         else:
             options["assistant_model"] = draft
-    for i, p in enumerate(prompts):
+
+    def run(index: int, p: BenchPrompt, result: ModeResult) -> None:
         ids = loaded.tokenizer.encode(p.prompt, add_special_tokens=False) if isinstance(p.prompt, str) else render_chat(loaded.tokenizer, p.prompt)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -102,38 +123,35 @@ def run_hf(mode: str, loaded, draft, prompts: list[BenchPrompt], max_new_tokens:
         generated = out[0, len(ids) :].tolist()
         result.tokens += len(generated)
         result.outputs[p.id] = generated
-        _progress(mode, i + 1, len(prompts), result.tokens, result.seconds)
-    return result
+
+    return run
 
 
-def run_specdec(mode: str, address: str, prompts: list[BenchPrompt], max_new_tokens: int, temperature: float, k: int | None) -> ModeResult:
-    """Runs the prompts through a specdec coordinator, one request at a time."""
+def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k: int | None) -> PromptRunner:
+    """Runs each prompt through a specdec coordinator (``client``, a ``specdec.client.Client``)."""
     from coordinator.adaptive import add_counts
-    from specdec.client import Client
 
-    result = ModeResult()
-    with Client(address, timeout=600) as client:
-        for i, p in enumerate(prompts):
-            start = time.perf_counter()
-            reply = client.complete(p.prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=i,
-                                    k=0 if mode == "specdec-k0" else k)
-            result.seconds += time.perf_counter() - start
-            s = reply.stats
-            result.tokens += len(reply.token_ids)
-            result.outputs[p.id] = reply.token_ids
-            result.rounds += s.rounds
-            result.drafted += s.drafted_tokens
-            result.accepted += s.accepted_tokens
-            result.draft_ms += s.draft_ms
-            result.verify_ms += s.verify_ms
-            result.other_ms += s.other_ms
-            result.prefill_ms += s.prefill_ms
-            add_counts(result.drafted_at, s.drafted_at_position)
-            add_counts(result.accepted_at, s.accepted_at_position)
-            if s.rounds:
-                result.round_overheads_ms.append(s.other_ms / s.rounds)
-            _progress(mode, i + 1, len(prompts), result.tokens, result.seconds)
-    return result
+    def run(index: int, p: BenchPrompt, result: ModeResult) -> None:
+        start = time.perf_counter()
+        reply = client.complete(p.prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=index,
+                                k=0 if mode == "specdec-k0" else k)
+        result.seconds += time.perf_counter() - start
+        s = reply.stats
+        result.tokens += len(reply.token_ids)
+        result.outputs[p.id] = reply.token_ids
+        result.rounds += s.rounds
+        result.drafted += s.drafted_tokens
+        result.accepted += s.accepted_tokens
+        result.draft_ms += s.draft_ms
+        result.verify_ms += s.verify_ms
+        result.other_ms += s.other_ms
+        result.prefill_ms += s.prefill_ms
+        add_counts(result.drafted_at, s.drafted_at_position)
+        add_counts(result.accepted_at, s.accepted_at_position)
+        if s.rounds:
+            result.round_overheads_ms.append(s.other_ms / s.rounds)
+
+    return run
 
 
 def expected_tokens_per_round(alpha: float, k: float) -> float:

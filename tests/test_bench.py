@@ -1,0 +1,58 @@
+"""The single-stream benchmark's parts: modes taking turns, real runners over a real stack, the report."""
+
+from __future__ import annotations
+
+from draft_service.engine import ModelDrafter
+from harness import InProcessStack
+from specdec.bench import BenchPrompt, ModeResult, hf_runner, run_interleaved, specdec_runner, summarize
+from specdec.client import Client
+from target_service.engine import TargetEngine
+from test_e2e_tiny import hf_greedy
+
+PROMPTS = [BenchPrompt(str(i), f"w{i} w{i + 3} w{(7 * i) % 30}") for i in range(4)]
+
+
+def test_modes_take_turns_prompt_by_prompt_in_a_b_b_a_order():
+    calls = []
+
+    def runner(mode):
+        def run(index, prompt, result):
+            calls.append((mode, index))
+            result.tokens += 2
+            result.seconds += 0.5
+        return run
+
+    results = run_interleaved({"a": runner("a"), "b": runner("b")}, PROMPTS, progress=False)
+    assert calls == [("a", 0), ("b", 0), ("b", 1), ("a", 1), ("a", 2), ("b", 2), ("b", 3), ("a", 3)]
+    assert results["a"].tokens == 8 and results["b"].tokens_per_s == 4.0
+
+
+def test_every_mode_matches_target_greedy_output_through_a_real_stack(tiny_target, tiny_draft, tiny_dir, redis_url):
+    stack = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target",
+                           redis_url).start()
+    try:
+        with Client(stack.address, timeout=120) as client:
+            runners = {
+                "hf-target": hf_runner("hf-target", tiny_target, None, 10, 0.0, None),
+                "hf-assisted": hf_runner("hf-assisted", tiny_target, None, 10, 0.0, None),
+                "specdec-k0": specdec_runner("specdec-k0", client, 10, 0.0, None),
+                "specdec": specdec_runner("specdec", client, 10, 0.0, 3),
+            }
+            results = run_interleaved(runners, PROMPTS, progress=False)
+    finally:
+        stack.close()
+    expected = {p.id: hf_greedy(tiny_target, p.prompt, 10) for p in PROMPTS}
+    for mode, result in results.items():
+        assert result.outputs == expected, mode
+    assert results["specdec-k0"].drafted == 0 and results["specdec"].drafted > 0
+    report = summarize(results, greedy=True)
+    assert [report[m]["exact"] for m in ("hf-assisted", "specdec-k0", "specdec")] == ["4/4"] * 3
+    assert report["specdec"]["mean_k"] > 0 and "efficiency" in report["specdec"]
+
+
+def test_exact_counts_outputs_that_differ_from_the_target():
+    base, other = ModeResult(tokens=4, seconds=1.0), ModeResult(tokens=4, seconds=2.0)
+    base.outputs = {"0": [1, 2], "1": [3, 4]}
+    other.outputs = {"0": [1, 2], "1": [3, 5]}
+    report = summarize({"hf-target": base, "specdec-k0": other}, greedy=True)
+    assert report["specdec-k0"]["exact"] == "1/2" and report["specdec-k0"]["speedup_vs_hf_target"] == 0.5
