@@ -258,12 +258,7 @@ class FeatureDrafter(DraftEngine):
         return None
 
     def _draft(self, cache, k, sampling, round_index):
-        found = self._lookup(cache, k, sampling)
-        if found is not None:
-            return found
-        if not cache.ready():  # no hidden state before the newest token yet: nothing to draft from
-            return [], []
-        return cache.propose(self._draft_model, k, token_picker(sampling, round_index, self._sample_top_k))
+        return self._draft_many([(cache, k, sampling, round_index)])[0]
 
     @torch.inference_mode()
     def _draft_many(self, jobs):
@@ -279,10 +274,9 @@ class FeatureDrafter(DraftEngine):
                 out[j] = ([], [])
             else:
                 model_jobs.append((j, cache, k, token_picker(sampling, round_index, self._sample_top_k)))
-        if len(model_jobs) == 1:
-            j, cache, k, pick = model_jobs[0]
-            out[j] = cache.propose(self._draft_model, k, pick)
-        elif model_jobs:
+        if model_jobs:
+            # A lone session takes the ragged path too: its plain layer loop skips transformers'
+            # per-call work, 4.6 against 5.0 ms for a one-token step here, with identical features.
             try:
                 drafted = self._draft_together([(c, k, pick) for _, c, k, pick in model_jobs])
             except Exception:

@@ -246,13 +246,19 @@ def test_prompt_lookup_goes_first_when_it_finds_a_whole_continuation(draft, tiny
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, seed=5)], ids=["greedy", "sampled"])
 def test_proposals_drafted_together_equal_proposals_drafted_alone(draft, tiny_target, sampling):
     """Sessions of different lengths, windows and k, over several rounds with partial acceptance: one
-    batched call per round proposes what each session proposes on its own (tokens and q)."""
-    from draft_service.engine import FeatureDrafter, ProposeCall
+    batched call per round proposes what each session proposes on its own (tokens and q), drafted
+    by ``FeatureSession.propose`` through transformers' own layer call."""
+    from draft_service.engine import FeatureDrafter, ProposeCall, token_picker
+
+    class OneAtATime(FeatureDrafter):
+        def _draft_many(self, jobs):
+            return [cache.propose(self._draft_model, k, token_picker(sampling, round_index, self._sample_top_k))
+                    for cache, k, sampling, round_index in jobs]
 
     r = random.Random(3)
     facts = tiny_target.facts("target")
     together = FeatureDrafter(draft, facts, 16, 64, lookup_min=0)
-    alone = FeatureDrafter(draft, facts, 16, 64, lookup_min=0)
+    alone = OneAtATime(draft, facts, 16, 64, lookup_min=0)
     streams = [[r.randrange(4, 30) for _ in range(40)] for _ in range(4)]
     feats = [sample_features(tiny_target.model, [s])[0].float() for s in streams]
     lengths = [6, 11, 9, 17]
