@@ -10,7 +10,6 @@ from opentelemetry import trace
 from specdec.batching import PassBatcher
 from specdec.cache_servicer import CacheServicer
 from specdec.config import TargetConfig
-from specdec.gqa_attention import use_gqa_sdpa
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.models import LoadedModel, load_model
 from specdec.packed_linear import pack_linears
@@ -107,7 +106,6 @@ def load_shard(config: TargetConfig) -> LoadedModel:
         shard_llama(loaded.model, config.tp.rank, config.tp.world_size)
     if config.model.pack:  # after sharding, so each rank packs only its own slices
         pack_linears(loaded.model)
-    use_gqa_sdpa(loaded.model)  # every verify pass of 2+ tokens has a mask
     return loaded
 
 
