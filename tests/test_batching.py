@@ -53,6 +53,19 @@ def test_ragged_pass_equals_one_pass_per_session(which, tiny_target, default_mod
             torch.testing.assert_close(la.values, lb.values, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("which", ["tiny", "default"])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_lone_session_ragged_is_bit_identical_to_transformers_forward(which, rows, tiny_target, default_model):
+    """The target runs every verify pass ragged, a lone session's too: its logits and hidden states
+    must be exactly those of transformers' own forward, not merely close."""
+    model = (tiny_target if which == "tiny" else default_model).model
+    plain, ragged = _sessions(model, [23], 1)[0], _sessions(model, [23], 1)[0]
+    extra = [5, 6, 7, 8, 9][: rows - 1]
+    want_logits, want_hidden = plain.forward_with_hidden(model, extra, rows)
+    logits, hidden = ragged_forward(model, [RaggedItem(ragged.kv, ragged.pending() + extra, rows)])
+    assert torch.equal(logits[0], want_logits) and torch.equal(hidden[0], want_hidden.rows)
+
+
 def _calls(engine: TargetEngine, prompts: list[list[int]], drafts: list[list[int]], sampling: Sampling,
            with_hidden: bool = False) -> list[VerifyCall]:
     ids = [engine.prefill(p)[0] for p in prompts]
