@@ -11,8 +11,8 @@ dominates at this size: on the 2-core development CPU, 30 layers of fused produc
 one row where the 7 separate ones took 52 ms (and 57 against 65 ms for five rows).
 
 The results equal plain ``linear`` up to float rounding (a different summation order), not
-bit for bit; greedy decoding can differ only where the top two logits nearly tie. Fusing does not
-change them further: each output column is the same dot product in the same order.
+bit for bit; greedy decoding can differ only where the top two logits nearly tie. Fusing changed no
+bit of them on the models tested (the default target at 1 to 100 rows, the tiny test models).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ class FusedProjections(nn.Module):
 
     It stands behind ``ProjectionSlice`` modules, so the model code that calls ``q_proj(x)``,
     ``k_proj(x)``, ``v_proj(x)`` stays unchanged: the first slice called with a new input runs the
-    product, and the others take their part of it.
+    product, and the others take their part of it. That hand-over is not thread-safe: a model is run
+    by one thread at a time, as each service runs its model on one worker thread (``CacheServicer``).
     """
 
     def __init__(self, linears: list[nn.Linear]) -> None:
