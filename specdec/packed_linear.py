@@ -1,9 +1,9 @@
-"""Linear layers with oneDNN-prepacked weights, so verifying k+1 tokens costs about as much as one.
+"""Linear layers with oneDNN-prepacked weights, so verifying k+1 tokens costs little more than one.
 
 On CPU, ``torch.nn.functional.linear`` runs MKL's GEMM for more than one row, and for the skinny
 shapes of a verify pass (2 to 9 rows) it costs up to twice a one-row GEMV. oneDNN with the weight
-reordered once into its blocked layout keeps the cost nearly flat in the number of rows, which is
-what makes speculation pay on a CPU (measured per layer shape in ``tests/test_packed_linear.py``).
+reordered once into its blocked layout grows far less with the number of rows, which is what
+makes speculation pay on a CPU.
 
 Sibling projections that read the same input (a Llama layer's q/k/v, and its MLP's gate/up) are
 packed as one stacked weight. A decode pass is about 200 small products whose fixed cost per call

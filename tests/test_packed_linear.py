@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from specdec.packed_linear import (
+    FusedProjections,
     PackedLinear,
     ProjectionSlice,
     pack_linears,
@@ -69,3 +70,15 @@ def test_fused_projections_hold_no_activation_after_a_pass(tiny_target):
     with torch.inference_mode():
         fused(torch.tensor([[3, 4, 5]]))
     assert all(m._input is None for m in fused.modules() if hasattr(m, "_input"))
+
+
+@pytest.mark.parametrize("biases", [(True, True, True), (True, False, True)], ids=["all", "mixed"])
+def test_fused_projections_with_biases_match_each_layer(biases):
+    """Models with projection biases (Qwen's q/k/v): a layer without one gets zeros in the product."""
+    torch.manual_seed(1)
+    layers = [nn.Linear(48, n, bias=b) for n, b in zip((48, 16, 16), biases)]
+    fused = FusedProjections(layers)
+    x = torch.randn(1, 3, 48)
+    with torch.inference_mode():
+        for index, layer in enumerate(layers):
+            torch.testing.assert_close(fused.part(x, index), layer(x), rtol=1e-5, atol=1e-5)
