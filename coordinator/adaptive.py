@@ -207,6 +207,22 @@ class CostModel:
         gain = 1.05 if load.sessions > 1 else 1.0001
         return choose_k(rates, draft, verify, k_max, load.others_committed, gain)
 
+    def min_confidence(self) -> float:
+        """The draft-confidence cut-off that pays (see ``draft_service.picking``).
+
+        Proposing one more token costs a draft step and a verify row; it is worth that while the
+        chance that it and every token before it are accepted, which the draft's confidence
+        estimates, covers the cost in units of a token's cost without speculation:
+
+            min_confidence = (draft_ms_per_token + verify_ms(2) - verify_ms(1)) / verify_ms(1)
+
+        On the 2-core development CPU that is about (5 + 9) / 91 = 0.15; where verify rows are nearly
+        free (an accelerator) it falls towards the draft's own share and drafts run longer.
+        """
+        curve = self.curve()
+        row_ms = max(0.0, curve[2] - curve[1])
+        return min(1.0, (self.draft_ms_per_token + row_ms) / max(curve[1], 1e-6))
+
     def worth_probing(self, load: PassLoad | None) -> bool:
         """Whether an excellent draft (every token accepted 9 times in 10) would be used under this
         load: if not, trying the draft now would only cost the batch."""

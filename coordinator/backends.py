@@ -285,12 +285,13 @@ class DraftReplica(_Replica):
 
     async def propose(
         self, ref: CacheRef, committed: list[int], k: int, sampling: Sampling, round_index: int,
-        remaining_s: float | None, hidden: common_pb2.HiddenStates | None = None,
+        remaining_s: float | None, hidden: common_pb2.HiddenStates | None = None, min_confidence: float = 0.0,
     ) -> DraftResult:
         """Syncs the cache to ``committed`` (and hands over target hidden states) and asks for up to
-        ``k`` tokens."""
+        ``k`` tokens, fewer where the draft's confidence falls below ``min_confidence``."""
         request = draft_pb2.ProposeRequest(
-            sync=_sync(ref, committed), k=k, sampling=sampling_to_pb(sampling), round=round_index, hidden=hidden
+            sync=_sync(ref, committed), k=k, sampling=sampling_to_pb(sampling), round=round_index, hidden=hidden,
+            min_confidence=min_confidence,
         )
         reply = await self._call(self._stub.Propose, request, remaining_s)
         q = [(list(d.token_ids), list(d.probs)) for d in reply.q]

@@ -184,6 +184,7 @@ class RoundLoop:
         draft_colocated: bool = False,
         max_sessions_per_client: int = 0,
         free_lookup_min: int = 0,
+        confidence_cutoff: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._facts = target_facts
@@ -211,6 +212,8 @@ class RoundLoop:
         self._batching_targets = True
         self._max_sessions_per_client = max_sessions_per_client
         self._free_lookup_min = free_lookup_min
+        # With k auto, the draft stops where its confidence no longer pays (CostModel.min_confidence).
+        self._confidence_cutoff = confidence_cutoff
 
     def draft_joined(self, facts: ModelFacts) -> None:
         """A draft replica joined while running: a feature draft needs the target's hidden states
@@ -329,9 +332,11 @@ class RoundLoop:
                 looked_up = None
                 if k_round == 0 and fixed_k is None and sampling.greedy:
                     looked_up = self._free_lookup(committed, costs, stats, target_ref.address, room - 1)
+                # Sampled requests read the fixed prior costs here too: their proposals never depend on timing.
+                cutoff = costs.min_confidence() if self._confidence_cutoff and fixed_k is None else 0.0
                 draft, verdict, draft_ref, target_ref, hidden = await self._round(
                     turn.round, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s,
-                    record.fence, looked_up,
+                    record.fence, looked_up, cutoff,
                 )
                 holding.update(draft_ref, target_ref)
                 drafted = len(draft.tokens) if draft else 0
@@ -452,6 +457,7 @@ class RoundLoop:
         remaining_s: Callable[[], float | None],
         fence: int,
         looked_up: DraftResult | None = None,
+        min_confidence: float = 0.0,
     ) -> tuple[DraftResult | None, VerifyResult, CacheRef | None, CacheRef, HiddenStates | None]:
         """One round in its own span: draft k tokens (if k > 0), verify, and time both.
 
@@ -469,7 +475,8 @@ class RoundLoop:
                 t0 = time.perf_counter()
                 try:
                     draft, draft_ref = await self._propose(
-                        replica, draft_ref, committed, k, sampling, round_index, remaining_s, hidden, fence
+                        replica, draft_ref, committed, k, sampling, round_index, remaining_s, hidden, fence,
+                        min_confidence,
                     )
                     hidden = None
                 except (BackendUnavailable, BackendRejected) as error:
@@ -501,6 +508,8 @@ class RoundLoop:
                 {
                     "specdec.round": round_index,
                     "specdec.k": drafted,
+                    "specdec.k_asked": k,
+                    "specdec.min_confidence": min_confidence,
                     "specdec.looked_up": looked_up is not None,
                     "specdec.accepted": verdict.accepted,
                     "specdec.draft_ms": draft_ms,
@@ -534,16 +543,18 @@ class RoundLoop:
         remaining_s: Callable[[], float | None],
         hidden: HiddenStates | None,
         fence: int,
+        min_confidence: float = 0.0,
     ) -> tuple[DraftResult, CacheRef]:
         """Asks ``draft`` for k tokens, prefilling it first if it lacks the session's cache."""
         if ref is not None and ref.address == draft.address:
             try:
-                result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden)
+                result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden,
+                                             min_confidence)
                 return result, replace(ref, committed=result.committed)
             except CacheLost:
                 pass
         ref = await draft.prefill(committed, remaining_s(), fence)
-        result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden)
+        result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden, min_confidence)
         return result, replace(ref, committed=result.committed)
 
     async def _place_target(

@@ -306,6 +306,7 @@ async def start_coordinator(
         loop = RoundLoop(tokenizer, target_facts[0], draft_set, target_set, store, tracer, config.default_k,
                          config.max_auto_k, want_hidden=want_hidden, metrics=metrics,
                          draft_colocated=config.draft_colocated, free_lookup_min=config.free_lookup_min,
+                         confidence_cutoff=config.confidence_cutoff,
                          max_sessions_per_client=config.admission.max_sessions_per_client)
         if config.draft_discovery is not None:
             source = open_source(config.draft_discovery, config.discovery_interval_s, kubernetes_api)

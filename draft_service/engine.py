@@ -7,21 +7,19 @@ tokenizer), ``FeatureDrafter`` (EAGLE-style, from the target's hidden states) an
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import FeatureDraft, FeatureSession
+from draft_service.picking import TokenPicker
 from specdec.ngram import propose_ngram
 from specdec.batching import waves
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.ragged import RaggedLayout
 from specdec.models import LoadedModel, ModelFacts
-from specdec.sampling import Sampling, dense_to_sparse, round_generator, warp_probs
-
-DRAFT_STREAM = 1
+from specdec.sampling import Sampling
 
 
 @dataclass(frozen=True)
@@ -37,6 +35,8 @@ class ProposeCall:
     hidden: HiddenRows | None = None
     # The caller's fencing token (see SessionCache.sync).
     fence: int = 0
+    # Confidence cut-off (see ``draft_service.picking``); 0 proposes all k tokens.
+    min_confidence: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,8 @@ class DraftEngine:
     kind = "draft"
     # Width of the target hidden states the drafter reads; None: it reads none.
     hidden_size: int | None = None
+    # A sampled draft narrows its q to its top this many tokens (0: no narrowing).
+    _sample_top_k: int = 0
 
     def __init__(self, facts: ModelFacts, max_sessions: int, cache_factory=SessionCache, *,
                  budget_bytes: int = 0, idle_s: float = 0.0) -> None:
@@ -89,11 +91,13 @@ class DraftEngine:
 
     def propose(
         self, cache_id: str, start: int, new_tokens: list[int], k: int, sampling: Sampling, round_index: int,
-        hidden: HiddenRows | None = None,
+        hidden: HiddenRows | None = None, min_confidence: float = 0.0,
     ) -> Proposal:
         """Syncs the cache with the committed tokens (and, for a feature draft, the target's hidden
-        states), then proposes up to ``k`` tokens."""
-        outcome = self.propose_batch([ProposeCall(cache_id, start, new_tokens, k, sampling, round_index, hidden)])[0]
+        states), then proposes up to ``k`` tokens, fewer where the draft's confidence falls below
+        ``min_confidence``."""
+        call = ProposeCall(cache_id, start, new_tokens, k, sampling, round_index, hidden, min_confidence=min_confidence)
+        outcome = self.propose_batch([call])[0]
         if isinstance(outcome, Exception):
             raise outcome
         return outcome
@@ -118,16 +122,22 @@ class DraftEngine:
                 else:
                     jobs.append((i, cache, k))
             try:
-                drafted = self._draft_many([(c, k, calls[i].sampling, calls[i].round_index) for i, c, k in jobs])
+                drafted = self._draft_many([(c, k, self._picker(calls[i])) for i, c, k in jobs])
             except Exception as exc:  # noqa: BLE001 - a failed pass fails only its own calls
                 drafted = [exc] * len(jobs)
             for (i, cache, _), outcome in zip(jobs, drafted):
                 results[i] = outcome if isinstance(outcome, Exception) else Proposal(*outcome, len(cache.committed))
         return results  # type: ignore[return-value]
 
+    def _picker(self, call: ProposeCall) -> TokenPicker:
+        """How this call's tokens are picked, and when its proposal stops."""
+        return TokenPicker(call.sampling, call.round_index, self._sample_top_k, call.min_confidence)
+
     def _sync(self, call: ProposeCall):
         """Checks a call, syncs its cache (and hidden states); returns the cache and the k it allows."""
         self._check_tokens(call.new_tokens, "sync.tokens")
+        if not 0.0 <= call.min_confidence <= 1.0:
+            raise ValueError("min_confidence: must lie in [0, 1]")
         cache = self._caches.get(call.cache_id)
         cache.sync(call.start, call.new_tokens, call.fence)
         if call.hidden is not None:
@@ -135,11 +145,11 @@ class DraftEngine:
         return cache, min(call.k, self._facts.max_context - len(cache.committed) - 1)
 
     def _draft_many(self, jobs: list) -> list:
-        """Drafts for ``(cache, k, sampling, round_index)`` jobs: ``(tokens, q)`` or an error each."""
+        """Drafts for ``(cache, k, pick)`` jobs: ``(tokens, q)`` or an error each."""
         out = []
-        for cache, k, sampling, round_index in jobs:
+        for cache, k, pick in jobs:
             try:
-                out.append(self._draft(cache, k, sampling, round_index))
+                out.append(self._draft(cache, k, pick))
             except Exception as exc:  # noqa: BLE001 - the error belongs to this call alone
                 out.append(exc)
         return out
@@ -161,7 +171,7 @@ class DraftEngine:
         """Hook: a feature draft stores the target's hidden states; other drafts ignore them."""
 
     def _draft(
-        self, cache: SessionCache, k: int, sampling: Sampling, round_index: int
+        self, cache: SessionCache, k: int, pick: TokenPicker
     ) -> tuple[list[int], list[tuple[list[int], list[float]]]]:
         raise NotImplementedError
 
@@ -176,9 +186,9 @@ class NgramDrafter(DraftEngine):
         self._max_n = max_n
         self._min_n = min_n
 
-    def _draft(self, cache, k, sampling, round_index):
+    def _draft(self, cache, k, pick):
         tokens = propose_ngram(cache.committed, k, self._max_n, self._min_n)
-        q = [] if sampling.greedy else [([t], [1.0]) for t in tokens]
+        q = [] if pick.sampling.greedy else [([t], [1.0]) for t in tokens]
         return tokens, q
 
 
@@ -195,14 +205,16 @@ class ModelDrafter(DraftEngine):
     def _prefill(self, cache: SessionCache) -> None:
         cache.prefill(self._loaded.model)
 
-    def _draft(self, cache, k, sampling, round_index):
+    def _draft(self, cache, k, pick):
         model = self._loaded.model
-        pick = token_picker(sampling, round_index, self._sample_top_k)
         tokens: list[int] = []
         q: list[tuple[list[int], list[float]]] = []
         logits = cache.forward(model, [], logits_to_keep=1)  # [1, V]
         for i in range(k):
-            token, dist = pick(logits)
+            picked = pick(logits)
+            if picked is None:
+                break
+            token, dist = picked
             tokens.append(token)
             if dist is not None:
                 q.append(dist)
@@ -257,8 +269,8 @@ class FeatureDrafter(DraftEngine):
                 return tokens, ([] if sampling.greedy else [([t], [1.0]) for t in tokens])
         return None
 
-    def _draft(self, cache, k, sampling, round_index):
-        return self._draft_many([(cache, k, sampling, round_index)])[0]
+    def _draft(self, cache, k, pick):
+        return self._draft_many([(cache, k, pick)])[0]
 
     @torch.inference_mode()
     def _draft_many(self, jobs):
@@ -266,14 +278,14 @@ class FeatureDrafter(DraftEngine):
         pairs, then one per draft position over the sessions still drafting."""
         out: list = [None] * len(jobs)
         model_jobs = []
-        for j, (cache, k, sampling, round_index) in enumerate(jobs):
-            found = self._lookup(cache, k, sampling)
+        for j, (cache, k, pick) in enumerate(jobs):
+            found = self._lookup(cache, k, pick.sampling)
             if found is not None:
                 out[j] = found
             elif not cache.ready():
                 out[j] = ([], [])
             else:
-                model_jobs.append((j, cache, k, token_picker(sampling, round_index, self._sample_top_k)))
+                model_jobs.append((j, cache, k, pick))
         if model_jobs:
             # A lone session takes the ragged path too: its plain layer loop skips transformers'
             # per-call work, 4.6 against 5.0 ms for a one-token step here, with identical features.
@@ -300,14 +312,19 @@ class FeatureDrafter(DraftEngine):
         tokens: list[list[int]] = [[] for _ in jobs]
         qs: list[list] = [[] for _ in jobs]
         live = list(range(len(jobs)))
+        stopped: set[int] = set()  # jobs whose confidence ran out before k
         while live:
             logits = draft.full_logits(predicted).float()  # [B', V]
             for row, j in enumerate(live):
-                token, q = jobs[j][2](logits[row : row + 1])
+                picked = jobs[j][2](logits[row : row + 1])
+                if picked is None:
+                    stopped.add(j)
+                    continue
+                token, q = picked
                 tokens[j].append(token)
                 if q is not None:
                     qs[j].append(q)
-            going = [(row, j) for row, j in enumerate(live) if len(tokens[j]) < jobs[j][1]]
+            going = [(row, j) for row, j in enumerate(live) if j not in stopped and len(tokens[j]) < jobs[j][1]]
             if not going:
                 break
             live = [j for _, j in going]
@@ -321,16 +338,3 @@ class FeatureDrafter(DraftEngine):
                 positions[j] += 1
         return list(zip(tokens, qs))
 
-
-def token_picker(sampling: Sampling, round_index: int, sample_top_k: int) -> Callable:
-    """``pick(logits [1, V]) -> (token, q)``: argmax for greedy requests (q None), else a draw from the
-    warped distribution with the round's draft stream (q its sparse form, exactly what was sampled)."""
-    if sampling.greedy:
-        return lambda logits: (int(logits[0].argmax()), None)
-    generator = round_generator(sampling.seed, round_index, DRAFT_STREAM)
-
-    def pick(logits: torch.Tensor):
-        probs = warp_probs(logits, sampling, extra_top_k=sample_top_k)[0]  # [V]
-        return int(torch.multinomial(probs, 1, generator=generator)), dense_to_sparse(probs)
-
-    return pick

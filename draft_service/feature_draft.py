@@ -261,14 +261,18 @@ class FeatureSession:
 
     @torch.inference_mode()
     def propose(self, draft: FeatureDraft, k: int, pick) -> tuple[list[int], list]:
-        """Drafts ``k`` tokens; ``pick(logits [1, V]) -> (token, q or None)`` chooses each one."""
+        """Drafts up to ``k`` tokens; ``pick(logits [1, V]) -> (token, q or None)`` chooses each one, or
+        returns None to stop early (see ``draft_service.picking``)."""
         feats, next_tokens, start = self.catch_up()
         positions = torch.arange(start, start + len(feats)).unsqueeze(0)  # [1, m]
         predicted = draft.predict(feats.unsqueeze(0), torch.tensor([next_tokens]), self.kv, positions)[:, -1:]  # [1, 1, D]
         tokens, qs = [], []
         position = start + len(feats)
         for i in range(k):
-            token, q = pick(draft.full_logits(predicted[0]).float())
+            picked = pick(draft.full_logits(predicted[0]).float())
+            if picked is None:
+                break
+            token, q = picked
             tokens.append(token)
             if q is not None:
                 qs.append(q)

@@ -58,6 +58,7 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
             request.round,
             hidden_from_pb(request.hidden, hidden_size) if hidden_size else None,
             request.sync.fence,
+            request.min_confidence,
         )
         return await self._batcher.submit(call)
 

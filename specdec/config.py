@@ -241,6 +241,9 @@ class CoordinatorConfig:
     # the coordinator proposes by prompt lookup itself, from context suffixes of this many tokens up
     # (greedy requests; 0: off). A lookup costs no draft compute, only the verify rows it adds.
     free_lookup_min: int = 3
+    # With k chosen each round, the draft also stops early where its confidence no longer pays for
+    # the tokens it adds (coordinator.adaptive.CostModel.min_confidence; draft_service.picking).
+    confidence_cutoff: bool = True
 
     def __post_init__(self) -> None:
         if self.draft_addresses and self.draft_discovery is not None:

@@ -43,6 +43,8 @@ class StackConfig:
     draft_threads: int = 1
     # None: the coordinator picks k each round.
     default_k: int | None = None
+    # With k auto, the draft stops where its confidence no longer pays (see CoordinatorConfig).
+    confidence_cutoff: bool = True
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
     # Extra coordinators sharing the same services and Redis (tests of session hand-over).
@@ -183,7 +185,7 @@ class LocalStack:
                      "--target", self.target_address, "--redis-url", self.redis_url, "--tokenizer", c.target_model,
                      "--default-k", "auto" if c.default_k is None else str(c.default_k),
                      # Every process of a local stack shares this machine's cores.
-                     "--draft-colocated", *common],
+                     "--draft-colocated", *([] if c.confidence_cutoff else ["--no-confidence-cutoff"]), *common],
                 )
                 self.coordinator_addresses.append(self._wait_for_line(coordinator, "READY "))
         except BaseException:

@@ -70,3 +70,22 @@ def test_a_cheap_average_token_does_not_hide_an_expensive_call():
     verify = [0.0, 100.0, 101.0, 102.0, 103.0, 104.0]
     assert choose_k(accept, 0.5, verify, 4) > 0
     assert choose_k(accept, [0.0, 100.0, 101.0, 102.0, 103.0], verify, 4) == 0
+
+
+def test_confidence_cut_off_prices_a_token_against_a_target_only_step():
+    """min_confidence = (draft ms per token + one verify row) / one-token verify, from measured costs."""
+    cpu = CostModel(k_max=4, draft_ms_per_token=5.0)
+    cpu.record_verify(90.0, 1)
+    cpu.record_verify(99.0, 2)
+    assert cpu.min_confidence() == pytest.approx((5.0 + 9.0) / 90.0)
+    # Rows that cost nothing (an accelerator's pass) leave only the draft's share: drafts run longer.
+    gpu = CostModel(k_max=4, draft_ms_per_token=1.0)
+    gpu.record_verify(20.0, 1)
+    gpu.record_verify(20.0, 2)
+    assert gpu.min_confidence() == pytest.approx(1.0 / 20.0)
+    # A draft dearer than the target's own step is never worth a token.
+    dear = CostModel(k_max=4, draft_ms_per_token=200.0)
+    dear.record_verify(90.0, 1)
+    assert dear.min_confidence() == 1.0
+    # Before any measurement the priors give a fixed cut-off (sampled requests rely on that).
+    assert CostModel(k_max=4).min_confidence() == CostModel(k_max=4).min_confidence() < 0.2

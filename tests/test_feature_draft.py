@@ -245,15 +245,14 @@ def test_prompt_lookup_goes_first_when_it_finds_a_whole_continuation(draft, tiny
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, seed=5)], ids=["greedy", "sampled"])
 def test_proposals_drafted_together_equal_proposals_drafted_alone(draft, tiny_target, sampling):
-    """Sessions of different lengths, windows and k, over several rounds with partial acceptance: one
-    batched call per round proposes what each session proposes on its own (tokens and q), drafted
-    by ``FeatureSession.propose`` through transformers' own layer call."""
-    from draft_service.engine import FeatureDrafter, ProposeCall, token_picker
+    """Sessions of different lengths, windows, k and confidence cut-offs, over several rounds with
+    partial acceptance: one batched call per round proposes what each session proposes on its own
+    (tokens and q), drafted by ``FeatureSession.propose`` through transformers' own layer call."""
+    from draft_service.engine import FeatureDrafter, ProposeCall
 
     class OneAtATime(FeatureDrafter):
         def _draft_many(self, jobs):
-            return [cache.propose(self._draft_model, k, token_picker(sampling, round_index, self._sample_top_k))
-                    for cache, k, sampling, round_index in jobs]
+            return [cache.propose(self._draft_model, k, pick) for cache, k, pick in jobs]
 
     r = random.Random(3)
     facts = tiny_target.facts("target")
@@ -264,6 +263,8 @@ def test_proposals_drafted_together_equal_proposals_drafted_alone(draft, tiny_ta
     lengths = [6, 11, 9, 17]
     ids = [(together.prefill(s[:n])[0], alone.prefill(s[:n])[0]) for s, n in zip(streams, lengths)]
     sent = [0, 0, 5, 0]  # the third session gets features from position 5 on: a window not at 0
+    cutoffs = [0.0, 0.02, 0.004, 0.0]
+    lengths_seen = set()
     for round_index in range(5):
         calls = []
         for s, stream in enumerate(streams):
@@ -272,12 +273,17 @@ def test_proposals_drafted_together_equal_proposals_drafted_alone(draft, tiny_ta
             hidden = HiddenRows(sent[s], feats[s][sent[s] : grown - 1])
             k = [4, 1, 3, 2][(s + round_index) % 4]
             calls.append((s, ProposeCall(ids[s][0], lengths[s], stream[lengths[s] : grown], k, sampling,
-                                         round_index, hidden)))
+                                         round_index, hidden, min_confidence=cutoffs[s])))
             lengths[s], sent[s] = grown, grown - 1
         got = together.propose_batch([call for _, call in calls])
         for (s, call), proposal in zip(calls, got):
-            want = alone.propose(ids[s][1], call.start, call.new_tokens, call.k, sampling, round_index, call.hidden)
-            assert proposal.tokens == want.tokens and len(proposal.tokens) == call.k
+            want = alone.propose(ids[s][1], call.start, call.new_tokens, call.k, sampling, round_index, call.hidden,
+                                 call.min_confidence)
+            assert proposal.tokens == want.tokens
+            assert len(proposal.tokens) == call.k or call.min_confidence > 0
+            lengths_seen.add((call.min_confidence > 0, len(proposal.tokens) < call.k))
             assert [t for t, _ in proposal.q] == [t for t, _ in want.q]
             for (_, p), (_, w) in zip(proposal.q, want.q):
                 assert p == pytest.approx(w, abs=1e-5)
+    # The cut-off ended some proposals early, and left others their whole k.
+    assert (True, True) in lengths_seen and (True, False) in lengths_seen

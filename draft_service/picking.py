@@ -1,0 +1,60 @@
+"""How a draft picks each proposed token, and when it stops proposing.
+
+Greedy requests take the argmax; sampled ones draw from the warped distribution with the round's
+draft stream, and hand back that distribution as q (sparse), exactly what the token was drawn from.
+
+The confidence cut-off (llama.cpp's ``p_min``, EAGLE-2's use of draft confidence) ends a proposal
+early: before position i the draft multiplies its *confidence* so far by the highest probability of
+its distribution at i, and stops when the product falls below ``min_confidence``. On the default
+feature draft that probability is well calibrated (held-out greedy rounds: drafts with top
+probability 0.2-0.4 were accepted 30% of the time, 0.8-1.0 about 90%), so the product estimates the
+chance that every token so far is accepted, and a cheap round no longer carries unlikely tokens
+while a confident one runs on.
+
+The decision at position i reads only the distribution there, which depends on the prefix the
+draft already holds, never on the token about to be drawn. So a sampled proposal of any length is
+still drawn token by token from exactly the q it reports, and verification stays exact. (Stopping
+on the drawn token's own probability would not: it would propose low-probability draws less often
+than q says.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.sampling import Sampling, dense_to_sparse, round_generator, warp_probs
+
+DRAFT_STREAM = 1
+
+
+@dataclass
+class TokenPicker:
+    """Picks one session's draft tokens for one round; ``None`` from a call means stop here."""
+
+    sampling: Sampling
+    round_index: int
+    sample_top_k: int = 0
+    min_confidence: float = 0.0
+    confidence: float = 1.0
+    """Product of the top probabilities at the positions picked so far."""
+    _generator: torch.Generator | None = field(default=None, repr=False)
+
+    def __call__(self, logits: torch.Tensor) -> tuple[int, tuple[list[int], list[float]] | None] | None:
+        """The token for draft logits ``[1, V]`` and its sparse q (None for greedy), or None to stop."""
+        if self.sampling.greedy:
+            token = int(logits[0].argmax())
+            if self.min_confidence > 0 and not self._confident(torch.softmax(logits[0].float(), -1)[token]):
+                return None
+            return token, None
+        probs = warp_probs(logits, self.sampling, extra_top_k=self.sample_top_k)[0]  # [V]
+        if self.min_confidence > 0 and not self._confident(probs.max()):
+            return None
+        if self._generator is None:
+            self._generator = round_generator(self.sampling.seed, self.round_index, DRAFT_STREAM)
+        return int(torch.multinomial(probs, 1, generator=self._generator)), dense_to_sparse(probs)
+
+    def _confident(self, top: torch.Tensor) -> bool:
+        self.confidence *= float(top)
+        return self.confidence >= self.min_confidence

@@ -1,0 +1,81 @@
+"""The draft's token picker and its confidence cut-off, on synthetic distributions (no model)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from draft_service.picking import DRAFT_STREAM, TokenPicker
+from specdec.sampling import Sampling, dense_to_sparse, round_generator, sparse_to_dense, verify_sampled, warp_probs
+
+# A two-token world over three tokens: the target's p and the draft's q for the first token, and for
+# the second given the first. The draft's peak after token 1 differs by token (0.6, 0.34, 0.8), so a
+# cut-off of 0.2 after a first confidence of 0.4 proposes a second token after 0 and 2 but not after 1.
+P1 = torch.tensor([0.5, 0.3, 0.2])
+Q1 = torch.tensor([0.4, 0.4, 0.2])
+P2 = torch.tensor([[0.2, 0.5, 0.3], [0.3, 0.3, 0.4], [0.1, 0.6, 0.3]])
+Q2 = torch.tensor([[0.6, 0.3, 0.1], [0.34, 0.33, 0.33], [0.1, 0.1, 0.8]])
+BONUS = torch.full((3,), 1 / 3)
+
+
+class DrawnTokenCutoff(TokenPicker):
+    """The wrong rule: it stops on the probability of the token it drew, not on the distribution."""
+
+    def __call__(self, logits):
+        probs = warp_probs(logits, self.sampling)[0]
+        if self._generator is None:
+            self._generator = round_generator(self.sampling.seed, self.round_index, DRAFT_STREAM)
+        token = int(torch.multinomial(probs, 1, generator=self._generator))
+        self.confidence *= float(probs[token])
+        return (token, dense_to_sparse(probs)) if self.confidence >= self.min_confidence else None
+
+
+def _joint_of_two_tokens(picker_type: type[TokenPicker], n: int) -> tuple[torch.Tensor, float]:
+    """Frequencies ``[3, 3]`` of the first two committed tokens over n sampled rounds (a round that
+    commits fewer is completed by target-only draws), and the share of two-token proposals."""
+    counts = torch.zeros(3, 3)
+    gen = torch.Generator().manual_seed(11)
+    two = 0
+    for i in range(n):
+        pick = picker_type(Sampling(1.0, seed=i), 0, min_confidence=0.2)
+        tokens, qs = [], []
+        for logits in (Q1.log(), None):
+            picked = pick((logits if logits is not None else Q2[tokens[0]].log())[None])
+            if picked is None:
+                break
+            tokens.append(picked[0])
+            qs.append(sparse_to_dense(*picked[1], 3))
+        two += len(tokens) == 2
+        if tokens:
+            p_rows = torch.stack([P1, P2[tokens[0]], BONUS][: len(tokens) + 1])
+            out = verify_sampled(p_rows, torch.stack(qs), tokens, round_generator(i, 0, 2)).tokens
+        else:  # nothing proposed: a target-only step
+            out = [int(torch.multinomial(P1, 1, generator=gen))]
+        if len(out) < 2:
+            out.append(int(torch.multinomial(P2[out[0]], 1, generator=gen)))
+        counts[out[0], out[1]] += 1
+    return counts / n, two / n
+
+
+def test_cut_off_proposals_keep_sampling_exact():
+    want = P1[:, None] * P2  # [3, 3]
+    freq, two = _joint_of_two_tokens(TokenPicker, 8000)
+    # The cut-off did act: a second token only after a first token of 0 or 2 (q1 mass 0.6).
+    assert abs(two - 0.6) < 0.025
+    # A cell's binomial standard error is at most sqrt(0.25 / 8000) = 0.0056; allow about 3.6 of them.
+    assert torch.allclose(freq, want, atol=0.02), freq
+    # The check has the power to see the wrong rule, which commits 2 then 1 about 0.09 too rarely.
+    wrong, _ = _joint_of_two_tokens(DrawnTokenCutoff, 4000)
+    assert (wrong - want).abs().max() > 0.05, wrong
+
+
+def test_greedy_cut_off_multiplies_top_probabilities():
+    peaked = torch.tensor([[math.log(1.0), math.log(8.0), math.log(1.0)]])  # argmax 1, top probability 0.8
+    pick = TokenPicker(Sampling(), 0, min_confidence=0.3)
+    # 0.8, 0.64, 0.51, 0.41, 0.33 pass; 0.26 does not.
+    assert [pick(peaked) for _ in range(5)] == [(1, None)] * 5
+    assert pick(peaked) is None
+    assert TokenPicker(Sampling(), 0, min_confidence=0.9)(peaked) is None  # even the first token
+    no_cut_off = TokenPicker(Sampling(), 0)
+    assert [no_cut_off(peaked) for _ in range(40)] == [(1, None)] * 40
