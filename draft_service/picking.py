@@ -39,7 +39,7 @@ class TokenPicker:
     min_confidence: float = 0.0
     confidence: float = 1.0
     """Product of the top probabilities at the positions picked so far."""
-    _generator: torch.Generator | None = field(default=None, repr=False)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, tuple[list[int], list[float]] | None] | None:
         """The token for draft logits ``[1, V]`` and its sparse q (None for greedy), or None to stop."""
