@@ -333,7 +333,7 @@ class RoundLoop:
                 if k_round == 0 and fixed_k is None and sampling.greedy:
                     looked_up = self._free_lookup(committed, costs, stats, target_ref.address, room - 1)
                 # Sampled requests read the fixed prior costs here too: their proposals never depend on timing.
-                cutoff = costs.min_confidence() if self._confidence_cutoff and fixed_k is None else 0.0
+                cutoff = costs.min_confidence() if self._confidence_cutoff and fixed_k is None and k_round else 0.0
                 draft, verdict, draft_ref, target_ref, hidden = await self._round(
                     turn.round, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s,
                     record.fence, looked_up, cutoff,

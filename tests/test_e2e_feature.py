@@ -83,6 +83,6 @@ def test_lost_draft_cache_and_next_turn(stack, client, tiny_target):
 
 
 def test_sampled_tokens_follow_target_distribution(client, tiny_target):
-    """k auto: the draft's confidence cut-off shortens sampled proposals, and they stay exact."""
+    """k auto, so the draft's confidence cut-off is on: sampled proposals stay exact."""
     accepted, drafted = chi_square_passes(client, tiny_target, Sampling(1.0), n=1500, k=None)
     assert 0 < accepted < drafted

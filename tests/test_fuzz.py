@@ -123,7 +123,7 @@ def verify_requests(draw) -> target_pb2.VerifyRequest:
 def propose_requests(draw) -> draft_pb2.ProposeRequest:
     hidden = common_pb2.HiddenStates(start=draw(u32), dim=draw(u32), fp16=draw(st.binary(max_size=64)))
     return draft_pb2.ProposeRequest(sync=sync(draw), k=draw(small_or_any), sampling=draw(sampling), round=draw(u32),
-                                    hidden=hidden)
+                                    hidden=hidden, min_confidence=draw(floats))
 
 
 @st.composite

@@ -1,11 +1,13 @@
-"""The draft's token picker and its confidence cut-off, on synthetic distributions (no model)."""
+"""The draft's token picker and its confidence cut-off, on synthetic distributions, and the engine's check."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from draft_service.engine import NgramDrafter
 from draft_service.picking import DRAFT_STREAM, TokenPicker
 from specdec.sampling import Sampling, dense_to_sparse, round_generator, sparse_to_dense, verify_sampled, warp_probs
 
@@ -79,3 +81,13 @@ def test_greedy_cut_off_multiplies_top_probabilities():
     assert TokenPicker(Sampling(), 0, min_confidence=0.9)(peaked) is None  # even the first token
     no_cut_off = TokenPicker(Sampling(), 0)
     assert [no_cut_off(peaked) for _ in range(40)] == [(1, None)] * 40
+
+
+def test_a_cut_off_outside_zero_to_one_is_refused(tiny_target):
+    """The engine's check, which the draft service turns into INVALID_ARGUMENT."""
+    drafter = NgramDrafter(tiny_target.facts("ngram"), 4, 3, 1)
+    cache_id, committed = drafter.prefill([5, 6, 7, 5, 6])
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="min_confidence"):
+            drafter.propose(cache_id, committed, [], 2, Sampling(), 0, min_confidence=bad)
+    assert drafter.propose(cache_id, committed, [], 2, Sampling(), 0, min_confidence=1.0).tokens == [7, 5]
