@@ -94,6 +94,11 @@ class PassBatcher(Generic[C, R]):
         self._draining = False
         self._expected: set[str] = set()  # sessions of the last pass, when it held several
 
+    @property
+    def busy(self) -> bool:
+        """True while a pass runs or calls wait for one."""
+        return self._draining
+
     async def submit(self, call: C) -> R:
         """Runs one call in the next pass; raises the error that call caused."""
         loop = asyncio.get_running_loop()

@@ -127,6 +127,9 @@ class TargetConfig:
     model: ModelConfig = ModelConfig()
     # Most token rows one batched verify pass feeds; later arrivals wait for the next pass.
     max_batch_rows: int = 256
+    # A prompt that arrives while passes run is fed in its session's first verify pass, beside the
+    # others' rows, rather than in a pass of its own (see TargetServicer.Prefill).
+    fold_prefills: bool = True
     tp: TensorParallelConfig = TensorParallelConfig()
 
 

@@ -45,6 +45,8 @@ class StackConfig:
     default_k: int | None = None
     # With k auto, the draft stops where its confidence no longer pays (see CoordinatorConfig).
     confidence_cutoff: bool = True
+    # Under load the target feeds a new prompt in its session's first verify pass (see TargetConfig).
+    fold_prefills: bool = True
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
     # Extra coordinators sharing the same services and Redis (tests of session hand-over).
@@ -164,7 +166,7 @@ class LocalStack:
             target = self._spawn(
                 "target",
                 [*exe, "serve-target", "--port", "0", "--model", c.target_model, "--threads", str(c.target_threads),
-                 "--tp", str(c.target_tp), *common],
+                 "--tp", str(c.target_tp), *([] if c.fold_prefills else ["--no-fold-prefills"]), *common],
                 c.target_threads,
                 passive=False,
             )

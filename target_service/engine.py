@@ -127,16 +127,24 @@ class TargetEngine:
             raise ValueError(f"{what}: token ids must lie in [0, {vocab})")
 
     def prefill(
-        self, tokens: list[int], with_hidden: bool = False, fence: int = 0, cache_id: str | None = None
+        self, tokens: list[int], with_hidden: bool = False, fence: int = 0, cache_id: str | None = None,
+        defer: bool = False,
     ) -> tuple[str, int, HiddenRows | None]:
         """Creates a session cache over ``tokens`` (under ``cache_id``, or a fresh id); returns its id,
-        committed length and, when asked, the hidden states of the positions it fed."""
+        committed length and, when asked, the hidden states of the positions it fed.
+
+        With ``defer`` nothing is fed yet: the session's first verify pass feeds the prompt beside the
+        other sessions' rows (and returns its hidden states), instead of a pass of its own that every
+        other session waits for. The reply then carries no hidden states.
+        """
         if not tokens:
             raise ValueError("tokens: prefill needs at least one token")
         if len(tokens) >= self._loaded.max_context:
             raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._loaded.max_context}")
         self._check_tokens(tokens, "tokens")
         cache_id, cache = self._caches.create(tokens, fence, cache_id)
+        if defer:
+            return cache_id, len(cache.committed), None
         hidden = cache.prefill(self._loaded.model, with_hidden)
         self._caches.fit_budget(cache_id)
         if hidden is not None and len(hidden.rows) > PREFILL_HIDDEN_ROWS:
@@ -238,7 +246,10 @@ class TargetEngine:
                 logits.append(item_logits)
         pass_ms = (time.perf_counter() - t0) * 1000
         rows = sum(len(p.fed) for p in batch)
-        self._costs.record(rows, pass_ms)
+        # A pass that also fed a deferred prompt is a prefill's cost, not a verify's: the curve the
+        # coordinators price draft rows with keeps only passes of one pending token per session.
+        if all(len(p.fed) == len(p.call.draft_tokens) + 1 for p in batch):
+            self._costs.record(rows, pass_ms)
         self.passes += 1
         self.verified += len(batch)
         self.largest_pass = max(self.largest_pass, len(batch))

@@ -40,18 +40,35 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     """Thin servicer over a TargetEngine."""
 
-    def __init__(self, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer, max_batch_rows: int) -> None:
+    def __init__(self, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer, max_batch_rows: int,
+                 fold_prefills: bool = True) -> None:
         super().__init__(engine, tracer, "TargetService")
         self._target = engine
-        self._batcher = PassBatcher(engine.verify_batch, self._executor, lambda call: len(call.draft_tokens) + 1,
-                                    max_batch_rows, stamp_queue_wait)
+        self._batcher = PassBatcher(engine.verify_batch, self._executor, self._rows_of, max_batch_rows, stamp_queue_wait)
+        # Prompts of at most this many tokens that arrive while passes run are fed by their session's
+        # first verify pass (0: never); their caches' unfed rows count in that pass's row budget.
+        self._fold_rows = max_batch_rows - 1 if fold_prefills and engine.batches else 0
+        self._unfed: dict[str, int] = {}
+
+    def _rows_of(self, call: VerifyCall) -> int:
+        return len(call.draft_tokens) + 1 + self._unfed.get(call.cache_id, 0)
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
-            span.set_attribute("specdec.tokens", len(request.tokens))
+            tokens = list(request.tokens)
+            # Under load a prompt's own pass would stall every running session for its length; fed
+            # beside their one-token rows it costs about the prompt alone (compute-bound rows).
+            defer = self._batcher.busy and len(tokens) <= self._fold_rows
+            span.set_attributes({"specdec.tokens": len(tokens), "specdec.deferred": defer})
             cache_id, committed, hidden = await call_core(
-                context, self._executor, lambda: self._target.prefill(list(request.tokens), request.return_hidden, request.fence)
+                context, self._executor,
+                lambda: self._target.prefill(tokens, request.return_hidden, request.fence, defer=defer),
             )
+            if defer:
+                self._unfed[cache_id] = len(tokens) - 1
+                if len(self._unfed) > max(64, self._target.caches.capacity):  # sessions that never verified
+                    live = self._target.caches.ids()
+                    self._unfed = {k: v for k, v in self._unfed.items() if k in live}
             reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
             if hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(hidden))
@@ -70,7 +87,10 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             request.return_hidden,
             request.sync.fence,
         )
-        return await self._batcher.submit(call)
+        try:
+            return await self._batcher.submit(call)
+        finally:
+            self._unfed.pop(call.cache_id, None)
 
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
         with server_span(self._tracer, "TargetService/Verify", context) as span:
@@ -89,7 +109,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
 
 async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer) -> RunningServer:
     """Starts the target gRPC server over a loaded engine and reports it ready."""
-    servicer = TargetServicer(engine, tracer, config.max_batch_rows)
+    servicer = TargetServicer(engine, tracer, config.max_batch_rows, config.fold_prefills)
     running = await start_server(
         config.server, lenient_service(servicer, target_pb2.DESCRIPTOR.services_by_name["TargetService"]),
         (SERVICE_NAME,),

@@ -193,13 +193,13 @@ class LeaderEngine:
         self._last_call = time.monotonic()
 
     def prefill(
-        self, tokens: list[int], with_hidden: bool = False, fence: int = 0
+        self, tokens: list[int], with_hidden: bool = False, fence: int = 0, defer: bool = False
     ) -> tuple[str, int, HiddenRows | None]:
         """TargetEngine.prefill on every rank, under one cache id."""
         with self._lock:
             cache_id = self._engine.caches.new_id()
-            self._announce("prefill", tokens, with_hidden, fence, cache_id, new_id=cache_id)
-            return self._engine.prefill(tokens, with_hidden, fence, cache_id)
+            self._announce("prefill", tokens, with_hidden, fence, cache_id, defer, new_id=cache_id)
+            return self._engine.prefill(tokens, with_hidden, fence, cache_id, defer)
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
         """TargetEngine.verify_batch on every rank."""

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import grpc
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from specdec.batching import PassBatcher, PassLoad
 from specdec.kvcache import SessionCache
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import Sampling
+from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import TargetEngine, VerifyCall
 from target_service.pass_costs import PassCosts
 
@@ -89,6 +94,79 @@ def test_verify_batch_equals_separate_verifies(tiny_target):
         torch.testing.assert_close(got.hidden.rows, want.hidden.rows, atol=1e-4, rtol=1e-4)
         assert got.load.sessions == len(PROMPTS) and got.load.rows == sum(len(d) + 1 for d in DRAFTS)
         assert got.load.others_committed == sum(len(r.tokens) for r in results) - len(got.tokens)
+
+
+def test_a_deferred_prefill_is_fed_by_its_sessions_first_verify_pass(tiny_target):
+    """A prompt left unfed at prefill joins the next verify pass beside running sessions: verdicts,
+    commits and hidden rows (now from position 0) are those of a prefilled session, and that pass, a
+    prefill's cost rather than a verify's, stays off the cost curve coordinators price rows with."""
+    folded, plain = TargetEngine(tiny_target, 16), TargetEngine(tiny_target, 16)
+    running = _calls(folded, PROMPTS[:2], DRAFTS[:2], Sampling(), with_hidden=True)
+    late = []
+    for prompt, draft in zip(PROMPTS[2:], DRAFTS[2:]):
+        cache_id, committed, hidden = folded.prefill(prompt, with_hidden=True, defer=True)
+        assert committed == len(prompt) and hidden is None
+        late.append(VerifyCall(cache_id, len(prompt), [], draft, [], Sampling(), 3, True))
+    results = folded.verify_batch(running + late)
+    assert folded.passes == 1
+    assert all(r.load.alone_ms == [] for r in results)  # nothing recorded: no curve yet
+    assert results[0].load.rows == sum(len(p) - 1 for p in PROMPTS[2:]) + sum(len(d) + 1 for d in DRAFTS)
+    for i, call in enumerate(_calls(plain, PROMPTS, DRAFTS, Sampling(), with_hidden=True)):
+        want, got, prompt = plain.verify_batch([call])[0], results[i], PROMPTS[i]
+        assert (got.accepted, got.tokens, got.committed) == (want.accepted, want.tokens, want.committed)
+        if i >= 2:
+            assert got.hidden.start == 0 and len(got.hidden.rows) == len(prompt) - 1 + len(want.hidden.rows)
+            torch.testing.assert_close(got.hidden.rows[len(prompt) - 1:], want.hidden.rows, atol=1e-4, rtol=1e-4)
+    # The next pass, one pending token per session, is a verify's: it is recorded.
+    again = [VerifyCall(c.cache_id, r.committed, [], [], [], Sampling(), 4) for c, r in zip(running + late, results)]
+    assert all(r.load.alone_ms != [] for r in folded.verify_batch(again))
+
+
+class _GatedEngine(TargetEngine):
+    """A target engine whose verify passes wait for a gate, so a test holds the target busy."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def verify_batch(self, calls):
+        self.entered.set()
+        assert self.gate.wait(60)
+        return super().verify_batch(calls)
+
+
+def test_a_prompt_that_arrives_during_a_pass_is_fed_by_the_next_one(tiny_target, tiny_dir, redis_url):
+    """Over gRPC: an idle target prefills at once; a prompt arriving while a pass runs is deferred (its
+    Prefill span says so, its reply has no hidden rows), and its first Verify feeds it and answers as a
+    prefilled session would, hidden rows from position 0 included."""
+    engine, plain = _GatedEngine(tiny_target, 16), TargetEngine(tiny_target, 16)
+    stack = InProcessStack(engine, None, tiny_dir / "target", redis_url)
+    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
+        first = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[0], return_hidden=True))
+        assert first.hidden.fp16
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(stub.Verify, target_pb2.VerifyRequest(
+                sync=common_pb2.CacheSync(cache_id=first.cache_id, start=len(PROMPTS[0])), sampling=greedy))
+            assert engine.entered.wait(30)
+            late = pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=PROMPTS[3], return_hidden=True))
+            time.sleep(1.0)  # the Prefill reaches the service while the pass still runs
+            engine.gate.set()
+            running.result(30)
+            late = late.result(30)
+        assert late.committed == len(PROMPTS[3]) and not late.hidden.fp16
+        got = stub.Verify(target_pb2.VerifyRequest(
+            sync=common_pb2.CacheSync(cache_id=late.cache_id, start=len(PROMPTS[3])), draft_tokens=DRAFTS[3],
+            sampling=greedy, round=3, return_hidden=True))
+    finally:
+        stack.close()
+    want = plain.verify(plain.prefill(PROMPTS[3])[0], len(PROMPTS[3]), [], DRAFTS[3], [], Sampling(), 3, True)
+    assert (got.accepted, list(got.tokens), got.committed) == (want.accepted, want.tokens, want.committed)
+    assert got.hidden.start == 0 and len(got.hidden.fp16) == 2 * got.hidden.dim * (len(PROMPTS[3]) - 1 + len(want.hidden.rows))
+    deferred = [s.attributes["specdec.deferred"] for s in stack.exporter.get_finished_spans()
+                if s.name == "TargetService/Prefill"]
+    assert deferred == [False, True]
 
 
 def test_verify_batch_isolates_a_bad_call_and_defers_a_repeated_session(tiny_target):
