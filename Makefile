@@ -37,7 +37,7 @@ up: install
 	$(VENV)/bin/specdec up --cache-dir $(CACHE_DIR)
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 # Speed lives here, not in the tests: a JSON report (and a PNG) comparing hf-target, hf-assisted,
 # specdec-k0 and specdec on the shipped prompt set.

@@ -1,7 +1,10 @@
 """``specdec bench --concurrency``: throughput and latency as the number of concurrent sessions grows.
 
 Closed loop: at level C, C clients each send their next request as soon as the previous one ends,
-until the prompt set is done. Modes, one after another on the same prompts at every level:
+until the level's prompts are done. A level takes the first N prompts rounded up to a multiple of C
+(``level_prompts``), so every client sends as many requests: with 24 prompts at C = 16, the last 8
+would otherwise run as a half-empty second wave, and the level would measure about 8 sessions at
+once for half its time. Modes, one after another on the same prompts at every level:
 
 - ``hf-batched``: transformers ``generate`` over batches of C prompts (left-padded), in process: the
   library's own way to serve C users at once;
@@ -69,6 +72,11 @@ class LevelResult:
             same = sum(1 for outputs in runs for pid, out in outputs.items() if reference.get(pid) == out)
             entry["exact"] = f"{same}/{sum(len(outputs) for outputs in runs)}"
         return entry
+
+
+def level_prompts(prompts: list[BenchPrompt], n: int, level: int) -> list[BenchPrompt]:
+    """The first ``n`` prompts rounded up to a multiple of ``level`` (as far as ``prompts`` reaches)."""
+    return prompts[: -(-n // level) * level]
 
 
 def _pct(values: list[float], q: int) -> float:

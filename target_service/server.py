@@ -49,6 +49,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         # first verify pass (0: never); their caches' unfed rows count in that pass's row budget.
         self._fold_rows = max_batch_rows - 1 if fold_prefills and engine.batches else 0
         self._unfed: dict[str, int] = {}
+        self._prefilling = 0  # prefills running or queued with a pass of their own
 
     def _rows_of(self, call: VerifyCall) -> int:
         return len(call.draft_tokens) + 1 + self._unfed.get(call.cache_id, 0)
@@ -57,13 +58,19 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
             tokens = list(request.tokens)
             # Under load a prompt's own pass would stall every running session for its length; fed
-            # beside their one-token rows it costs about the prompt alone (compute-bound rows).
-            defer = self._batcher.busy and len(tokens) <= self._fold_rows
+            # beside their one-token rows it costs about the prompt alone (compute-bound rows). A burst
+            # of prompts counts as load too: the first gets a pass, the rest share verify passes.
+            busy = self._batcher.busy or self._prefilling > 0
+            defer = busy and len(tokens) <= self._fold_rows
             span.set_attributes({"specdec.tokens": len(tokens), "specdec.deferred": defer})
-            cache_id, committed, hidden = await call_core(
-                context, self._executor,
-                lambda: self._target.prefill(tokens, request.return_hidden, request.fence, defer=defer),
-            )
+            self._prefilling += not defer
+            try:
+                cache_id, committed, hidden = await call_core(
+                    context, self._executor,
+                    lambda: self._target.prefill(tokens, request.return_hidden, request.fence, defer=defer),
+                )
+            finally:
+                self._prefilling -= not defer
             if defer:
                 self._unfed[cache_id] = len(tokens) - 1
                 if len(self._unfed) > max(64, self._target.caches.capacity):  # sessions that never verified

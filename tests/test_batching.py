@@ -123,16 +123,32 @@ def test_a_deferred_prefill_is_fed_by_its_sessions_first_verify_pass(tiny_target
 
 
 class _GatedEngine(TargetEngine):
-    """A target engine whose verify passes wait for a gate, so a test holds the target busy."""
+    """A target engine whose verify passes (or prefill passes) wait for a gate, so a test holds the
+    target busy."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, gated: str = "verify", **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.gated = gated
         self.entered, self.gate = threading.Event(), threading.Event()
 
-    def verify_batch(self, calls):
+    def _hold(self) -> None:
         self.entered.set()
         assert self.gate.wait(60)
+
+    def verify_batch(self, calls):
+        if self.gated == "verify":
+            self._hold()
         return super().verify_batch(calls)
+
+    def prefill(self, tokens, with_hidden=False, fence=0, cache_id=None, defer=False):
+        if self.gated == "prefill" and not defer:
+            self._hold()
+        return super().prefill(tokens, with_hidden, fence, cache_id, defer)
+
+
+def _deferred_flags(stack: InProcessStack) -> list[bool]:
+    return [s.attributes["specdec.deferred"] for s in stack.exporter.get_finished_spans()
+            if s.name == "TargetService/Prefill"]
 
 
 def test_a_prompt_that_arrives_during_a_pass_is_fed_by_the_next_one(tiny_target, tiny_dir, redis_url):
@@ -164,9 +180,28 @@ def test_a_prompt_that_arrives_during_a_pass_is_fed_by_the_next_one(tiny_target,
     want = plain.verify(plain.prefill(PROMPTS[3])[0], len(PROMPTS[3]), [], DRAFTS[3], [], Sampling(), 3, True)
     assert (got.accepted, list(got.tokens), got.committed) == (want.accepted, want.tokens, want.committed)
     assert got.hidden.start == 0 and len(got.hidden.fp16) == 2 * got.hidden.dim * (len(PROMPTS[3]) - 1 + len(want.hidden.rows))
-    deferred = [s.attributes["specdec.deferred"] for s in stack.exporter.get_finished_spans()
-                if s.name == "TargetService/Prefill"]
-    assert deferred == [False, True]
+    assert _deferred_flags(stack) == [False, True]
+
+
+def test_a_burst_of_prompts_gets_one_prefill_pass_and_defers_the_rest(tiny_target, tiny_dir, redis_url):
+    """Prompts arriving while another prompt's own pass runs are deferred too, so a burst's sessions
+    start in shared verify passes rather than one prefill pass each."""
+    engine = _GatedEngine(tiny_target, 16, gated="prefill")
+    stack = InProcessStack(engine, None, tiny_dir / "target", redis_url)
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
+        with ThreadPoolExecutor(3) as pool:
+            first = pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=PROMPTS[0], return_hidden=True))
+            assert engine.entered.wait(30)
+            rest = [pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=p, return_hidden=True))
+                    for p in PROMPTS[1:3]]
+            time.sleep(1.0)  # both reach the service while the first prompt's pass still runs
+            engine.gate.set()
+            replies = [f.result(30) for f in [first, *rest]]
+    finally:
+        stack.close()
+    assert [bool(r.hidden.fp16) for r in replies] == [True, False, False]
+    assert sorted(_deferred_flags(stack)) == [False, True, True]
 
 
 def test_verify_batch_isolates_a_bad_call_and_defers_a_repeated_session(tiny_target):

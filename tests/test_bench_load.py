@@ -5,7 +5,7 @@ from __future__ import annotations
 from draft_service.engine import ModelDrafter
 from harness import InProcessStack
 from specdec.bench import BenchPrompt
-from specdec.bench_load import LevelResult, run_hf_batched_level, run_specdec_level, summarize_load
+from specdec.bench_load import LevelResult, level_prompts, run_hf_batched_level, run_specdec_level, summarize_load
 from target_service.engine import TargetEngine
 from test_e2e_tiny import hf_greedy
 
@@ -32,6 +32,14 @@ def test_hf_batched_rows_stop_at_eos_and_match_one_at_a_time(tiny_target):
     assert set(batched.outputs) == set(alone.outputs)
     for out in batched.outputs.values():
         assert 1 <= len(out) <= 12 and all(t != 1 for t in out[:-1])  # nothing kept past EOS (id 1)
+
+
+def test_every_client_of_a_level_sends_as_many_requests():
+    """A level's prompt count is N rounded up to a multiple of C, within the prompts there are."""
+    prompts = [BenchPrompt(str(i), "x") for i in range(40)]
+    assert [len(level_prompts(prompts, 24, c)) for c in (1, 2, 4, 8, 16)] == [24, 24, 24, 24, 32]
+    assert len(level_prompts(prompts, 30, 16)) == 32 and len(level_prompts(prompts[:20], 24, 16)) == 20
+    assert level_prompts(prompts, 24, 16)[:24] == prompts[:24]
 
 
 def test_report_has_percentiles_exactness_and_ratios():
