@@ -155,6 +155,8 @@ class CostModel:
             # What the call took beyond waiting at the target and its pass is the round trip.
             trip = max(0.0, ms - load.queue_ms - load.pass_ms)
             self.overhead_ms += self.smoothing * (trip - self.overhead_ms)
+            if load.fed_rows > tokens:
+                return  # the pass also fed this session's prompt: a prefill's cost, not a round's
         if tokens >= len(self.verify_ms):
             return
         if not self._seen[tokens]:

@@ -45,6 +45,8 @@ class PassLoad:
     """Predicted pass ms had this session fed 1, 2, ... rows alone."""
     queue_ms: float = 0.0
     """How long the call waited before its pass began (the batcher fills it in)."""
+    fed_rows: int = 0
+    """Rows this session fed: its draft tokens + 1, more when the pass also fed its deferred prompt."""
 
 
 class BatchCall(Protocol):

@@ -81,11 +81,11 @@ def pass_load_to_pb(load: PassLoad) -> target_pb2.PassLoad:
     """A verdict's pass load for the wire."""
     return target_pb2.PassLoad(
         sessions=load.sessions, rows=load.rows, others_committed=load.others_committed, pass_ms=load.pass_ms,
-        curve_ms=load.curve_ms, alone_ms=load.alone_ms, queue_ms=load.queue_ms,
+        curve_ms=load.curve_ms, alone_ms=load.alone_ms, queue_ms=load.queue_ms, fed_rows=load.fed_rows,
     )
 
 
 def pass_load_from_pb(msg: target_pb2.PassLoad) -> PassLoad:
     """A verdict's pass load from the wire."""
     return PassLoad(msg.sessions, msg.rows, msg.others_committed, msg.pass_ms, list(msg.curve_ms),
-                    list(msg.alone_ms), msg.queue_ms)
+                    list(msg.alone_ms), msg.queue_ms, msg.fed_rows)

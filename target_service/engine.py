@@ -277,6 +277,7 @@ class TargetEngine:
                 pass_ms=pass_ms,
                 curve_ms=self._costs.curve(rows - len(p.fed), self._curve_rows),
                 alone_ms=alone,
+                fed_rows=len(p.fed),
             )))
             for p, o in outcomes
         ]

@@ -94,10 +94,9 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             request.return_hidden,
             request.sync.fence,
         )
-        try:
-            return await self._batcher.submit(call)
-        finally:
-            self._unfed.pop(call.cache_id, None)
+        outcome = await self._batcher.submit(call)
+        self._unfed.pop(call.cache_id, None)  # fed now (a failed pass leaves it unfed, and counted)
+        return outcome
 
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
         with server_span(self._tracer, "TargetService/Verify", context) as span:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.adaptive import AcceptanceTracker, CostModel, choose_k, expected_tokens
+from specdec.batching import PassLoad
 
 
 @pytest.mark.parametrize("a,k", [(0.3, 4), (0.8, 6), (0.5, 1)])
@@ -62,6 +63,19 @@ def test_cost_model_learns_and_fills_gaps():
     # Unmeasured k: the nearest measured call plus the per-token cost for the difference.
     assert drafts[3] == pytest.approx(12.0 + costs.draft_ms_per_token)
     assert drafts[1] == pytest.approx(12.0 - costs.draft_ms_per_token)
+
+
+def test_a_round_whose_pass_also_fed_the_prompt_is_not_a_rounds_cost():
+    """The first round after a deferred prefill fed the prompt too: its round trip still counts, its
+    milliseconds do not enter the verify curve."""
+    costs = CostModel(k_max=4)
+    costs.record_verify(100.0, 1, PassLoad(1, 1, 0, 95.0, [], [], 0.0, fed_rows=1))
+    trip = costs.overhead_ms
+    costs.record_verify(700.0, 1, PassLoad(3, 150, 2, 690.0, [], [], 0.0, fed_rows=148))
+    assert costs.curve()[1] == 100.0
+    assert costs.overhead_ms > trip  # a 10 ms trip, folded in
+    costs.record_verify(120.0, 1, PassLoad(2, 2, 1, 110.0, [], [], 0.0, fed_rows=1))
+    assert costs.curve()[1] == pytest.approx(100.0 + 0.2 * 20.0)
 
 
 def test_a_cheap_average_token_does_not_hide_an_expensive_call():

@@ -111,6 +111,8 @@ def test_a_deferred_prefill_is_fed_by_its_sessions_first_verify_pass(tiny_target
     assert folded.passes == 1
     assert all(r.load.alone_ms == [] for r in results)  # nothing recorded: no curve yet
     assert results[0].load.rows == sum(len(p) - 1 for p in PROMPTS[2:]) + sum(len(d) + 1 for d in DRAFTS)
+    assert [r.load.fed_rows for r in results] == [len(DRAFTS[0]) + 1, len(DRAFTS[1]) + 1] + [
+        len(p) - 1 + len(d) + 1 for p, d in zip(PROMPTS[2:], DRAFTS[2:])]
     for i, call in enumerate(_calls(plain, PROMPTS, DRAFTS, Sampling(), with_hidden=True)):
         want, got, prompt = plain.verify_batch([call])[0], results[i], PROMPTS[i]
         assert (got.accepted, got.tokens, got.committed) == (want.accepted, want.tokens, want.committed)

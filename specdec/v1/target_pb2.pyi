@@ -39,7 +39,7 @@ class VerifyReply(_message.Message):
     def __init__(self, accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., load: _Optional[_Union[PassLoad, _Mapping]] = ...) -> None: ...
 
 class PassLoad(_message.Message):
-    __slots__ = ("sessions", "rows", "others_committed", "pass_ms", "curve_ms", "alone_ms", "queue_ms")
+    __slots__ = ("sessions", "rows", "others_committed", "pass_ms", "curve_ms", "alone_ms", "queue_ms", "fed_rows")
     SESSIONS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     OTHERS_COMMITTED_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class PassLoad(_message.Message):
     CURVE_MS_FIELD_NUMBER: _ClassVar[int]
     ALONE_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    FED_ROWS_FIELD_NUMBER: _ClassVar[int]
     sessions: int
     rows: int
     others_committed: int
@@ -54,4 +55,5 @@ class PassLoad(_message.Message):
     curve_ms: _containers.RepeatedScalarFieldContainer[float]
     alone_ms: _containers.RepeatedScalarFieldContainer[float]
     queue_ms: float
-    def __init__(self, sessions: _Optional[int] = ..., rows: _Optional[int] = ..., others_committed: _Optional[int] = ..., pass_ms: _Optional[float] = ..., curve_ms: _Optional[_Iterable[float]] = ..., alone_ms: _Optional[_Iterable[float]] = ..., queue_ms: _Optional[float] = ...) -> None: ...
+    fed_rows: int
+    def __init__(self, sessions: _Optional[int] = ..., rows: _Optional[int] = ..., others_committed: _Optional[int] = ..., pass_ms: _Optional[float] = ..., curve_ms: _Optional[_Iterable[float]] = ..., alone_ms: _Optional[_Iterable[float]] = ..., queue_ms: _Optional[float] = ..., fed_rows: _Optional[int] = ...) -> None: ...
