@@ -63,7 +63,9 @@ class TargetServiceServicer:
     """
 
     def Prefill(self, request, context):
-        """Creates a target cache from a session's committed tokens.
+        """Creates a target cache from a session's committed tokens. A busy target may defer feeding them
+        to the session's first Verify pass (then the reply carries no hidden states; that Verify
+        returns them, from position 0).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
