@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from opentelemetry.sdk.resources import Resource
@@ -30,11 +31,13 @@ class InProcessStack:
 
     def __init__(
         self, target: TargetEngine, draft: DraftEngine, tokenizer_path: Path, redis_url: str,
-        services: ServerConfig | None = None,
+        services: ServerConfig | None = None, target_config: TargetConfig | None = None,
     ) -> None:
-        """``services`` is how target and draft listen (for example over TLS); default: plaintext loopback."""
+        """``services`` is how target and draft listen (for example over TLS); default: plaintext loopback.
+        ``target_config`` sets the target servers' other settings (its ``server`` is ``services``)."""
         self.target_engine = target
         self._services = services or ServerConfig()
+        self._target_config = replace(target_config or TargetConfig(), server=self._services)
         self.draft_engine = draft
         self.exporter = InMemorySpanExporter()
         self._provider = TracerProvider(resource=Resource.create({"service.name": "specdec-test"}))
@@ -63,7 +66,7 @@ class InProcessStack:
     def add_target(self, engine: TargetEngine) -> str:
         """Starts one more target server over ``engine``; returns its address."""
         tracer = self._provider.get_tracer("specdec.target")
-        running = self.run(start_target(TargetConfig(server=self._services), engine, tracer))
+        running = self.run(start_target(self._target_config, engine, tracer))
         self._servers.append(running)
         return f"127.0.0.1:{running.port}"
 
