@@ -44,7 +44,8 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                  fold_prefills: bool = True) -> None:
         super().__init__(engine, tracer, "TargetService")
         self._target = engine
-        self._batcher = PassBatcher(engine.verify_batch, self._executor, self._rows_of, max_batch_rows, stamp_queue_wait)
+        self._batcher = PassBatcher(engine.verify_batch, self._executor, self._rows_of, max_batch_rows,
+                                    stamp_queue_wait)
         # Prompts of at most this many tokens that arrive while passes run are fed by their session's
         # first verify pass (0: never); their caches' unfed rows count in that pass's row budget.
         self._fold_rows = max_batch_rows - 1 if fold_prefills and engine.batches else 0

@@ -181,7 +181,8 @@ def test_a_prompt_that_arrives_during_a_pass_is_fed_by_the_next_one(tiny_target,
         stack.close()
     want = plain.verify(plain.prefill(PROMPTS[3])[0], len(PROMPTS[3]), [], DRAFTS[3], [], Sampling(), 3, True)
     assert (got.accepted, list(got.tokens), got.committed) == (want.accepted, want.tokens, want.committed)
-    assert got.hidden.start == 0 and len(got.hidden.fp16) == 2 * got.hidden.dim * (len(PROMPTS[3]) - 1 + len(want.hidden.rows))
+    rows = len(PROMPTS[3]) - 1 + len(want.hidden.rows)  # the prompt's, then the round's
+    assert got.hidden.start == 0 and len(got.hidden.fp16) == 2 * got.hidden.dim * rows
     assert _deferred_flags(stack) == [False, True]
 
 
