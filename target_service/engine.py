@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.batching import PassLoad, waves
+from specdec.errors import CacheBudgetExceeded
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel, ModelFacts
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
@@ -196,6 +197,14 @@ class TargetEngine:
                     for item in prepared:
                         item.cache.drop_unrecorded_kv()
                         results[item.index] = exc
+                    continue
+                for item in prepared:
+                    if len(item.fed) > len(item.call.draft_tokens) + 1:
+                        # A deferred prompt's KV arrived with this pass: the budget check its prefill skipped.
+                        try:
+                            self._caches.fit_budget(item.call.cache_id)
+                        except CacheBudgetExceeded as exc:
+                            results[item.index] = exc
         return results  # type: ignore[return-value]
 
     def _prepare(self, index: int, call: VerifyCall) -> _Prepared:

@@ -18,7 +18,8 @@ from coordinator.adaptive import AcceptanceTracker, CostModel, choose_k
 from draft_service.engine import ModelDrafter
 from specdec import Client
 from specdec.batching import PassBatcher, PassLoad
-from specdec.kvcache import SessionCache
+from specdec.errors import CacheBudgetExceeded
+from specdec.kvcache import SessionCache, kv_buffer_bytes
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import Sampling
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -205,6 +206,21 @@ def test_a_burst_of_prompts_gets_one_prefill_pass_and_defers_the_rest(tiny_targe
         stack.close()
     assert [bool(r.hidden.fp16) for r in replies] == [True, False, False]
     assert sorted(_deferred_flags(stack)) == [False, True, True]
+
+
+def test_a_deferred_prompt_meets_the_kv_budget_once_fed(tiny_target):
+    """The budget check a deferred prefill skipped comes with the pass that feeds it: with every cache
+    in use, the newcomer is refused (RESOURCE_EXHAUSTED on the wire) and the running sessions go on."""
+    probe = TargetEngine(tiny_target, 16)
+    size = kv_buffer_bytes(probe.caches.get(probe.prefill(PROMPTS[1])[0]).kv)
+    engine = TargetEngine(tiny_target, 16, budget_bytes=int(2.5 * size))
+    running = _calls(engine, PROMPTS[1:3], [[], []], Sampling())
+    late_id = engine.prefill(PROMPTS[1], defer=True)[0]
+    late = VerifyCall(late_id, len(PROMPTS[1]), [], [], [], Sampling(), 0)
+    results = engine.verify_batch([*running, late])
+    assert isinstance(results[2], CacheBudgetExceeded)
+    assert not any(isinstance(r, Exception) for r in results[:2])
+    assert late_id not in engine.caches.ids() and len(engine.caches) == 2
 
 
 def test_verify_batch_isolates_a_bad_call_and_defers_a_repeated_session(tiny_target):
