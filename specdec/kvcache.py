@@ -311,6 +311,11 @@ class CacheTable:
                 "retry shortly"
             )
 
+    def peek(self, cache_id: str) -> SessionCache | None:
+        """The cache under ``cache_id`` or None, not marked as used: for estimates made off the engine's
+        thread (each read is atomic; the figures may be a pass old)."""
+        return self._caches.get(cache_id)
+
     def get(self, cache_id: str) -> SessionCache:
         """The cache under ``cache_id``, marked as most recently used."""
         try:

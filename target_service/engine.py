@@ -86,6 +86,11 @@ class _Prepared:
     cache: SessionCache
     fed: list[int]
 
+    @property
+    def feeds_prompt(self) -> bool:
+        """Whether the pass feeds more committed tokens than the round's last one: a deferred prompt."""
+        return len(self.fed) > len(self.call.draft_tokens) + 1
+
 
 class TargetEngine:
     """Verifies draft proposals for many sessions against one target model (one pass at a time).
@@ -199,7 +204,7 @@ class TargetEngine:
                         results[item.index] = exc
                     continue
                 for item in prepared:
-                    if len(item.fed) > len(item.call.draft_tokens) + 1:
+                    if item.feeds_prompt:
                         # A deferred prompt's KV arrived with this pass: the budget check its prefill skipped.
                         try:
                             self._caches.fit_budget(item.call.cache_id)
@@ -257,7 +262,7 @@ class TargetEngine:
         rows = sum(len(p.fed) for p in batch)
         # A pass that also fed a deferred prompt is a prefill's cost, not a verify's: the curve the
         # coordinators price draft rows with keeps only passes of one pending token per session.
-        if all(len(p.fed) == len(p.call.draft_tokens) + 1 for p in batch):
+        if not any(p.feeds_prompt for p in batch):
             self._costs.record(rows, pass_ms)
         self.passes += 1
         self.verified += len(batch)

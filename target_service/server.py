@@ -24,7 +24,7 @@ from specdec.rpc import (
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import hidden_to_pb, pass_load_to_pb, sampling_from_pb
-from target_service.engine import SparseQ, TargetEngine, VerifyCall, stamp_queue_wait
+from target_service.engine import PREFILL_HIDDEN_ROWS, SparseQ, TargetEngine, VerifyCall, stamp_queue_wait
 from target_service.tensor_parallel import (
     LeaderEngine,
     become_follower,
@@ -47,13 +47,16 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         self._batcher = PassBatcher(engine.verify_batch, self._executor, self._rows_of, max_batch_rows,
                                     stamp_queue_wait)
         # Prompts of at most this many tokens that arrive while passes run are fed by their session's
-        # first verify pass (0: never); their caches' unfed rows count in that pass's row budget.
-        self._fold_rows = max_batch_rows - 1 if fold_prefills and engine.batches else 0
-        self._unfed: dict[str, int] = {}
+        # first verify pass (0: never); their caches' unfed rows count in that pass's row budget, and
+        # their hidden rows return in one reply, as a prefill's would.
+        self._fold_rows = min(max_batch_rows - 1, PREFILL_HIDDEN_ROWS) if fold_prefills and engine.batches else 0
         self._prefilling = 0  # prefills running or queued with a pass of their own
 
     def _rows_of(self, call: VerifyCall) -> int:
-        return len(call.draft_tokens) + 1 + self._unfed.get(call.cache_id, 0)
+        """Rows the call's pass feeds: its draft tokens and its cache's pending committed tokens (one, or
+        a deferred prompt's)."""
+        cache = self._target.caches.peek(call.cache_id)
+        return len(call.draft_tokens) + max(1, len(cache.pending()) if cache is not None else 1)
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
@@ -72,11 +75,6 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                 )
             finally:
                 self._prefilling -= not defer
-            if defer:
-                self._unfed[cache_id] = len(tokens) - 1
-                if len(self._unfed) > max(64, self._target.caches.capacity):  # sessions that never verified
-                    live = self._target.caches.ids()
-                    self._unfed = {k: v for k, v in self._unfed.items() if k in live}
             reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
             if hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(hidden))
@@ -95,9 +93,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             request.return_hidden,
             request.sync.fence,
         )
-        outcome = await self._batcher.submit(call)
-        self._unfed.pop(call.cache_id, None)  # fed now (a failed pass leaves it unfed, and counted)
-        return outcome
+        return await self._batcher.submit(call)
 
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
         with server_span(self._tracer, "TargetService/Verify", context) as span:
