@@ -309,10 +309,11 @@ class TargetReplica(_Replica):
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
 
     async def prefill_with_hidden(
-        self, tokens: list[int], remaining_s: float | None, with_hidden: bool, fence: int = 0
+        self, tokens: list[int], remaining_s: float | None, with_hidden: bool, fence: int = 0, feed_now: bool = False
     ) -> tuple[CacheRef, common_pb2.HiddenStates | None]:
-        """``prefill``, also returning the hidden states of the fed positions when ``with_hidden``."""
-        request = common_pb2.PrefillRequest(tokens=tokens, return_hidden=with_hidden, fence=fence)
+        """``prefill``, also returning the hidden states of the fed positions when ``with_hidden``;
+        ``feed_now`` forbids a busy target to defer feeding the prompt."""
+        request = common_pb2.PrefillRequest(tokens=tokens, return_hidden=with_hidden, fence=fence, feed_now=feed_now)
         reply = await self._call(self._stub.Prefill, request, remaining_s)
         return CacheRef(self.address, reply.cache_id, reply.committed, fence), (reply.hidden if with_hidden else None)
 

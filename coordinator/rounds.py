@@ -314,7 +314,10 @@ class RoundLoop:
             hidden = None  # target hidden states the draft has not been sent yet
             if target_ref is None or not self._targets.usable(target_ref.address):
                 t0 = time.perf_counter()
-                target_ref, hidden = await self._place_target(committed, remaining_s, span, record.fence)
+                # A seeded sampled request's draws follow its rounds' k; a deferred prompt would leave a
+                # feature draft without features in round 1, and so make the tokens depend on load.
+                feed_now = request.seed is not None and not sampling.greedy
+                target_ref, hidden = await self._place_target(committed, remaining_s, span, record.fence, feed_now)
                 stats.prefill_ms = (time.perf_counter() - t0) * 1000
             record.target = target_ref
             holding.update(draft_ref, target_ref)
@@ -558,17 +561,21 @@ class RoundLoop:
         return result, replace(ref, committed=result.committed)
 
     async def _place_target(
-        self, committed: list[int], remaining_s: Callable[[], float | None], span: trace.Span, fence: int
+        self, committed: list[int], remaining_s: Callable[[], float | None], span: trace.Span, fence: int,
+        feed_now: bool = False,
     ) -> tuple[CacheRef, HiddenStates | None]:
         """Builds the session's target cache over ``committed`` on a healthy replica, trying the
-        others when one is unreachable; also returns the fed hidden states (when the draft wants them)."""
+        others when one is unreachable; also returns the fed hidden states (when the draft wants them).
+        ``feed_now`` (only where the draft wants hidden states) forbids the target to defer the prompt."""
         error: BackendUnavailable | None = None
         for _ in range(len(self._targets)):
             target = self._targets.pick(None)
             if target is None:
                 break
             try:
-                return await target.prefill_with_hidden(committed, remaining_s(), self._want_hidden, fence)
+                return await target.prefill_with_hidden(
+                    committed, remaining_s(), self._want_hidden, fence, feed_now and self._want_hidden
+                )
             except BackendUnavailable as exc:
                 error = exc
                 self._failed(self._targets, exc, span, "target", "target unreachable, trying another")

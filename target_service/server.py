@@ -65,7 +65,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             # beside their one-token rows it costs about the prompt alone (compute-bound rows). A burst
             # of prompts counts as load too: the first gets a pass, the rest share verify passes.
             busy = self._batcher.busy or self._prefilling > 0
-            defer = busy and len(tokens) <= self._fold_rows
+            defer = busy and not request.feed_now and len(tokens) <= self._fold_rows
             span.set_attributes({"specdec.tokens": len(tokens), "specdec.deferred": defer})
             self._prefilling += not defer
             try:

@@ -191,23 +191,24 @@ def test_a_prompt_that_arrives_during_a_pass_is_fed_by_the_next_one(tiny_target,
 
 def test_a_burst_of_prompts_gets_one_prefill_pass_and_defers_the_rest(tiny_target, tiny_dir, redis_url):
     """Prompts arriving while another prompt's own pass runs are deferred too, so a burst's sessions
-    start in shared verify passes rather than one prefill pass each."""
+    start in shared verify passes rather than one prefill pass each; but never one that asks to be fed
+    now (a seeded sampled request whose feature draft needs its hidden states for round 1)."""
     engine = _GatedEngine(tiny_target, 16, gated="prefill")
     stack = InProcessStack(engine, None, tiny_dir / "target", redis_url)
     try:
         stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
-        with ThreadPoolExecutor(3) as pool:
+        with ThreadPoolExecutor(4) as pool:
             first = pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=PROMPTS[0], return_hidden=True))
             assert engine.entered.wait(30)
-            rest = [pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=p, return_hidden=True))
-                    for p in PROMPTS[1:3]]
-            time.sleep(1.0)  # both reach the service while the first prompt's pass still runs
+            rest = [pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=p, return_hidden=True, feed_now=now))
+                    for p, now in zip(PROMPTS[1:4], [False, False, True])]
+            time.sleep(1.0)  # all reach the service while the first prompt's pass still runs
             engine.gate.set()
             replies = [f.result(30) for f in [first, *rest]]
     finally:
         stack.close()
-    assert [bool(r.hidden.fp16) for r in replies] == [True, False, False]
-    assert sorted(_deferred_flags(stack)) == [False, True, True]
+    assert [bool(r.hidden.fp16) for r in replies] == [True, False, False, True]
+    assert sorted(_deferred_flags(stack)) == [False, False, True, True]
 
 
 def test_a_deferred_prompt_counts_in_its_pass_row_budget(tiny_target):

@@ -13,7 +13,6 @@ from draft_service.feature_draft import KIND, FeatureDraftArch, build_feature_dr
 from draft_service.token_draft import CARD_FILE, target_weights_hash
 from harness import InProcessStack
 from specdec import Client
-from specdec.config import TargetConfig
 from specdec.sampling import Sampling
 from target_service.engine import TargetEngine
 from test_e2e_tiny import PROMPTS, chi_square_passes, hf_greedy
@@ -41,11 +40,7 @@ def stack(tiny_target, tiny_dir, feature_dir, redis_url):
     draft = load_feature_draft(feature_dir, tiny_target.model, target_weights_hash(tiny_target.model))
     engine = FeatureDrafter(draft, tiny_target.facts("target"), 64, 64)
     engine.warmup()
-    # The chi-square test below sends prompts four at a time and checks the first sampled token: a
-    # prompt folded into a verify pass (a busy target's default) has no features for the draft in
-    # that first round, so here every prompt is fed at Prefill and the first round drafts.
-    s = InProcessStack(TargetEngine(tiny_target, 64), engine, tiny_dir / "target", redis_url,
-                       target_config=TargetConfig(fold_prefills=False)).start()
+    s = InProcessStack(TargetEngine(tiny_target, 64), engine, tiny_dir / "target", redis_url).start()
     yield s
     s.close()
 
@@ -87,7 +82,15 @@ def test_lost_draft_cache_and_next_turn(stack, client, tiny_target):
     assert second.stats.drafted_tokens > 0
 
 
-def test_sampled_tokens_follow_target_distribution(client, tiny_target):
-    """k auto, so the draft's confidence cut-off is on: sampled proposals stay exact."""
+def test_sampled_tokens_follow_target_distribution(stack, client, tiny_target):
+    """k auto, so the draft's confidence cut-off is on: sampled proposals stay exact.
+
+    The requests go four at a time, so the target is busy as prompts arrive; but a seeded sampled
+    request's prompt is never deferred (its draws would then depend on load), so every first round
+    has its features and drafts, and the first sampled token is a drafted one."""
+    stack.exporter.clear()
     accepted, drafted = chi_square_passes(client, tiny_target, Sampling(1.0), n=900, k=None)
     assert 0 < accepted < drafted
+    deferred = [s.attributes["specdec.deferred"] for s in stack.exporter.get_finished_spans()
+                if s.name == "TargetService/Prefill"]
+    assert len(deferred) == 900 and not any(deferred)

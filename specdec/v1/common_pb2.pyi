@@ -51,14 +51,16 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("tokens", "return_hidden", "fence")
+    __slots__ = ("tokens", "return_hidden", "fence", "feed_now")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    FEED_NOW_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     return_hidden: bool
     fence: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., return_hidden: _Optional[bool] = ..., fence: _Optional[int] = ...) -> None: ...
+    feed_now: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., return_hidden: _Optional[bool] = ..., fence: _Optional[int] = ..., feed_now: _Optional[bool] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("cache_id", "committed", "hidden")
