@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test test-fast proto up bench bench-load clean
+.PHONY: install run test test-fast proto up bench bench-load pass-grid clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -49,6 +49,10 @@ bench: install
 LOAD_ARGS ?= --concurrency 1,2,4,8,16 --n 24 --max-new-tokens 48 --repeats 2
 bench-load: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(LOAD_ARGS) --out reports/bench-load.json --plot reports/bench-load.png
+
+# The target's pass cost by sessions and draft length, and the ceiling on speculation's gain it implies.
+pass-grid: install
+	$(VENV)/bin/specdec pass-grid --cache-dir $(CACHE_DIR) --out reports/pass-grid.json
 
 proto:
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/specdec/v1/*.proto
