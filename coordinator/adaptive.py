@@ -69,6 +69,22 @@ def choose_k(
     return best_k
 
 
+def speculation_ceiling(pass_ms: dict[int, list[float]], accept: float) -> dict[int, tuple[float, int]]:
+    """The most speculation could gain, by sessions per pass, with a draft that cost nothing.
+
+    ``pass_ms[C][k]`` is a pass's cost with C sessions each verifying k draft tokens (see
+    ``target_service.pass_grid``); a draft token is accepted with probability ``accept`` given the ones
+    before were. Returns, by C, the best E(k) * pass_ms[C][0] / pass_ms[C][k] over k, and that k: a
+    real draft's time and the round trips of a stack only come off it.
+    """
+    out = {}
+    for sessions, row in pass_ms.items():
+        gains = [expected_tokens([accept], k) * row[0] / ms for k, ms in enumerate(row)]
+        best = max(range(len(gains)), key=gains.__getitem__)
+        out[sessions] = (gains[best], best)
+    return out
+
+
 @dataclass
 class AcceptanceTracker:
     """Conditional acceptance by draft position, smoothed towards a prior (Beta pseudo-counts)."""

@@ -1,15 +1,9 @@
-"""The target's pass cost by sessions and draft length, and the most speculation could gain from it.
+"""The target's pass cost by sessions and draft length, timed in process (``specdec pass-grid``).
 
 Speculation under load pays only if a pass over C sessions with k draft tokens each costs less than
-E(k) passes without them. ``measure_pass_grid`` times the target engine in process (no gRPC, no
-draft): pass_ms[C][k] for C sessions each verifying k draft tokens plus its pending one.
-``speculation_ceiling`` then gives, for a draft with conditional acceptance a at every position, the
-best gain any k could bring with a draft that cost nothing:
-
-    ceiling(C) = max_k E(k) * pass_ms[C][0] / pass_ms[C][k]
-
-A stack can only do worse: its draft takes time and shares the cores. ``specdec pass-grid`` prints
-both and writes them as JSON.
+E(k) passes without them. ``measure_pass_grid`` times the target engine alone (no gRPC, no draft):
+pass_ms[C][k] for C sessions each verifying k draft tokens plus its pending one.
+``coordinator.adaptive.speculation_ceiling`` turns that grid into the most any draft could gain.
 """
 
 from __future__ import annotations
@@ -17,7 +11,6 @@ from __future__ import annotations
 import statistics
 import time
 
-from coordinator.adaptive import expected_tokens
 from specdec.sampling import Sampling
 from target_service.engine import TargetEngine, VerifyCall
 
@@ -51,14 +44,3 @@ def measure_pass_grid(
         for cache_id, _ in caches:
             engine.release(cache_id)
     return grid
-
-
-def speculation_ceiling(grid: dict[int, list[float]], accept: float) -> dict[int, tuple[float, int]]:
-    """By sessions C: the best E(k) * pass_ms[C][0] / pass_ms[C][k] over k, and that k (a free draft
-    whose tokens are each accepted with probability ``accept`` given the ones before were)."""
-    out = {}
-    for sessions, row in grid.items():
-        gains = [expected_tokens([accept], k) * row[0] / ms for k, ms in enumerate(row)]
-        best = max(range(len(gains)), key=gains.__getitem__)
-        out[sessions] = (gains[best], best)
-    return out
