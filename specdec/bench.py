@@ -33,6 +33,13 @@ class BenchPrompt:
     id: str
     prompt: str | list[dict[str, str]]
 
+    def token_ids(self, tokenizer) -> list[int]:
+        """The tokens a fresh session sees for this prompt, as the coordinator builds them."""
+        from coordinator.prompts import build_turn
+
+        text, messages = (self.prompt, None) if isinstance(self.prompt, str) else (None, self.prompt)
+        return build_turn(tokenizer, [], None, text, messages).tokens
+
 
 @dataclass
 class ModeResult:
@@ -103,8 +110,6 @@ def hf_runner(mode: str, loaded, draft, max_new_tokens: int, temperature: float,
     """Runs transformers ``generate`` in process, alone or assisted by the draft."""
     import torch
 
-    from coordinator.prompts import render_chat
-
     options: dict = {"max_new_tokens": max_new_tokens, "do_sample": temperature > 0}
     if temperature > 0:
         options["temperature"] = temperature
@@ -115,7 +120,7 @@ def hf_runner(mode: str, loaded, draft, max_new_tokens: int, temperature: float,
             options["assistant_model"] = draft
 
     def run(index: int, p: BenchPrompt, result: ModeResult) -> None:
-        ids = loaded.tokenizer.encode(p.prompt, add_special_tokens=False) if isinstance(p.prompt, str) else render_chat(loaded.tokenizer, p.prompt)
+        ids = p.token_ids(loaded.tokenizer)
         start = time.perf_counter()
         with torch.inference_mode():
             out = loaded.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **options)

@@ -159,8 +159,6 @@ def run_hf_batched_level(loaded, prompts: list[BenchPrompt], level: int, max_new
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
-    from coordinator.prompts import render_chat
-
     class FirstStep(StoppingCriteria):
         """Notes when the first generated token exists; never stops anything."""
 
@@ -178,8 +176,7 @@ def run_hf_batched_level(loaded, prompts: list[BenchPrompt], level: int, max_new
     result = LevelResult()
     for lo in range(0, len(prompts), level):
         batch = prompts[lo : lo + level]
-        ids = [tokenizer.encode(p.prompt, add_special_tokens=False) if isinstance(p.prompt, str)
-               else render_chat(tokenizer, p.prompt) for p in batch]
+        ids = [p.token_ids(tokenizer) for p in batch]
         width = max(len(x) for x in ids)
         input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])  # [B, width], left-padded
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])

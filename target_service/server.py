@@ -56,7 +56,8 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         """Rows the call's pass feeds: its draft tokens and its cache's pending committed tokens (one, or
         a deferred prompt's)."""
         cache = self._target.caches.peek(call.cache_id)
-        return len(call.draft_tokens) + max(1, len(cache.pending()) if cache is not None else 1)
+        pending = len(cache.pending()) if cache is not None else 1
+        return len(call.draft_tokens) + max(1, pending)
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
