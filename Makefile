@@ -24,7 +24,7 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 	touch $(STAMP)
 
 $(MODEL_STAMP): | $(STAMP)
-	$(PY) -c "from pathlib import Path; from specdec.models import ensure_default_model; ensure_default_model(Path('$(CACHE_DIR)'))"
+	$(PY) -c "from pathlib import Path; from specdec.vocab import resolve_model_path; resolve_model_path('default', Path('$(CACHE_DIR)'))"
 
 .PHONY: redis
 redis:

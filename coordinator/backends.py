@@ -15,9 +15,9 @@ from typing import Generic, TypeVar
 import grpc
 
 from specdec.batching import PassLoad
-from specdec.models import ModelFacts
+from specdec.vocab import ModelFacts
 from specdec.rpc import aio_channel, channel_options
-from specdec.sampling import Sampling
+from specdec.sampling_params import Sampling
 from specdec.tracing import outgoing_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.wire import facts_from_pb, pass_load_from_pb, sampling_to_pb

@@ -17,7 +17,7 @@ from typing import Generic
 
 from coordinator.backends import R, ReplicaSet
 from coordinator.discovery import Source
-from specdec.models import ModelFacts
+from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
 

@@ -39,11 +39,11 @@ from coordinator.sessions import SessionRecord, SessionStore, TurnState
 from coordinator.textstream import TextStream
 from specdec.batching import PassLoad
 from specdec.config import FEATURE_KIND
-from specdec.kvcache import common_prefix_len
+from specdec.token_lists import common_prefix_len
 from specdec.metrics import CoordinatorMetrics
-from specdec.models import ModelFacts
+from specdec.vocab import ModelFacts
 from specdec.ngram import propose_ngram
-from specdec.sampling import Sampling
+from specdec.sampling_params import Sampling
 from specdec.v1.common_pb2 import HiddenStates
 
 log = logging.getLogger(__name__)

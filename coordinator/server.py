@@ -39,7 +39,7 @@ from coordinator.sessions import SessionStore, StoreUnavailable, open_store
 from specdec.config import MAX_K, CoordinatorConfig
 from specdec.config import FEATURE_KIND
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
-from specdec.models import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 from specdec.rpc import (
     RunningServer,
     channel_credentials,

@@ -30,7 +30,8 @@ from specdec.batching import PassBatcher
 from specdec.rpc import RunningServer, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.wire import hidden_from_pb, sampling_from_pb
+from specdec.hidden_wire import hidden_from_pb
+from specdec.wire import sampling_from_pb
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 

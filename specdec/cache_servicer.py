@@ -9,7 +9,7 @@ from typing import Protocol
 from opentelemetry import trace
 
 from specdec.kvcache import CacheTable
-from specdec.models import ModelFacts
+from specdec.vocab import ModelFacts
 from specdec.rpc import call_core
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2

@@ -20,6 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
+from specdec.token_lists import common_prefix_len  # noqa: F401 - also imported from here
 
 
 class GrowableLayer(DynamicLayer):
@@ -84,16 +85,6 @@ class GrowableCache(DynamicCache):
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowableLayer)
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 @dataclass(frozen=True)

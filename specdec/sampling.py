@@ -19,20 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class Sampling:
-    """Sampling settings of one request; ``temperature == 0`` means greedy."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        """True when tokens are argmax picks rather than draws."""
-        return self.temperature == 0.0
+from specdec.sampling_params import Sampling  # noqa: F401 - the settings come with the math that reads them
 
 
 def round_generator(seed: int, round_index: int, stream: int) -> torch.Generator:

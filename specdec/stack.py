@@ -163,22 +163,27 @@ class LocalStack:
         common = ["--cache-dir", str(c.cache_dir)] + (["--otlp-endpoint", c.otlp_endpoint] if c.otlp_endpoint else [])
         try:
             self._start_redis()
+            # Ports are chosen here so that the coordinators can start beside the services: each waits
+            # for its replicas to be ready, and importing it overlaps their loading the models.
+            target_port, draft_port = free_port(), free_port()
+            while draft_port == target_port:
+                draft_port = free_port()
+            self.target_address, self.draft_address = f"127.0.0.1:{target_port}", f"127.0.0.1:{draft_port}"
             target = self._spawn(
                 "target",
-                [*exe, "serve-target", "--port", "0", "--model", c.target_model, "--threads", str(c.target_threads),
+                [*exe, "serve-target", "--port", str(target_port), "--model", c.target_model, "--threads", str(c.target_threads),
                  "--tp", str(c.target_tp), *([] if c.fold_prefills else ["--no-fold-prefills"]), *common],
                 c.target_threads,
                 passive=False,
             )
             draft = self._spawn(
                 "draft",
-                [*exe, "serve-draft", "--port", "0", "--kind", c.draft_kind, "--model", c.draft_model or default_draft_model(c.draft_kind),
+                [*exe, "serve-draft", "--port", str(draft_port), "--kind", c.draft_kind, "--model", c.draft_model or default_draft_model(c.draft_kind),
                  "--target-model", c.target_model,
                  "--threads", str(c.draft_threads), *common],
                 c.draft_threads,
             )
-            self.target_address = self._wait_for_line(target, "READY ")
-            self.draft_address = self._wait_for_line(draft, "READY ")
+            coordinators = []
             for i in range(1 + c.extra_coordinators):
                 port = c.coordinator_port if i == 0 else 0
                 coordinator = self._spawn(
@@ -189,7 +194,10 @@ class LocalStack:
                      # Every process of a local stack shares this machine's cores.
                      "--draft-colocated", *([] if c.confidence_cutoff else ["--no-confidence-cutoff"]), *common],
                 )
-                self.coordinator_addresses.append(self._wait_for_line(coordinator, "READY "))
+                coordinators.append(coordinator)
+            self._wait_for_line(target, "READY ")
+            self._wait_for_line(draft, "READY ")
+            self.coordinator_addresses = [self._wait_for_line(proc, "READY ") for proc in coordinators]
         except BaseException:
             self.close()
             raise

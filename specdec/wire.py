@@ -1,13 +1,11 @@
-"""Conversions between protocol messages and core types that more than one service uses."""
+"""Conversions between protocol messages and core types that more than one service uses (no torch:
+the coordinator uses them too; hidden states convert in ``specdec.hidden_wire``)."""
 
 from __future__ import annotations
 
-import torch
-
 from specdec.batching import PassLoad
-from specdec.kvcache import HiddenRows
-from specdec.models import ModelFacts
-from specdec.sampling import Sampling
+from specdec.vocab import ModelFacts
+from specdec.sampling_params import Sampling
 from specdec.v1 import common_pb2, target_pb2
 
 
@@ -53,28 +51,6 @@ def facts_from_pb(msg: common_pb2.ModelInfo) -> ModelFacts:
         fingerprint=msg.tokenizer_fingerprint,
     )
 
-
-def hidden_to_pb(hidden: HiddenRows) -> common_pb2.HiddenStates:
-    """Wire form of hidden states: fp16 bytes, row-major."""
-    rows = hidden.rows.detach().to(torch.float16).contiguous()  # [n, D]
-    return common_pb2.HiddenStates(start=hidden.start, dim=rows.shape[1], fp16=rows.numpy().tobytes())
-
-
-def hidden_from_pb(msg: common_pb2.HiddenStates, dim: int) -> HiddenRows | None:
-    """Hidden states from the wire (fp32 rows), or None when the message carries none.
-
-    Raises ``ValueError`` when the width is not ``dim`` or the bytes are not whole fp16 rows.
-    """
-    if not msg.fp16:
-        return None
-    if msg.dim != dim:
-        raise ValueError(f"hidden.dim: this draft reads hidden states of width {dim}, got {msg.dim}")
-    if len(msg.fp16) % (2 * dim):
-        raise ValueError(f"hidden.fp16: {len(msg.fp16)} bytes are not whole rows of {dim} float16 values")
-    rows = torch.frombuffer(bytearray(msg.fp16), dtype=torch.float16).view(-1, dim).float()  # [n, D]
-    if not bool(torch.isfinite(rows).all()):
-        raise ValueError("hidden.fp16: hidden states must be finite")
-    return HiddenRows(msg.start, rows)
 
 
 def pass_load_to_pb(load: PassLoad) -> target_pb2.PassLoad:

@@ -23,7 +23,8 @@ from specdec.rpc import (
 )
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.wire import hidden_to_pb, pass_load_to_pb, sampling_from_pb
+from specdec.hidden_wire import hidden_to_pb
+from specdec.wire import pass_load_to_pb, sampling_from_pb
 from target_service.engine import PREFILL_HIDDEN_ROWS, SparseQ, TargetEngine, VerifyCall, stamp_queue_wait
 from target_service.tensor_parallel import (
     LeaderEngine,

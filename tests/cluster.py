@@ -84,18 +84,13 @@ class Cluster:
         return [f"127.0.0.1:{m.port}" for n, m in self.members.items() if n.startswith("coordinator")]
 
     def start(self) -> Cluster:
-        """Starts every process: the services together, then the coordinators once those serve."""
+        """Starts every process at once (each member's port is fixed, and a coordinator waits for its
+        replicas to be ready), then waits until all serve."""
         try:
             for name in self.members:
-                if not name.startswith("coordinator"):
-                    self._spawn(name)
+                self._spawn(name)
             for name in self.members:
-                if not name.startswith("coordinator"):
-                    self._wait(name)
-            for name in self.members:
-                if name.startswith("coordinator"):
-                    self._spawn(name)
-                    self._wait(name)
+                self._wait(name)
         except BaseException:
             self.close()
             raise

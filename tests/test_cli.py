@@ -56,3 +56,17 @@ def test_up_serves_and_sigterm_stops_everything(tiny_dir, tmp_path):
         if proc.poll() is None:
             proc.kill()
         log.close()
+
+
+def test_the_coordinator_needs_no_torch(tiny_dir):
+    """The coordinator only tokenizes and routes: importing it and loading its tokenizer must not pull
+    in torch, which would cost it seconds of start-up and hundreds of MB on every replica."""
+    code = (
+        "import sys; from pathlib import Path; import coordinator.server, specdec.cli; "
+        "from specdec.vocab import load_tokenizer, tokenizer_fingerprint; "
+        "tokenizer_fingerprint(load_tokenizer(Path(sys.argv[1]))); "
+        "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(tiny_dir / "target")], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent.parent)
+    assert out.stdout.strip() == "[]", out.stdout
