@@ -18,7 +18,8 @@ from specdec.ngram import propose_ngram
 from specdec.batching import waves
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.ragged import RaggedLayout
-from specdec.models import LoadedModel, ModelFacts
+from specdec.models import LoadedModel
+from specdec.vocab import ModelFacts
 from specdec.sampling import Sampling
 
 

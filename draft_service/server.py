@@ -15,16 +15,7 @@ from draft_service.token_draft import CARD_FILE, load_token_draft, target_weight
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
-from specdec.models import (
-    LoadedModel,
-    ModelFacts,
-    load_config,
-    load_model,
-    load_tokenizer,
-    max_context,
-    resolve_model_path,
-    tokenizer_fingerprint,
-)
+from specdec.models import LoadedModel, load_config, load_model, max_context
 from specdec.packed_linear import pack_linears
 from specdec.batching import PassBatcher
 from specdec.rpc import RunningServer, guarded, lenient_service, serve_forever, start_server
@@ -32,6 +23,7 @@ from specdec.tracing import server_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.hidden_wire import hidden_from_pb
 from specdec.wire import sampling_from_pb
+from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 

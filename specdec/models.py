@@ -18,8 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specdec.packed_linear import pack_linears
-from specdec.vocab import (  # noqa: F401 - ModelFacts and DEFAULT_MODEL are imported from here too
-    DEFAULT_MODEL,
+from specdec.vocab import (
     DEFAULT_MODEL_FOLDER,
     ModelFacts,
     default_model_folder,

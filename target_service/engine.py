@@ -13,7 +13,8 @@ import torch
 from specdec.batching import PassLoad, waves
 from specdec.errors import CacheBudgetExceeded
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
-from specdec.models import LoadedModel, ModelFacts
+from specdec.models import LoadedModel
+from specdec.vocab import ModelFacts
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import (
     Sampling,

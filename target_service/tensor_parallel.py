@@ -44,7 +44,8 @@ from torch import nn
 
 from specdec.config import TensorParallelConfig
 from specdec.kvcache import CacheTable, HiddenRows
-from specdec.models import LoadedModel, ModelFacts
+from specdec.models import LoadedModel
+from specdec.vocab import ModelFacts
 from target_service.engine import TargetEngine, VerifyCall, VerifyOutcome
 
 log = logging.getLogger("specdec.target.tp")

@@ -23,7 +23,7 @@ from draft_service.engine import NgramDrafter
 from specdec import Client
 from specdec.cli import _coordinator_config, _parser
 from specdec.config import CoordinatorConfig, DnsDiscovery, KubernetesDiscovery
-from specdec.models import ModelFacts
+from specdec.vocab import ModelFacts
 from target_service.engine import TargetEngine
 
 FACTS = ModelFacts("tiny", "target", 32, 256, (1,), "same-tokenizer")
