@@ -188,9 +188,7 @@ def test_a_restarted_peer_is_found_again_within_a_second():
     """After seconds of refused connections, gRPC's default reconnect backoff would leave a channel
     failing fast for seconds more after its peer is back, longer than the SDK's retry budget; the
     channels specdec opens retry the connection at least once a second."""
-    from concurrent import futures
-
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from specdec.rpc import channel_options
     from specdec.stack import free_port
@@ -203,10 +201,7 @@ def test_a_restarted_peer_is_found_again_within_a_second():
             with pytest.raises(grpc.RpcError):
                 stub.Check(health_pb2.HealthCheckRequest(), timeout=0.2)
             time.sleep(0.05)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
-        server.add_insecure_port(address)
-        server.start()
+        server = _health_server(address)
         try:
             back = time.monotonic()
             while True:
@@ -218,3 +213,39 @@ def test_a_restarted_peer_is_found_again_within_a_second():
             assert time.monotonic() - back < 1.5
         finally:
             server.stop(0)
+
+
+def test_a_replica_that_serves_late_is_found_within_a_second():
+    """A coordinator that starts before its replicas (a model loads for seconds) polls their health
+    with the same short reconnect backoff, so it starts serving about as soon as they do."""
+    from specdec.rpc import wait_ready
+    from specdec.stack import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+
+    async def scenario() -> float:
+        waiting = asyncio.create_task(wait_ready(address, 30.0))
+        await asyncio.sleep(6.5)  # several refused connection attempts
+        assert not waiting.done()
+        server = _health_server(address)
+        try:
+            back = time.monotonic()
+            await waiting
+            return time.monotonic() - back
+        finally:
+            server.stop(0)
+
+    assert asyncio.run(scenario()) < 1.5
+
+
+def _health_server(address: str) -> grpc.Server:
+    """A started gRPC server on ``address`` whose health service reports SERVING."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    server.add_insecure_port(address)
+    server.start()
+    return server
