@@ -7,6 +7,7 @@ import torch
 from specdec.kvcache import HiddenRows
 from specdec.v1 import common_pb2
 
+
 def hidden_to_pb(hidden: HiddenRows) -> common_pb2.HiddenStates:
     """Wire form of hidden states: fp16 bytes, row-major."""
     rows = hidden.rows.detach().to(torch.float16).contiguous()  # [n, D]

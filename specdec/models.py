@@ -104,7 +104,6 @@ def max_context(config) -> int:
     return int(getattr(config, "max_position_embeddings", 2048))
 
 
-
 def eos_ids(model: PreTrainedModel, tokenizer) -> tuple[int, ...]:
     """Token ids that end generation: the generation config's EOS ids, else the tokenizer's."""
     eos = model.generation_config.eos_token_id

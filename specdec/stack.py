@@ -171,15 +171,16 @@ class LocalStack:
             self.target_address, self.draft_address = f"127.0.0.1:{target_port}", f"127.0.0.1:{draft_port}"
             target = self._spawn(
                 "target",
-                [*exe, "serve-target", "--port", str(target_port), "--model", c.target_model, "--threads", str(c.target_threads),
-                 "--tp", str(c.target_tp), *([] if c.fold_prefills else ["--no-fold-prefills"]), *common],
+                [*exe, "serve-target", "--port", str(target_port), "--model", c.target_model,
+                 "--threads", str(c.target_threads), "--tp", str(c.target_tp),
+                 *([] if c.fold_prefills else ["--no-fold-prefills"]), *common],
                 c.target_threads,
                 passive=False,
             )
             draft = self._spawn(
                 "draft",
-                [*exe, "serve-draft", "--port", str(draft_port), "--kind", c.draft_kind, "--model", c.draft_model or default_draft_model(c.draft_kind),
-                 "--target-model", c.target_model,
+                [*exe, "serve-draft", "--port", str(draft_port), "--kind", c.draft_kind,
+                 "--model", c.draft_model or default_draft_model(c.draft_kind), "--target-model", c.target_model,
                  "--threads", str(c.draft_threads), *common],
                 c.draft_threads,
             )

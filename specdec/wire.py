@@ -4,9 +4,9 @@ the coordinator uses them too; hidden states convert in ``specdec.hidden_wire``)
 from __future__ import annotations
 
 from specdec.batching import PassLoad
-from specdec.vocab import ModelFacts
 from specdec.sampling_params import Sampling
 from specdec.v1 import common_pb2, target_pb2
+from specdec.vocab import ModelFacts
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
@@ -50,7 +50,6 @@ def facts_from_pb(msg: common_pb2.ModelInfo) -> ModelFacts:
         eos_token_ids=tuple(msg.eos_token_ids),
         fingerprint=msg.tokenizer_fingerprint,
     )
-
 
 
 def pass_load_to_pb(load: PassLoad) -> target_pb2.PassLoad:
