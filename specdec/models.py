@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specdec.packed_linear import pack_linears
 from specdec.vocab import (
@@ -74,7 +74,7 @@ def _convert(folder: Path) -> Path:
     gguf = smollm2_gguf_path()
     log.info("converting %s to %s (once)", gguf, folder)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer = load_tokenizer(gguf)
     # save_pretrained refuses a GGUF-loaded model: rebuild a plain one from its config.
     config = loaded.config
     if hasattr(config, "quantization_config"):

@@ -6,6 +6,7 @@ pipes, so a chatty child can never block; every child is stopped when the stack 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,9 +23,17 @@ from specdec.config import DEFAULT_DRAFT_KIND, default_draft_model
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that are free right now (all bound at once, so no two
+    are the same)."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 @dataclass(frozen=True)
@@ -165,9 +174,7 @@ class LocalStack:
             self._start_redis()
             # Ports are chosen here so that the coordinators can start beside the services: each waits
             # for its replicas to be ready, and importing it overlaps their loading the models.
-            target_port, draft_port = free_port(), free_port()
-            while draft_port == target_port:
-                draft_port = free_port()
+            target_port, draft_port = free_ports(2)
             self.target_address, self.draft_address = f"127.0.0.1:{target_port}", f"127.0.0.1:{draft_port}"
             target = self._spawn(
                 "target",

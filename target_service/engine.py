@@ -332,10 +332,11 @@ class TargetEngine:
         # One set of caches serves every size: each pass grows them by a token or three, which costs
         # nothing measurable, while a prefill per session per pass made warm-up minutes long on slow
         # (tensor-parallel) targets.
-        ids = [self.prefill([0, 1, 2, 3], defer=self._ragged)[0]
+        prompt = [0, 1, 2, 3]
+        ids = [self.prefill(prompt, defer=self._ragged)[0]
                for _ in range(max((-(-rows // 3) for rows in sizes), default=0))]
         if self._ragged and ids:  # their prompts fed together, as folded prompts are, not a pass each
-            self.verify_batch([VerifyCall(i, 4, [], [], [], Sampling(), 0) for i in ids])
+            self.verify_batch([VerifyCall(i, len(prompt), [], [], [], Sampling(), 0) for i in ids])
         # One pass per size: a shape's first pass costs what its later ones do (default target, 2 cores:
         # 88 against 93 ms at 1 row, 408 against 439 ms at 64), so a second pass only doubled warm-up.
         for rows in sizes:
