@@ -130,6 +130,9 @@ class TargetConfig:
     # A prompt that arrives while passes run is fed in its session's first verify pass, beside the
     # others' rows, rather than in a pass of its own (see TargetServicer.Prefill).
     fold_prefills: bool = True
+    # A longer prompt is fed this many tokens a pass, beside the running sessions' rounds, so none of
+    # them waits for the whole prompt (0: one pass of its own).
+    prefill_chunk: int = 128
     tp: TensorParallelConfig = TensorParallelConfig()
 
 

@@ -58,6 +58,15 @@ class VerifyCall:
     with_hidden: bool = False
     # The caller's fencing token (see SessionCache.sync).
     fence: int = 0
+    # > 0: not a round but a chunk of a long prompt (see ``feed_call``): the pass feeds this many of
+    # the cache's pending committed tokens, never the last, and verifies nothing.
+    feed_rows: int = 0
+
+
+def feed_call(cache_id: str, rows: int, with_hidden: bool = False) -> VerifyCall:
+    """A call that feeds the next ``rows`` of a deferred prompt into its cache, beside other sessions'
+    rounds in a shared pass; its outcome commits nothing and carries the fed rows' hidden states."""
+    return VerifyCall(cache_id, 0, [], [], [], Sampling(), 0, with_hidden, feed_rows=rows)
 
 
 @dataclass(frozen=True)
@@ -89,8 +98,9 @@ class _Prepared:
 
     @property
     def feeds_prompt(self) -> bool:
-        """Whether the pass feeds more committed tokens than the round's last one: a deferred prompt."""
-        return len(self.fed) > len(self.call.draft_tokens) + 1
+        """Whether the pass feeds more committed tokens than the round's last one: a deferred prompt
+        (or a chunk of one)."""
+        return self.call.feed_rows > 0 or len(self.fed) > len(self.call.draft_tokens) + 1
 
 
 class TargetEngine:
@@ -215,6 +225,8 @@ class TargetEngine:
 
     def _prepare(self, index: int, call: VerifyCall) -> _Prepared:
         """Checks a call's fields and syncs its cache to the committed tokens it names."""
+        if call.feed_rows:
+            return self._prepare_feed(index, call)
         self._check_tokens(call.new_tokens, "sync.tokens")
         self._check_tokens(call.draft_tokens, "draft_tokens")
         if not call.sampling.greedy:
@@ -232,6 +244,16 @@ class TargetEngine:
             raise ValueError(f"draft_tokens: the round would exceed the context of {self._loaded.max_context}")
         return _Prepared(index, call, cache, cache.pending() + list(call.draft_tokens))
 
+    def _prepare_feed(self, index: int, call: VerifyCall) -> _Prepared:
+        """A prompt chunk: the next ``feed_rows`` pending tokens, leaving the last one for a round."""
+        if not self._ragged:
+            raise ValueError("feed_rows: this target feeds a prompt in one pass (no ragged batching)")
+        cache = self._caches.get(call.cache_id)
+        pending = cache.pending()
+        if not 0 < call.feed_rows < len(pending):
+            raise ValueError(f"feed_rows: {call.feed_rows} rows of a prompt with {len(pending)} pending tokens")
+        return _Prepared(index, call, cache, pending[: call.feed_rows])
+
     def _run_pass(self, batch: list[_Prepared]) -> list[tuple[int, VerifyOutcome]]:
         """One forward pass over every prepared call, then each call's acceptance decision."""
         model = self._loaded.model
@@ -241,7 +263,8 @@ class TargetEngine:
         # measured 85 against 95 ms for a one-token pass of the default target on 2 cores.
         if self._ragged:
             logits, hidden = ragged_forward(
-                model, [RaggedItem(p.cache.kv, p.fed, len(p.call.draft_tokens) + 1) for p in batch]
+                model,
+                [RaggedItem(p.cache.kv, p.fed, 0 if p.call.feed_rows else len(p.call.draft_tokens) + 1) for p in batch],
             )
             for p in batch:
                 p.cache.kv_tokens.extend(p.fed)
@@ -265,13 +288,18 @@ class TargetEngine:
         # coordinators price draft rows with keeps only passes of one pending token per session.
         if not any(p.feeds_prompt for p in batch):
             self._costs.record(rows, pass_ms)
+        rounds = sum(not p.call.feed_rows for p in batch)
         self.passes += 1
-        self.verified += len(batch)
-        self.largest_pass = max(self.largest_pass, len(batch))
+        self.verified += rounds
+        self.largest_pass = max(self.largest_pass, rounds)
 
         outcomes = []
         for p, item_logits, item_hidden, start in zip(batch, logits, hidden, starts):
             call, cache = p.call, p.cache
+            if call.feed_rows:
+                rows_out = HiddenRows(start, item_hidden) if call.with_hidden else None
+                outcomes.append((p, VerifyOutcome(0, [], len(cache.committed), rows_out)))
+                continue
             if call.sampling.greedy:
                 verdict = verify_greedy(item_logits, call.draft_tokens)
             else:

@@ -25,7 +25,15 @@ from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.hidden_wire import hidden_to_pb
 from specdec.wire import pass_load_to_pb, sampling_from_pb
-from target_service.engine import PREFILL_HIDDEN_ROWS, SparseQ, TargetEngine, VerifyCall, stamp_queue_wait
+from specdec.kvcache import HiddenRows
+from target_service.engine import (
+    PREFILL_HIDDEN_ROWS,
+    SparseQ,
+    TargetEngine,
+    VerifyCall,
+    feed_call,
+    stamp_queue_wait,
+)
 from target_service.tensor_parallel import (
     LeaderEngine,
     become_follower,
@@ -42,20 +50,27 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     """Thin servicer over a TargetEngine."""
 
     def __init__(self, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer, max_batch_rows: int,
-                 fold_prefills: bool = True) -> None:
+                 fold_prefills: bool = True, prefill_chunk: int = 0) -> None:
         super().__init__(engine, tracer, "TargetService")
         self._target = engine
         self._batcher = PassBatcher(engine.verify_batch, self._executor, self._rows_of, max_batch_rows,
                                     stamp_queue_wait)
+        # A longer prompt is fed this many tokens a pass, in passes shared with the other sessions'
+        # rounds (0: in one pass of its own, which every other session waits for: 6.5 s for 2048
+        # tokens of the default target on 2 cores).
+        self._chunk_rows = min(prefill_chunk, max_batch_rows - 1) if engine.batches else 0
         # Prompts of at most this many tokens that arrive while passes run are fed by their session's
         # first verify pass (0: never); their caches' unfed rows count in that pass's row budget, and
-        # their hidden rows return in one reply, as a prefill's would.
-        self._fold_rows = min(max_batch_rows - 1, PREFILL_HIDDEN_ROWS) if fold_prefills and engine.batches else 0
+        # their hidden rows return in one reply, as a prefill's would. A chunked prompt's tail folds too.
+        self._fold_rows = (min(max_batch_rows - 1, PREFILL_HIDDEN_ROWS, self._chunk_rows or max_batch_rows)
+                           if fold_prefills and engine.batches else 0)
         self._prefilling = 0  # prefills running or queued with a pass of their own
 
     def _rows_of(self, call: VerifyCall) -> int:
         """Rows the call's pass feeds: its draft tokens and its cache's pending committed tokens (one, or
-        a deferred prompt's)."""
+        a deferred prompt's), or a prompt chunk's rows."""
+        if call.feed_rows:
+            return call.feed_rows
         cache = self._target.caches.peek(call.cache_id)
         pending = len(cache.pending()) if cache is not None else 1
         return len(call.draft_tokens) + max(1, pending)
@@ -67,8 +82,11 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             # beside their one-token rows it costs about the prompt alone (compute-bound rows). A burst
             # of prompts counts as load too: the first gets a pass, the rest share verify passes.
             busy = self._batcher.busy or self._prefilling > 0
-            defer = busy and not request.feed_now and len(tokens) <= self._fold_rows
-            span.set_attributes({"specdec.tokens": len(tokens), "specdec.deferred": defer})
+            fold = busy and not request.feed_now and self._fold_rows > 0
+            chunked = 0 < self._chunk_rows < len(tokens)
+            defer = chunked or fold and len(tokens) <= self._fold_rows
+            span.set_attributes({"specdec.tokens": len(tokens), "specdec.deferred": defer and not chunked,
+                                 "specdec.chunked": chunked})
             self._prefilling += not defer
             try:
                 cache_id, committed, hidden = await call_core(
@@ -77,10 +95,38 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                 )
             finally:
                 self._prefilling -= not defer
+            if chunked:
+                hidden = await guarded(
+                    context, self._feed_in_chunks(cache_id, len(tokens), request.return_hidden, fold),
+                    "TargetService/Prefill",
+                )
             reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
             if hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(hidden))
             return reply
+
+    async def _feed_in_chunks(self, cache_id: str, length: int, with_hidden: bool, fold: bool) -> HiddenRows | None:
+        """Feeds a deferred prompt of ``length`` tokens through the batcher, a chunk a pass, so running
+        sessions' rounds share those passes instead of waiting for the whole prompt; with ``fold`` the
+        last chunk is left to the session's first verify pass. Returns the fed rows' hidden states
+        (the newest PREFILL_HIDDEN_ROWS)."""
+        leave = self._fold_rows if fold else 1  # pending tokens left; the last one always stays
+        rows: list[HiddenRows] = []
+        fed = 0
+        try:
+            while length - fed > leave:
+                n = min(self._chunk_rows, length - fed - 1)
+                outcome = await self._batcher.submit(feed_call(cache_id, n, with_hidden))
+                fed += n
+                if outcome.hidden is not None:
+                    rows.append(outcome.hidden)
+        except BaseException:
+            self._executor.submit(self._target.release, cache_id)  # a half-fed cache serves no one
+            raise
+        if not rows:
+            return None
+        kept = torch.cat([r.rows for r in rows])[-PREFILL_HIDDEN_ROWS:]  # [n, D]
+        return HiddenRows(rows[-1].start + len(rows[-1].rows) - len(kept), kept)
 
     async def _verify(self, request: target_pb2.VerifyRequest):
         """Decodes a request (its sampling settings may be invalid) and verifies it in the next pass."""
@@ -114,7 +160,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
 
 async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer) -> RunningServer:
     """Starts the target gRPC server over a loaded engine and reports it ready."""
-    servicer = TargetServicer(engine, tracer, config.max_batch_rows, config.fold_prefills)
+    servicer = TargetServicer(engine, tracer, config.max_batch_rows, config.fold_prefills, config.prefill_chunk)
     running = await start_server(
         config.server, lenient_service(servicer, target_pb2.DESCRIPTOR.services_by_name["TargetService"]),
         (SERVICE_NAME,),

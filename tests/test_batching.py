@@ -19,12 +19,13 @@ from coordinator.adaptive import AcceptanceTracker, CostModel, choose_k
 from draft_service.engine import ModelDrafter
 from specdec import Client
 from specdec.batching import PassBatcher, PassLoad
+from specdec.config import TargetConfig
 from specdec.errors import CacheBudgetExceeded
 from specdec.kvcache import SessionCache, kv_buffer_bytes
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import Sampling
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.engine import TargetEngine, VerifyCall
+from target_service.engine import TargetEngine, VerifyCall, feed_call
 from target_service.server import TargetServicer
 from target_service.pass_costs import PassCosts
 
@@ -127,6 +128,35 @@ def test_a_deferred_prefill_is_fed_by_its_sessions_first_verify_pass(tiny_target
     assert all(r.load.alone_ms != [] for r in folded.verify_batch(again))
 
 
+def test_a_long_prompt_fed_in_chunks_answers_as_one_fed_at_once(tiny_target):
+    """A deferred prompt fed chunk by chunk, each chunk in a pass beside a running session's round,
+    then its tail with its first round: verdicts and hidden rows are those of a prompt prefilled in
+    one pass, the running session is unaffected, and chunk passes stay off the cost curve."""
+    prompt = [(7 * i) % 29 + 2 for i in range(41)]
+    chunked, plain = TargetEngine(tiny_target, 16), TargetEngine(tiny_target, 16)
+    running = _calls(chunked, PROMPTS[:1], DRAFTS[:1], Sampling(), with_hidden=True)[0]
+    cache_id = chunked.prefill(prompt, with_hidden=True, defer=True)[0]
+    rows = []
+    for n in (16, 16):
+        results = chunked.verify_batch([running, feed_call(cache_id, n, with_hidden=True)])
+        rows.append(results[1].hidden)
+        assert results[1].tokens == [] and results[1].committed == len(prompt)
+        assert results[0].load.alone_ms == []  # a chunk's pass is a prefill's cost: not recorded
+        running = VerifyCall(running.cache_id, results[0].committed, [], [], [], Sampling(), 4, True)
+    assert chunked.passes == 2 and chunked.verified == 2 and chunked.largest_pass == 1
+    assert [(r.start, len(r.rows)) for r in rows] == [(0, 16), (16, 16)]
+    refused = chunked.verify_batch([feed_call(cache_id, len(prompt) - 32)])[0]  # the last token is a round's
+    assert isinstance(refused, ValueError) and "feed_rows" in str(refused)
+    got = chunked.verify(cache_id, len(prompt), [], DRAFTS[3], [], Sampling(), 3, True)
+
+    plain_id, _, hidden = plain.prefill(prompt, with_hidden=True)
+    want = plain.verify(plain_id, len(prompt), [], DRAFTS[3], [], Sampling(), 3, True)
+    assert (got.accepted, got.tokens, got.committed) == (want.accepted, want.tokens, want.committed)
+    assert got.hidden.start == 32
+    fed_rows = torch.cat([r.rows for r in rows] + [got.hidden.rows])
+    torch.testing.assert_close(fed_rows, torch.cat([hidden.rows, want.hidden.rows]), atol=1e-4, rtol=1e-4)
+
+
 class _GatedEngine(TargetEngine):
     """A target engine whose verify passes (or prefill passes) wait for a gate, so a test holds the
     target busy."""
@@ -187,6 +217,62 @@ def test_a_prompt_that_arrives_during_a_pass_is_fed_by_the_next_one(tiny_target,
     rows = len(PROMPTS[3]) - 1 + len(want.hidden.rows)  # the prompt's, then the round's
     assert got.hidden.start == 0 and len(got.hidden.fp16) == 2 * got.hidden.dim * rows
     assert _deferred_flags(stack) == [False, True]
+
+
+class _LoggingEngine(TargetEngine):
+    """A target engine that logs each pass: the ``feed_rows`` of every call in it (0: a round)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.log: list[list[int]] = []
+
+    def verify_batch(self, calls):
+        self.log.append([c.feed_rows for c in calls])
+        return super().verify_batch(calls)
+
+
+def test_a_long_prompt_is_fed_beside_running_sessions_a_chunk_a_pass(tiny_target, tiny_dir, redis_url):
+    """Over gRPC, a prompt longer than the target's chunk never holds the running sessions for its
+    whole length: it is fed a chunk a pass, and a session verifying meanwhile gets its rounds in those
+    same passes. The new session then answers as one prefilled in one pass would."""
+    engine, plain = _LoggingEngine(tiny_target, 16), TargetEngine(tiny_target, 16)
+    prompt = [(5 * i) % 29 + 2 for i in range(120)]
+    stack = InProcessStack(engine, None, tiny_dir / "target", redis_url, target_config=TargetConfig(prefill_chunk=8))
+    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    done = threading.Event()
+
+    def keep_verifying(stub) -> int:
+        cache_id, committed, rounds = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[1])).cache_id, len(PROMPTS[1]), 0
+        while not done.is_set():
+            committed = stub.Verify(target_pb2.VerifyRequest(
+                sync=common_pb2.CacheSync(cache_id=cache_id, start=committed), sampling=greedy)).committed
+            rounds += 1
+        return rounds
+
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
+        with ThreadPoolExecutor(1) as pool:
+            running = pool.submit(keep_verifying, stub)
+            while not engine.log:
+                time.sleep(0.01)
+            reply = stub.Prefill(common_pb2.PrefillRequest(tokens=prompt, return_hidden=True))
+            done.set()
+            assert running.result(30) > 0
+        got = stub.Verify(target_pb2.VerifyRequest(
+            sync=common_pb2.CacheSync(cache_id=reply.cache_id, start=len(prompt)), draft_tokens=DRAFTS[3],
+            sampling=greedy, round=3, return_hidden=True))
+    finally:
+        stack.close()
+    feeds = [p for p in engine.log if any(p)]
+    assert all(max(p) <= 8 for p in feeds) and sum(map(sum, feeds)) >= len(prompt) - 9
+    assert sum(0 in p for p in feeds) >= len(feeds) // 2  # the running session's rounds shared them
+    spans = [s for s in stack.exporter.get_finished_spans() if s.name == "TargetService/Prefill"]
+    assert spans[-1].attributes["specdec.chunked"]
+    want = plain.verify(plain.prefill(prompt)[0], len(prompt), [], DRAFTS[3], [], Sampling(), 3, True)
+    assert (got.accepted, list(got.tokens), got.committed) == (want.accepted, want.tokens, want.committed)
+    prompt_rows = len(reply.hidden.fp16) // (2 * reply.hidden.dim)
+    assert reply.hidden.start == 0 and got.hidden.start == prompt_rows
+    assert prompt_rows + len(got.hidden.fp16) // (2 * got.hidden.dim) == len(prompt) - 1 + len(want.hidden.rows)
 
 
 def test_a_burst_of_prompts_gets_one_prefill_pass_and_defers_the_rest(tiny_target, tiny_dir, redis_url):

@@ -27,6 +27,18 @@ PROMPTS = [
     "The history of the printing press begins in",
     "Once upon a time, in a small village by the mountains,",
     [{"role": "user", "content": "Explain what a hash table is to a beginner."}],
+    # Longer than the target's prefill chunk (128 tokens): fed a chunk a pass, folded under load.
+    [{"role": "user", "content": "Read the notes below, then say in two sentences what the team decided.\n\n"
+      "Monday: the team met to plan the move of the office library to the second floor. Anna said the "
+      "shelves on the second floor are shorter, so the atlases and the large art books will not fit. "
+      "Marco offered to measure the shelves again before anyone buys new ones. Tuesday: Marco measured "
+      "them; the shelves are 30 centimetres tall, and the atlases need 38. The team agreed to keep the "
+      "atlases and art books on the ground floor, in the reading corner by the window, and to move "
+      "everything else upstairs. Wednesday: Priya asked who would label the boxes. Nobody volunteered, "
+      "so the team drew names and Jonas will label them on Friday morning. The move itself is set for "
+      "the following Monday, starting at nine, and the café will send coffee at ten. Thursday: Anna "
+      "reminded everyone that the lift is out of service until Tuesday, so the boxes must go up the "
+      "stairs, and asked that no box weigh more than twelve kilograms."}],
 ]
 
 
