@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test test-fast proto up bench bench-load pass-grid clean
+.PHONY: install run test test-fast proto up bench bench-load bench-long-prompt pass-grid clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -49,6 +49,10 @@ bench: install
 LOAD_ARGS ?= --concurrency 1,2,4,8,16 --n 24 --max-new-tokens 48 --repeats 2
 bench-load: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(LOAD_ARGS) --out reports/bench-load.json --plot reports/bench-load.png
+
+# The running sessions' worst wait while a ~1,500-token prompt arrives, its prompt fed in chunks or at once.
+bench-long-prompt: install
+	$(PY) bench/long_prompt.py --cache-dir $(CACHE_DIR) --chunks 128,0,0,128 --out reports/long-prompt.json
 
 # The target's pass cost by sessions and draft length, and the ceiling on speculation's gain it implies.
 pass-grid: install

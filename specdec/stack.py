@@ -56,6 +56,8 @@ class StackConfig:
     confidence_cutoff: bool = True
     # Under load the target feeds a new prompt in its session's first verify pass (see TargetConfig).
     fold_prefills: bool = True
+    # Tokens of a long prompt the target feeds a pass (see TargetConfig.prefill_chunk).
+    prefill_chunk: int = 128
     otlp_endpoint: str | None = None
     startup_timeout_s: float = 300.0
     # Extra coordinators sharing the same services and Redis (tests of session hand-over).
@@ -180,7 +182,8 @@ class LocalStack:
                 "target",
                 [*exe, "serve-target", "--port", str(target_port), "--model", c.target_model,
                  "--threads", str(c.target_threads), "--tp", str(c.target_tp),
-                 *([] if c.fold_prefills else ["--no-fold-prefills"]), *common],
+                 "--prefill-chunk", str(c.prefill_chunk), *([] if c.fold_prefills else ["--no-fold-prefills"]),
+                 *common],
                 c.target_threads,
                 passive=False,
             )
