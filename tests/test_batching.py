@@ -275,6 +275,27 @@ def test_a_long_prompt_is_fed_beside_running_sessions_a_chunk_a_pass(tiny_target
     assert prompt_rows + len(got.hidden.fp16) // (2 * got.hidden.dim) == len(prompt) - 1 + len(want.hidden.rows)
 
 
+def test_a_chunked_prompt_given_up_by_its_caller_leaves_no_cache(tiny_target, tiny_dir, redis_url):
+    """A caller whose deadline passes while its prompt is fed chunk by chunk gets DEADLINE_EXCEEDED;
+    the half-fed cache is dropped, and the target serves the next prompt."""
+    engine = _LoggingEngine(tiny_target, 16)
+    prompt = [(3 * i) % 29 + 2 for i in range(250)]
+    stack = InProcessStack(engine, None, tiny_dir / "target", redis_url, target_config=TargetConfig(prefill_chunk=1))
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
+        with pytest.raises(grpc.RpcError) as error:
+            stub.Prefill(common_pb2.PrefillRequest(tokens=prompt), timeout=0.05)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 10
+        while len(engine.caches) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(engine.caches) == 0 and 0 < len(engine.log) < len(prompt) - 1  # stopped midway
+        reply = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[1]))
+        assert reply.committed == len(PROMPTS[1]) and len(engine.caches) == 1
+    finally:
+        stack.close()
+
+
 def test_a_burst_of_prompts_gets_one_prefill_pass_and_defers_the_rest(tiny_target, tiny_dir, redis_url):
     """Prompts arriving while another prompt's own pass runs are deferred too, so a burst's sessions
     start in shared verify passes rather than one prefill pass each; but never one that asks to be fed
