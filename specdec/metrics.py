@@ -179,13 +179,56 @@ class _CacheCollector(Collector):
         return self._families(len(self._caches), self._caches.kv_bytes(), self._caches.evictions)
 
 
-class CacheServiceMetrics:
-    """A draft or target service's metrics: its session caches, read when scraped."""
+class PassStats(Protocol):
+    """What the pass counters read from a batching engine (``target_service.engine.TargetEngine``)."""
 
-    def __init__(self, caches: CacheStats, registry: CollectorRegistry | None = None) -> None:
+    passes: int
+    verified: int
+    pass_seconds: float
+    round_rows: int
+    prompt_rows: int
+
+
+class _PassCollector(Collector):
+    """Reads a batching engine's pass totals at scrape time. Rows per pass, seconds per pass and the
+    share of prompt rows follow from their rates: how full the batches are, and what prompts cost them."""
+
+    def __init__(self, engine: PassStats) -> None:
+        self._engine = engine
+
+    def _families(self, passes: float, rounds: float, seconds: float, round_rows: float,
+                  prompt_rows: float) -> Iterator[Metric]:
+        yield CounterMetricFamily(f"{PREFIX}target_passes", "Batched forward passes of the target.", value=passes)
+        yield CounterMetricFamily(f"{PREFIX}target_rounds_verified", "Rounds verified in those passes.", value=rounds)
+        yield CounterMetricFamily(f"{PREFIX}target_pass_seconds", "Seconds those passes took.", value=seconds)
+        rows = CounterMetricFamily(
+            f"{PREFIX}target_pass_rows", "Token rows those passes fed: for rounds (pending + draft tokens) or "
+            "for prompts (folded into a round, or fed a chunk a pass).", labels=["kind"],
+        )
+        rows.add_metric(["round"], round_rows)
+        rows.add_metric(["prompt"], prompt_rows)
+        yield rows
+
+    def describe(self) -> Iterator[Metric]:
+        """The families this collector yields."""
+        return self._families(0, 0, 0, 0, 0)
+
+    def collect(self) -> Iterator[Metric]:
+        """Current totals, read from the engine now."""
+        e = self._engine
+        return self._families(e.passes, e.verified, e.pass_seconds, e.round_rows, e.prompt_rows)
+
+
+class CacheServiceMetrics:
+    """A draft or target service's metrics: its session caches (and a target's passes), read when scraped."""
+
+    def __init__(self, caches: CacheStats, registry: CollectorRegistry | None = None,
+                 passes: PassStats | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.registry.register(_CacheCollector(caches))
+        if passes is not None:
+            self.registry.register(_PassCollector(passes))
 
 
 @dataclass

@@ -118,10 +118,15 @@ class TargetEngine:
         self._ragged = supports_ragged(loaded.model)
         self._costs = PassCosts()
         self._curve_rows = curve_rows
-        # Verify passes run, rounds verified in them, and the most sessions one pass held.
+        # Totals since warm-up, read by the metrics scrape (``specdec.metrics.PassStats``): batched
+        # passes run, rounds verified in them, the most rounds one pass held, the passes' seconds, and
+        # the rows they fed for rounds (pending token + draft tokens) and for prompts (folded, chunked).
         self.passes = 0
         self.verified = 0
         self.largest_pass = 0
+        self.pass_seconds = 0.0
+        self.round_rows = 0
+        self.prompt_rows = 0
 
     @property
     def facts(self) -> ModelFacts:
@@ -289,9 +294,13 @@ class TargetEngine:
         if not any(p.feeds_prompt for p in batch):
             self._costs.record(rows, pass_ms)
         rounds = sum(not p.call.feed_rows for p in batch)
+        round_rows = sum(len(p.call.draft_tokens) + 1 for p in batch if not p.call.feed_rows)
         self.passes += 1
         self.verified += rounds
         self.largest_pass = max(self.largest_pass, rounds)
+        self.pass_seconds += pass_ms / 1000
+        self.round_rows += round_rows
+        self.prompt_rows += rows - round_rows
 
         outcomes = []
         for p, item_logits, item_hidden, start in zip(batch, logits, hidden, starts):
@@ -376,4 +385,5 @@ class TargetEngine:
             self.verify_batch(calls)
         for i in ids:
             self.release(i)
-        self.passes = self.verified = self.largest_pass = 0
+        self.passes = self.verified = self.largest_pass = self.round_rows = self.prompt_rows = 0
+        self.pass_seconds = 0.0

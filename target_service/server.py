@@ -195,13 +195,12 @@ def main(config: TargetConfig) -> None:
     if tp.rank > 0:
         follow(follower_engine(loaded))
         return
-    engine = TargetEngine(loaded, config.model.max_sessions, **config.model.cache_limits())
-    if tp.world_size > 1:
-        engine = LeaderEngine(engine)
+    core = TargetEngine(loaded, config.model.max_sessions, **config.model.cache_limits())
+    engine = LeaderEngine(core) if tp.world_size > 1 else core
     try:
         engine.warmup()
         if config.server.metrics_port is not None:
-            metrics = CacheServiceMetrics(engine.caches)
+            metrics = CacheServiceMetrics(core.caches, passes=core)
             start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
         asyncio.run(serve_forever(config.server, "target", lambda tracer: start_target(config, engine, tracer)))
     finally:

@@ -52,7 +52,7 @@ def stack(tiny_target, tiny_dir, redis_url):
     coordinator_metrics = CoordinatorMetrics()
     servers = {
         "coordinator": start_metrics_server(coordinator_metrics.registry, "127.0.0.1", 0),
-        "target": start_metrics_server(CacheServiceMetrics(target.caches).registry, "127.0.0.1", 0),
+        "target": start_metrics_server(CacheServiceMetrics(target.caches, passes=target).registry, "127.0.0.1", 0),
         "draft": start_metrics_server(CacheServiceMetrics(draft.caches).registry, "127.0.0.1", 0),
     }
     s = InProcessStack(target, draft, tiny_dir / "target", redis_url)
@@ -68,7 +68,7 @@ def stack(tiny_target, tiny_dir, redis_url):
 
 def test_counters_match_the_request_stats(stack):
     ports = stack.metrics_ports
-    before = scrape(ports["coordinator"])
+    before, target_before = scrape(ports["coordinator"]), scrape(ports["target"])
     with Client(stack.address, timeout=60) as client:
         result = client.complete("w7 w7 w8 w9 w10", max_new_tokens=24, k=3)
     after = scrape(ports["coordinator"])
@@ -100,8 +100,29 @@ def test_counters_match_the_request_stats(stack):
 
     target = scrape(ports["target"])
     assert value(target, "specdec:active_sessions") > 0
+    # The lone session's rounds, one pass each, fed its pending token and its draft tokens.
+    assert delta(target, target_before, "specdec:target_passes_total") == stats.rounds
+    assert delta(target, target_before, "specdec:target_rounds_verified_total") == stats.rounds
+    assert delta(target, target_before, "specdec:target_pass_rows_total", kind="round") == (
+        stats.rounds + stats.drafted_tokens)
+    assert delta(target, target_before, "specdec:target_pass_rows_total", kind="prompt") == 0
+    assert delta(target, target_before, "specdec:target_pass_seconds_total") > 0
     assert value(target, "specdec:kv_cache_bytes") > 0
     assert value(scrape(ports["draft"]), "specdec:active_sessions") > 0  # an n-gram draft's caches hold no KV
+
+
+def test_prompt_rows_count_a_long_prompts_chunks(stack):
+    """A prompt longer than the target's chunk (128) is fed by passes of its own rows: they count as
+    prompt rows, all but its last token (which its first round feeds)."""
+    port = stack.metrics_ports["target"]
+    before = scrape(port)
+    with Client(stack.address, timeout=60) as client:
+        result = client.complete(" ".join(f"w{i % 30}" for i in range(200)), max_new_tokens=4, k=0)
+    after = scrape(port)
+    assert result.stats.prompt_tokens > 128
+    assert delta(after, before, "specdec:target_pass_rows_total", kind="prompt") == result.stats.prompt_tokens - 1
+    assert delta(after, before, "specdec:target_passes_total") == 2 + result.stats.rounds  # two chunks, then rounds
+    assert delta(after, before, "specdec:target_rounds_verified_total") == result.stats.rounds
 
 
 def test_model_draft_kv_bytes_follow_its_caches(tiny_draft):
