@@ -32,7 +32,8 @@ TARGET_STREAM = 2
 CURVE_ROWS = 16
 # Pass sizes (token rows) measured at start-up.
 WARMUP_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
-# Most hidden-state rows a prefill returns (2048 x 576 fp16 is 2.4 MB, well inside a message).
+# Most hidden-state rows a prefill (or a verify that fed a long new turn) returns (2048 x 576 fp16 is
+# 2.4 MB, well inside a message); the draft attends to the newest ones only.
 PREFILL_HIDDEN_ROWS = 2048
 
 
@@ -63,10 +64,12 @@ class VerifyCall:
     feed_rows: int = 0
 
 
-def feed_call(cache_id: str, rows: int, with_hidden: bool = False) -> VerifyCall:
-    """A call that feeds the next ``rows`` of a deferred prompt into its cache, beside other sessions'
-    rounds in a shared pass; its outcome commits nothing and carries the fed rows' hidden states."""
-    return VerifyCall(cache_id, 0, [], [], [], Sampling(), 0, with_hidden, feed_rows=rows)
+def feed_call(cache_id: str, rows: int, with_hidden: bool = False, sync: VerifyCall | None = None) -> VerifyCall:
+    """A call that feeds the next ``rows`` pending tokens of a long prompt (or a long new turn) into its
+    cache, beside other sessions' rounds in a shared pass; its outcome commits nothing and carries the
+    fed rows' hidden states. With ``sync`` (a round's call) it first syncs the cache as that call would."""
+    start, tokens, fence = (sync.start, sync.new_tokens, sync.fence) if sync is not None else (0, [], 0)
+    return VerifyCall(cache_id, start, list(tokens), [], [], Sampling(), 0, with_hidden, fence, feed_rows=rows)
 
 
 @dataclass(frozen=True)
@@ -250,10 +253,14 @@ class TargetEngine:
         return _Prepared(index, call, cache, cache.pending() + list(call.draft_tokens))
 
     def _prepare_feed(self, index: int, call: VerifyCall) -> _Prepared:
-        """A prompt chunk: the next ``feed_rows`` pending tokens, leaving the last one for a round."""
+        """A prompt chunk: the next ``feed_rows`` pending tokens (after the sync it may carry), leaving
+        the last one for a round."""
         if not self._ragged:
             raise ValueError("feed_rows: this target feeds a prompt in one pass (no ragged batching)")
         cache = self._caches.get(call.cache_id)
+        if call.new_tokens:
+            self._check_tokens(call.new_tokens, "sync.tokens")
+            cache.sync(call.start, call.new_tokens, call.fence)
         pending = cache.pending()
         if not 0 < call.feed_rows < len(pending):
             raise ValueError(f"feed_rows: {call.feed_rows} rows of a prompt with {len(pending)} pending tokens")

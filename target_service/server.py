@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import torch
 from opentelemetry import trace
@@ -26,6 +27,7 @@ from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.hidden_wire import hidden_to_pb
 from specdec.wire import pass_load_to_pb, sampling_from_pb
 from specdec.kvcache import HiddenRows
+from specdec.token_lists import common_prefix_len
 from target_service.engine import (
     PREFILL_HIDDEN_ROWS,
     SparseQ,
@@ -96,40 +98,49 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             finally:
                 self._prefilling -= not defer
             if chunked:
-                hidden = await guarded(
-                    context, self._feed_in_chunks(cache_id, len(tokens), request.return_hidden, fold),
-                    "TargetService/Prefill",
-                )
+                leave = self._fold_rows if fold else 1  # pending tokens left to the first round
+                try:
+                    rows = await guarded(
+                        context, self._feed_chunks(cache_id, len(tokens), leave, request.return_hidden),
+                        "TargetService/Prefill",
+                    )
+                except BaseException:
+                    self._executor.submit(self._target.release, cache_id)  # a half-fed cache serves no one
+                    raise
+                hidden = _joined(rows)
             reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
             if hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(hidden))
             return reply
 
-    async def _feed_in_chunks(self, cache_id: str, length: int, with_hidden: bool, fold: bool) -> HiddenRows | None:
-        """Feeds a deferred prompt of ``length`` tokens through the batcher, a chunk a pass, so running
-        sessions' rounds share those passes instead of waiting for the whole prompt; with ``fold`` the
-        last chunk is left to the session's first verify pass. Returns the fed rows' hidden states
-        (the newest PREFILL_HIDDEN_ROWS)."""
-        leave = self._fold_rows if fold else 1  # pending tokens left; the last one always stays
-        rows: list[HiddenRows] = []
-        fed = 0
-        try:
-            while length - fed > leave:
-                n = min(self._chunk_rows, length - fed - 1)
-                outcome = await self._batcher.submit(feed_call(cache_id, n, with_hidden))
-                fed += n
-                if outcome.hidden is not None:
-                    rows.append(outcome.hidden)
-        except BaseException:
-            self._executor.submit(self._target.release, cache_id)  # a half-fed cache serves no one
-            raise
-        if not rows:
-            return None
-        kept = torch.cat([r.rows for r in rows])[-PREFILL_HIDDEN_ROWS:]  # [n, D]
-        return HiddenRows(rows[-1].start + len(rows[-1].rows) - len(kept), kept)
+    async def _feed_chunks(self, cache_id: str, pending: int, leave: int, with_hidden: bool,
+                           sync: VerifyCall | None = None) -> list[HiddenRows]:
+        """Feeds a cache's ``pending`` tokens through the batcher, a chunk a pass, until ``leave`` are
+        left, so running sessions' rounds share those passes instead of waiting for all of them (the
+        first chunk applies ``sync``, a round's call, first). Returns the fed rows' hidden states."""
+        rows, first = [], True
+        while pending > leave:
+            n = min(self._chunk_rows, pending - 1)  # the last committed token is always a round's to feed
+            outcome = await self._batcher.submit(feed_call(cache_id, n, with_hidden, sync if first else None))
+            first, pending = False, pending - n
+            if outcome.hidden is not None:
+                rows.append(outcome.hidden)
+        return rows
+
+    def _pending_after(self, call: VerifyCall) -> int:
+        """Tokens the call's pass would feed before its draft tokens once its sync applies, when that
+        sync brings more new tokens than a chunk (a long new turn); else 0, at the cost of one check."""
+        if len(call.new_tokens) <= self._chunk_rows:
+            return 0
+        cache = self._target.caches.peek(call.cache_id)
+        if cache is None:
+            return 0  # the round's own call reports the lost cache
+        committed = cache.committed[: call.start] + call.new_tokens
+        return len(committed) - min(common_prefix_len(cache.kv_tokens, committed), len(committed) - 1)
 
     async def _verify(self, request: target_pb2.VerifyRequest):
-        """Decodes a request (its sampling settings may be invalid) and verifies it in the next pass."""
+        """Decodes a request (its sampling settings may be invalid) and verifies it in the next pass;
+        a long new turn is fed a chunk a pass first, like a long prompt."""
         call = VerifyCall(
             request.sync.cache_id,
             request.sync.start,
@@ -141,7 +152,13 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             request.return_hidden,
             request.sync.fence,
         )
-        return await self._batcher.submit(call)
+        rows = []
+        if self._chunk_rows and (pending := self._pending_after(call)) > self._chunk_rows:
+            rows = await self._feed_chunks(call.cache_id, pending, self._chunk_rows, call.with_hidden, call)
+        outcome = await self._batcher.submit(call)
+        if rows and outcome.hidden is not None:
+            outcome = replace(outcome, hidden=_joined([*rows, outcome.hidden]))
+        return outcome
 
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
         with server_span(self._tracer, "TargetService/Verify", context) as span:
@@ -156,6 +173,14 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             if outcome.hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))
             return reply
+
+
+def _joined(rows: list[HiddenRows]) -> HiddenRows | None:
+    """Consecutive hidden rows as one block, cut to the newest PREFILL_HIDDEN_ROWS."""
+    if not rows:
+        return None
+    kept = torch.cat([r.rows for r in rows])[-PREFILL_HIDDEN_ROWS:]  # [n, D]
+    return HiddenRows(rows[-1].start + len(rows[-1].rows) - len(kept), kept)
 
 
 async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer) -> RunningServer:

@@ -21,6 +21,7 @@ from specdec import Client
 from specdec.batching import PassBatcher, PassLoad
 from specdec.config import TargetConfig
 from specdec.errors import CacheBudgetExceeded
+from specdec.hidden_wire import hidden_from_pb
 from specdec.kvcache import SessionCache, kv_buffer_bytes
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import Sampling
@@ -273,6 +274,36 @@ def test_a_long_prompt_is_fed_beside_running_sessions_a_chunk_a_pass(tiny_target
     prompt_rows = len(reply.hidden.fp16) // (2 * reply.hidden.dim)
     assert reply.hidden.start == 0 and got.hidden.start == prompt_rows
     assert prompt_rows + len(got.hidden.fp16) // (2 * got.hidden.dim) == len(prompt) - 1 + len(want.hidden.rows)
+
+
+def test_a_long_new_turn_is_fed_a_chunk_a_pass_before_its_round(tiny_target, tiny_dir, redis_url):
+    """A verify whose sync brings a long new turn (a document pasted into a chat's next turn) feeds it
+    a chunk a pass first, as a long prompt is fed; the round's verdict and hidden rows are those of
+    one pass over the whole turn."""
+    engine, plain = _LoggingEngine(tiny_target, 16), TargetEngine(tiny_target, 16)
+    turn = [(5 * i) % 29 + 2 for i in range(60)]
+    stack = InProcessStack(engine, None, tiny_dir / "target", redis_url, target_config=TargetConfig(prefill_chunk=8))
+    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
+        cache_id = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[1])).cache_id
+        committed = stub.Verify(target_pb2.VerifyRequest(
+            sync=common_pb2.CacheSync(cache_id=cache_id, start=len(PROMPTS[1])), sampling=greedy)).committed
+        engine.log.clear()
+        got = stub.Verify(target_pb2.VerifyRequest(
+            sync=common_pb2.CacheSync(cache_id=cache_id, start=committed, tokens=turn), draft_tokens=DRAFTS[3],
+            sampling=greedy, round=1, return_hidden=True))
+    finally:
+        stack.close()
+    # 61 pending tokens (the last committed one and the turn): 7 chunks of 8, then the round feeds 5.
+    assert engine.log == [[8]] * 7 + [[0]]
+    plain_id = plain.prefill(PROMPTS[1])[0]
+    first = plain.verify(plain_id, len(PROMPTS[1]), [], [], [], Sampling(), 0)
+    want = plain.verify(plain_id, first.committed, turn, DRAFTS[3], [], Sampling(), 1, True)
+    assert (got.accepted, list(got.tokens), got.committed) == (want.accepted, want.tokens, want.committed)
+    rows = hidden_from_pb(got.hidden, got.hidden.dim)
+    assert rows.start == want.hidden.start
+    torch.testing.assert_close(rows.rows.float(), want.hidden.rows, atol=1e-2, rtol=1e-2)  # fp16 on the wire
 
 
 def test_a_chunked_prompt_given_up_by_its_caller_leaves_no_cache(tiny_target, tiny_dir, redis_url):

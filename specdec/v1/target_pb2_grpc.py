@@ -65,7 +65,9 @@ class TargetServiceServicer:
     def Prefill(self, request, context):
         """Creates a target cache from a session's committed tokens. A busy target may defer feeding them
         to the session's first Verify pass (then the reply carries no hidden states; that Verify
-        returns them, from position 0).
+        returns them, from position 0). A long prompt is fed a chunk a pass, beside other sessions'
+        rounds; on a busy target its last chunk is deferred likewise (the reply carries the hidden
+        states of the chunks fed, that Verify the rest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -73,7 +75,8 @@ class TargetServiceServicer:
 
     def Verify(self, request, context):
         """Syncs the cache, scores the draft tokens in one forward pass, and commits the accepted prefix
-        plus one token of the target's own.
+        plus one token of the target's own. A sync that brings a long new turn has it fed a chunk a pass
+        first (the reply's hidden states still cover every position fed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
