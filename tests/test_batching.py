@@ -243,7 +243,8 @@ def test_a_long_prompt_is_fed_beside_running_sessions_a_chunk_a_pass(tiny_target
     done = threading.Event()
 
     def keep_verifying(stub) -> int:
-        cache_id, committed, rounds = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[1])).cache_id, len(PROMPTS[1]), 0
+        cache_id = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[1])).cache_id
+        committed, rounds = len(PROMPTS[1]), 0
         while not done.is_set():
             committed = stub.Verify(target_pb2.VerifyRequest(
                 sync=common_pb2.CacheSync(cache_id=cache_id, start=committed), sampling=greedy)).committed
