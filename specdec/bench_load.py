@@ -41,6 +41,7 @@ class LevelResult:
     per_token_ms: list[float] = field(default_factory=list)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     drafted: int = 0
+    accepted: int = 0
     rounds: int = 0
     # Outputs of earlier runs of the same mode and level folded in by ``absorb``.
     earlier_outputs: list[dict[str, list[int]]] = field(default_factory=list)
@@ -52,6 +53,7 @@ class LevelResult:
         self.ttft_ms += other.ttft_ms
         self.per_token_ms += other.per_token_ms
         self.drafted += other.drafted
+        self.accepted += other.accepted
         self.rounds += other.rounds
         self.earlier_outputs += [self.outputs, *other.earlier_outputs]
         self.outputs = other.outputs
@@ -67,6 +69,8 @@ class LevelResult:
         }
         if self.rounds:
             entry["mean_k"] = round(self.drafted / self.rounds, 3)
+        if self.drafted:
+            entry["acceptance_rate"] = round(self.accepted / self.drafted, 3)
         if reference is not None:
             runs = [*self.earlier_outputs, self.outputs]
             same = sum(1 for outputs in runs for pid, out in outputs.items() if reference.get(pid) == out)
@@ -138,6 +142,7 @@ def run_specdec_level(mode: str, address: str, prompts: list[BenchPrompt], level
                         result.per_token_ms.append((end - first) * 1000 / (len(tokens) - 1))
                 if stats is not None:
                     result.drafted += stats.drafted_tokens
+                    result.accepted += stats.accepted_tokens
                     result.rounds += stats.rounds
                 _progress(mode, level, len(result.outputs), len(prompts))
 

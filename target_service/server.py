@@ -86,8 +86,9 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             busy = self._batcher.busy or self._prefilling > 0
             fold = busy and not request.feed_now and self._fold_rows > 0
             chunked = 0 < self._chunk_rows < len(tokens)
-            defer = chunked or fold and len(tokens) <= self._fold_rows
-            span.set_attributes({"specdec.tokens": len(tokens), "specdec.deferred": defer and not chunked,
+            deferred = fold and (chunked or len(tokens) <= self._fold_rows)  # (its tail) fed by round 1
+            defer = chunked or deferred  # this call's own pass feeds nothing
+            span.set_attributes({"specdec.tokens": len(tokens), "specdec.deferred": deferred,
                                  "specdec.chunked": chunked})
             self._prefilling += not defer
             try:
@@ -98,7 +99,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             finally:
                 self._prefilling -= not defer
             if chunked:
-                leave = self._fold_rows if fold else 1  # pending tokens left to the first round
+                leave = self._fold_rows if deferred else 1  # pending tokens left to the first round
                 try:
                     rows = await guarded(
                         context, self._feed_chunks(cache_id, len(tokens), leave, request.return_hidden),

@@ -61,11 +61,14 @@ def test_report_has_percentiles_exactness_and_ratios():
 
 def test_repeated_runs_sum_tokens_and_seconds_and_check_every_output():
     reference = {"a": [1, 2], "b": [3]}
-    first = LevelResult(tokens=3, seconds=1.0, ttft_ms=[10.0], outputs=dict(reference), drafted=2, rounds=4)
-    second = LevelResult(tokens=3, seconds=2.0, ttft_ms=[30.0], outputs={"a": [1, 2], "b": [5]}, drafted=0, rounds=3)
+    first = LevelResult(tokens=3, seconds=1.0, ttft_ms=[10.0], outputs=dict(reference), drafted=2, accepted=1,
+                        rounds=4)
+    second = LevelResult(tokens=3, seconds=2.0, ttft_ms=[30.0], outputs={"a": [1, 2], "b": [5]}, drafted=2,
+                         accepted=0, rounds=3)
     first.absorb(second)
     entry = first.summary(reference)
     assert entry["tokens_per_s"] == 2.0  # 6 tokens over 3 s, not the mean of 3.0 and 1.5
     assert entry["exact"] == "3/4"  # the second run's mismatch counts
-    assert entry["mean_k"] == round(2 / 7, 3)
+    assert entry["mean_k"] == round(4 / 7, 3)
+    assert entry["acceptance_rate"] == 0.25  # accepted over drafted tokens, both runs
     assert entry["ttft_ms"]["p50"] == 20.0
