@@ -10,6 +10,8 @@ report gives, per target ``--prefill-chunk`` setting (one local stack each, in t
 - ``median_gap_during_s`` / ``median_gap_all_s``: their typical wait then, and over their whole run;
 - ``long_ttft_s``: the long prompt's own time to first token.
 
+``--running 0`` sends the long prompt alone (after a quiet second), for its first token only.
+
     python bench/long_prompt.py --chunks 128,0,0,128 --out reports/long-prompt.json   # or: make bench-long-prompt
 """
 
@@ -43,21 +45,24 @@ def long_prompt(cache_dir: Path, tokens: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": "Summarise these notes in two sentences.\n\n" + passage}]
 
 
-def trial(client: Client, prompt: list[dict[str, str]]) -> dict[str, float]:
-    """One long request sent while the running sessions stream; the gaps they saw meanwhile."""
-    arrivals: list[list[float]] = [[] for _ in RUNNING]
-    streaming = threading.Barrier(len(RUNNING) + 1)
+def trial(client: Client, prompt: list[dict[str, str]], running: int) -> dict[str, float]:
+    """One long request sent while ``running`` sessions stream; the gaps they saw meanwhile."""
+    arrivals: list[list[float]] = [[] for _ in range(running)]
+    streaming = threading.Barrier(running + 1)
 
     def run(i: int) -> None:
-        for n, _ in enumerate(client.stream(RUNNING[i], max_new_tokens=96)):
+        for n, _ in enumerate(client.stream(RUNNING[i % len(RUNNING)], max_new_tokens=96)):
             arrivals[i].append(time.perf_counter())
             if n == 6:
                 streaming.wait(120)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(RUNNING))]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(running)]
     for t in threads:
         t.start()
-    streaming.wait(120)
+    if running:
+        streaming.wait(120)
+    else:
+        time.sleep(1.5)  # nothing ran in the last second: the target sees no session running
     t0 = time.perf_counter()
     first = None
     for chunk in client.stream(prompt, max_new_tokens=8):
@@ -68,12 +73,14 @@ def trial(client: Client, prompt: list[dict[str, str]]) -> dict[str, float]:
         t.join()
     gaps = [(b - a, a, b) for times in arrivals for a, b in zip(times, times[1:])]
     during = [g for g, a, b in gaps if b > t0 and a < t1]
-    return {
-        "long_ttft_s": round(first or 0.0, 3),
-        "max_gap_s": round(max(during), 3),
-        "median_gap_during_s": round(statistics.median(during), 3),
-        "median_gap_all_s": round(statistics.median(g for g, _, _ in gaps), 3),
-    }
+    out = {"long_ttft_s": round(first or 0.0, 3)}
+    if during:
+        out |= {
+            "max_gap_s": round(max(during), 3),
+            "median_gap_during_s": round(statistics.median(during), 3),
+            "median_gap_all_s": round(statistics.median(g for g, _, _ in gaps), 3),
+        }
+    return out
 
 
 def main() -> None:
@@ -81,6 +88,7 @@ def main() -> None:
     parser.add_argument("--chunks", default="128,0,0,128", help="target --prefill-chunk settings, one stack each")
     parser.add_argument("--tokens", type=int, default=1500, help="tokens of the long prompt's passage")
     parser.add_argument("--trials", type=int, default=3, help="long requests per stack")
+    parser.add_argument("--running", type=int, default=2, help="sessions streaming while the long prompt arrives")
     parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -90,7 +98,7 @@ def main() -> None:
         with LocalStack(StackConfig(prefill_chunk=chunk, cache_dir=args.cache_dir)) as stack, \
                 Client(stack.address, timeout=600) as client:
             client.complete(RUNNING[0], max_new_tokens=4)  # the first request pays one-time costs
-            trials = [trial(client, prompt) for _ in range(args.trials)]
+            trials = [trial(client, prompt, args.running) for _ in range(args.trials)]
         runs.append({"prefill_chunk": chunk, "trials": trials})
         print(json.dumps(runs[-1]), flush=True)
     if args.out is not None:

@@ -131,7 +131,8 @@ class TargetConfig:
     # others' rows, rather than in a pass of its own (see TargetServicer.Prefill).
     fold_prefills: bool = True
     # A longer prompt is fed this many tokens a pass, beside the running sessions' rounds, so none of
-    # them waits for the whole prompt (0: one pass of its own).
+    # them waits for the whole prompt (0: one pass of its own). With no session running a pass takes
+    # up to max_batch_rows - 1 of its tokens.
     prefill_chunk: int = 128
     tp: TensorParallelConfig = TensorParallelConfig()
 

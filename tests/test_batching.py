@@ -243,8 +243,8 @@ def test_a_long_prompt_is_fed_beside_running_sessions_a_chunk_a_pass(tiny_target
     done = threading.Event()
 
     def keep_verifying(stub) -> int:
-        cache_id = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[1])).cache_id
-        committed, rounds = len(PROMPTS[1]), 0
+        cache_id = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[0])).cache_id  # shorter than a chunk
+        committed, rounds = len(PROMPTS[0]), 0
         while not done.is_set():
             committed = stub.Verify(target_pb2.VerifyRequest(
                 sync=common_pb2.CacheSync(cache_id=cache_id, start=committed), sampling=greedy)).committed
@@ -255,7 +255,7 @@ def test_a_long_prompt_is_fed_beside_running_sessions_a_chunk_a_pass(tiny_target
         stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
         with ThreadPoolExecutor(1) as pool:
             running = pool.submit(keep_verifying, stub)
-            while not engine.log:
+            while not any(0 in p for p in engine.log):  # the session runs: a round has been verified
                 time.sleep(0.01)
             reply = stub.Prefill(common_pb2.PrefillRequest(tokens=prompt, return_hidden=True))
             done.set()
@@ -307,12 +307,34 @@ def test_a_long_new_turn_is_fed_a_chunk_a_pass_before_its_round(tiny_target, tin
     torch.testing.assert_close(rows.rows.float(), want.hidden.rows, atol=1e-2, rtol=1e-2)  # fp16 on the wire
 
 
+def test_a_long_prompt_takes_whole_passes_while_no_session_runs(tiny_target, tiny_dir, redis_url):
+    """With no round in the last second nobody waits, so a long prompt is fed up to the pass budget a
+    pass (fewer weight reads); right after a round, in chunks again."""
+    engine = _LoggingEngine(tiny_target, 16)
+    prompt = [(5 * i) % 29 + 2 for i in range(120)]
+    config = TargetConfig(prefill_chunk=8, max_batch_rows=64)
+    stack = InProcessStack(engine, None, tiny_dir / "target", redis_url, target_config=config)
+    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    try:
+        stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
+        alone = stub.Prefill(common_pb2.PrefillRequest(tokens=prompt))
+        assert engine.log == [[63], [56]]  # 119 rows in passes of the whole budget; the last token is a round's
+        stub.Verify(target_pb2.VerifyRequest(
+            sync=common_pb2.CacheSync(cache_id=alone.cache_id, start=len(prompt)), sampling=greedy))
+        engine.log.clear()
+        stub.Prefill(common_pb2.PrefillRequest(tokens=prompt))  # a round just ended
+    finally:
+        stack.close()
+    assert engine.log and all(p == [8] for p in engine.log[:-1])
+
+
 def test_a_chunked_prompt_given_up_by_its_caller_leaves_no_cache(tiny_target, tiny_dir, redis_url):
     """A caller whose deadline passes while its prompt is fed chunk by chunk gets DEADLINE_EXCEEDED;
     the half-fed cache is dropped, and the target serves the next prompt."""
     engine = _LoggingEngine(tiny_target, 16)
     prompt = [(3 * i) % 29 + 2 for i in range(250)]
-    stack = InProcessStack(engine, None, tiny_dir / "target", redis_url, target_config=TargetConfig(prefill_chunk=1))
+    config = TargetConfig(prefill_chunk=1, max_batch_rows=2)  # a token a pass, sessions running or not
+    stack = InProcessStack(engine, None, tiny_dir / "target", redis_url, target_config=config)
     try:
         stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
         with pytest.raises(grpc.RpcError) as error:
