@@ -64,6 +64,15 @@ class VerifyCall:
     feed_rows: int = 0
 
 
+def newest_hidden(rows: list[HiddenRows]) -> HiddenRows | None:
+    """Consecutive hidden rows as one block, cut to the newest PREFILL_HIDDEN_ROWS (None: no rows)."""
+    if not rows:
+        return None
+    kept = rows[0].rows if len(rows) == 1 else torch.cat([r.rows for r in rows])
+    kept = kept[-PREFILL_HIDDEN_ROWS:]  # [n, D]
+    return HiddenRows(rows[-1].start + len(rows[-1].rows) - len(kept), kept)
+
+
 def feed_call(cache_id: str, rows: int, with_hidden: bool = False, sync: VerifyCall | None = None) -> VerifyCall:
     """A call that feeds the next ``rows`` pending tokens of a long prompt (or a long new turn) into its
     cache, beside other sessions' rounds in a shared pass; its outcome commits nothing and carries the
@@ -121,15 +130,14 @@ class TargetEngine:
         self._ragged = supports_ragged(loaded.model)
         self._costs = PassCosts()
         self._curve_rows = curve_rows
-        # Totals since warm-up, read by the metrics scrape (``specdec.metrics.PassStats``): batched
-        # passes run, rounds verified in them, the most rounds one pass held, the passes' seconds, and
-        # the rows they fed for rounds (pending token + draft tokens) and for prompts (folded, chunked).
-        self.passes = 0
-        self.verified = 0
-        self.largest_pass = 0
+        self._reset_totals()
+
+    def _reset_totals(self) -> None:
+        """Totals since warm-up, read by the metrics scrape (``specdec.metrics.PassStats``): batched
+        passes run, rounds verified in them, the most rounds one pass held, the passes' seconds, and
+        the rows they fed for rounds (pending token + draft tokens) and for prompts (folded, chunked)."""
+        self.passes = self.verified = self.largest_pass = self.round_rows = self.prompt_rows = 0
         self.pass_seconds = 0.0
-        self.round_rows = 0
-        self.prompt_rows = 0
 
     @property
     def facts(self) -> ModelFacts:
@@ -172,11 +180,8 @@ class TargetEngine:
             return cache_id, len(cache.committed), None
         hidden = cache.prefill(self._loaded.model, with_hidden)
         self._caches.fit_budget(cache_id)
-        if hidden is not None and len(hidden.rows) > PREFILL_HIDDEN_ROWS:
-            # A long prompt's rows would outgrow a message; the draft attends to the newest ones only.
-            cut = len(hidden.rows) - PREFILL_HIDDEN_ROWS
-            hidden = HiddenRows(hidden.start + cut, hidden.rows[cut:])
-        return cache_id, len(cache.committed), hidden
+        # A long prompt's rows would outgrow a message; the draft attends to the newest ones only.
+        return cache_id, len(cache.committed), newest_hidden([hidden] if hidden is not None else [])
 
     def verify(
         self,
@@ -235,7 +240,6 @@ class TargetEngine:
         """Checks a call's fields and syncs its cache to the committed tokens it names."""
         if call.feed_rows:
             return self._prepare_feed(index, call)
-        self._check_tokens(call.new_tokens, "sync.tokens")
         self._check_tokens(call.draft_tokens, "draft_tokens")
         if not call.sampling.greedy:
             if len(call.q) != len(call.draft_tokens):
@@ -246,8 +250,7 @@ class TargetEngine:
                 self._check_tokens(dist.token_ids, "q.token_ids")
                 if len(dist.probs) != len(dist.token_ids) or any(not 0.0 <= x <= 1.0 for x in dist.probs):
                     raise ValueError("q.probs: need one probability in [0, 1] per token id")
-        cache = self._caches.get(call.cache_id)
-        cache.sync(call.start, call.new_tokens, call.fence)
+        cache = self._synced(call)
         if len(cache.committed) + len(call.draft_tokens) >= self._loaded.max_context:
             raise ValueError(f"draft_tokens: the round would exceed the context of {self._loaded.max_context}")
         return _Prepared(index, call, cache, cache.pending() + list(call.draft_tokens))
@@ -257,14 +260,18 @@ class TargetEngine:
         the last one for a round."""
         if not self._ragged:
             raise ValueError("feed_rows: this target feeds a prompt in one pass (no ragged batching)")
-        cache = self._caches.get(call.cache_id)
-        if call.new_tokens:
-            self._check_tokens(call.new_tokens, "sync.tokens")
-            cache.sync(call.start, call.new_tokens, call.fence)
+        cache = self._synced(call) if call.new_tokens else self._caches.get(call.cache_id)
         pending = cache.pending()
         if not 0 < call.feed_rows < len(pending):
             raise ValueError(f"feed_rows: {call.feed_rows} rows of a prompt with {len(pending)} pending tokens")
         return _Prepared(index, call, cache, pending[: call.feed_rows])
+
+    def _synced(self, call: VerifyCall) -> SessionCache:
+        """The call's cache, synced to the committed tokens it names (see ``SessionCache.sync``)."""
+        self._check_tokens(call.new_tokens, "sync.tokens")
+        cache = self._caches.get(call.cache_id)
+        cache.sync(call.start, call.new_tokens, call.fence)
+        return cache
 
     def _run_pass(self, batch: list[_Prepared]) -> list[tuple[int, VerifyOutcome]]:
         """One forward pass over every prepared call, then each call's acceptance decision."""
@@ -392,5 +399,4 @@ class TargetEngine:
             self.verify_batch(calls)
         for i in ids:
             self.release(i)
-        self.passes = self.verified = self.largest_pass = self.round_rows = self.prompt_rows = 0
-        self.pass_seconds = 0.0
+        self._reset_totals()

@@ -34,6 +34,7 @@ from target_service.engine import (
     TargetEngine,
     VerifyCall,
     feed_call,
+    newest_hidden,
     stamp_queue_wait,
 )
 from target_service.tensor_parallel import (
@@ -114,7 +115,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                 except BaseException:
                     self._executor.submit(self._target.release, cache_id)  # a half-fed cache serves no one
                     raise
-                hidden = _joined(rows)
+                hidden = newest_hidden(rows)
             reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
             if hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(hidden))
@@ -178,7 +179,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             self._rounds_in_flight -= 1
             self._last_round_end = asyncio.get_running_loop().time()
         if rows and outcome.hidden is not None:
-            outcome = replace(outcome, hidden=_joined([*rows, outcome.hidden]))
+            outcome = replace(outcome, hidden=newest_hidden([*rows, outcome.hidden]))
         return outcome
 
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
@@ -194,14 +195,6 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             if outcome.hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))
             return reply
-
-
-def _joined(rows: list[HiddenRows]) -> HiddenRows | None:
-    """Consecutive hidden rows as one block, cut to the newest PREFILL_HIDDEN_ROWS."""
-    if not rows:
-        return None
-    kept = torch.cat([r.rows for r in rows])[-PREFILL_HIDDEN_ROWS:]  # [n, D]
-    return HiddenRows(rows[-1].start + len(rows[-1].rows) - len(kept), kept)
 
 
 async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer) -> RunningServer:

@@ -22,11 +22,11 @@ from specdec.batching import PassBatcher, PassLoad
 from specdec.config import TargetConfig
 from specdec.errors import CacheBudgetExceeded
 from specdec.hidden_wire import hidden_from_pb
-from specdec.kvcache import SessionCache, kv_buffer_bytes
+from specdec.kvcache import HiddenRows, SessionCache, kv_buffer_bytes
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import Sampling
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.engine import TargetEngine, VerifyCall, feed_call
+from target_service.engine import PREFILL_HIDDEN_ROWS, TargetEngine, VerifyCall, feed_call, newest_hidden
 from target_service.server import TargetServicer
 from target_service.pass_costs import PassCosts
 
@@ -156,6 +156,19 @@ def test_a_long_prompt_fed_in_chunks_answers_as_one_fed_at_once(tiny_target):
     assert got.hidden.start == 32
     fed_rows = torch.cat([r.rows for r in rows] + [got.hidden.rows])
     torch.testing.assert_close(fed_rows, torch.cat([hidden.rows, want.hidden.rows]), atol=1e-4, rtol=1e-4)
+
+
+def test_newest_hidden_joins_consecutive_rows_and_keeps_the_newest():
+    """Chunks' hidden rows join into one block; past PREFILL_HIDDEN_ROWS only the newest rows (and
+    their start position) are kept, since the draft attends to the newest ones."""
+    assert newest_hidden([]) is None
+    rows = torch.arange(2 * 3, dtype=torch.float32).view(2, 3)
+    chunks = [HiddenRows(5, rows), HiddenRows(7, rows + 6)]
+    joined = newest_hidden(chunks)
+    assert joined.start == 5 and torch.equal(joined.rows, torch.arange(12, dtype=torch.float32).view(4, 3))
+    long = [HiddenRows(0, torch.zeros(PREFILL_HIDDEN_ROWS, 3)), HiddenRows(PREFILL_HIDDEN_ROWS, torch.ones(10, 3))]
+    kept = newest_hidden(long)
+    assert kept.start == 10 and len(kept.rows) == PREFILL_HIDDEN_ROWS and kept.rows[-10:].eq(1).all()
 
 
 class _GatedEngine(TargetEngine):
