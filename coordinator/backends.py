@@ -164,6 +164,8 @@ class DraftResult:
     tokens: list[int]
     q: list[tuple[list[int], list[float]]]
     committed: int
+    # Drafted ahead, while the target verified the round before.
+    from_ahead: bool = False
 
 
 @dataclass(frozen=True)
@@ -286,16 +288,18 @@ class DraftReplica(_Replica):
     async def propose(
         self, ref: CacheRef, committed: list[int], k: int, sampling: Sampling, round_index: int,
         remaining_s: float | None, hidden: common_pb2.HiddenStates | None = None, min_confidence: float = 0.0,
+        ahead: int = 0,
     ) -> DraftResult:
         """Syncs the cache to ``committed`` (and hands over target hidden states) and asks for up to
-        ``k`` tokens, fewer where the draft's confidence falls below ``min_confidence``."""
+        ``k`` tokens, fewer where the draft's confidence falls below ``min_confidence``; then up to
+        ``ahead`` tokens drafted ahead while the target verifies (``ProposeRequest.ahead``)."""
         request = draft_pb2.ProposeRequest(
             sync=_sync(ref, committed), k=k, sampling=sampling_to_pb(sampling), round=round_index, hidden=hidden,
-            min_confidence=min_confidence,
+            min_confidence=min_confidence, ahead=ahead,
         )
         reply = await self._call(self._stub.Propose, request, remaining_s)
         q = [(list(d.token_ids), list(d.probs)) for d in reply.q]
-        return DraftResult(list(reply.tokens), q, reply.committed)
+        return DraftResult(list(reply.tokens), q, reply.committed, reply.from_ahead)
 
 
 class TargetReplica(_Replica):

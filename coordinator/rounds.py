@@ -116,6 +116,8 @@ class Stats:
     time_to_first_token_ms: float = 0.0
     # Committed tokens per round, summed: accepted + 1 before any truncation at a stop.
     committed_in_rounds: int = 0
+    # Rounds whose proposal the draft had drafted ahead, during the round before.
+    ahead_rounds: int = 0
     # Acceptance by draft position of the draft service's proposals; it steers the adaptive choice of k.
     positions: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     # The same for the coordinator's own prompt lookup. Its hits follow long repeats, so they start
@@ -185,6 +187,7 @@ class RoundLoop:
         max_sessions_per_client: int = 0,
         free_lookup_min: int = 0,
         confidence_cutoff: bool = False,
+        draft_ahead: int = 0,
     ) -> None:
         self._tokenizer = tokenizer
         self._facts = target_facts
@@ -214,6 +217,8 @@ class RoundLoop:
         self._free_lookup_min = free_lookup_min
         # With k auto, the draft stops where its confidence no longer pays (CostModel.min_confidence).
         self._confidence_cutoff = confidence_cutoff
+        # Tokens the draft drafts ahead while a lone session's round is verified (0: none).
+        self._draft_ahead = draft_ahead
 
     def draft_joined(self, facts: ModelFacts) -> None:
         """A draft replica joined while running: a feature draft needs the target's hidden states
@@ -337,9 +342,10 @@ class RoundLoop:
                     looked_up = self._free_lookup(committed, costs, stats, target_ref.address, room - 1)
                 # Sampled requests read the fixed prior costs here too: their proposals never depend on timing.
                 cutoff = costs.min_confidence() if self._confidence_cutoff and fixed_k is None and k_round else 0.0
+                ahead = self._ahead(k_round, sampling, request.seed, target_ref.address)
                 draft, verdict, draft_ref, target_ref, hidden = await self._round(
                     turn.round, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s,
-                    record.fence, looked_up, cutoff,
+                    record.fence, looked_up, cutoff, ahead,
                 )
                 holding.update(draft_ref, target_ref)
                 drafted = len(draft.tokens) if draft else 0
@@ -418,6 +424,19 @@ class RoundLoop:
             return 1
         return k
 
+    def _ahead(self, k: int, sampling: Sampling, seed: int | None, address: str) -> int:
+        """Tokens the draft should draft ahead after this round's proposal: the configured number for a
+        session that drafts and verifies alone, else 0.
+
+        Alone, the draft idles while the target verifies, so drafting ahead costs no one time on
+        separate hosts. Beside other sessions it would delay their proposals. Seeded sampled
+        requests never draft ahead: whether they did would hang on the load, and their tokens with it.
+        """
+        if not self._draft_ahead or k <= 0 or not (sampling.greedy or seed is None):
+            return 0
+        load = self._fresh_load(address)
+        return self._draft_ahead if load is None or load.sessions <= 1 else 0
+
     def _free_lookup(
         self, committed: list[int], costs: CostModel, stats: Stats, address: str, room: int
     ) -> DraftResult | None:
@@ -461,12 +480,14 @@ class RoundLoop:
         fence: int,
         looked_up: DraftResult | None = None,
         min_confidence: float = 0.0,
+        ahead: int = 0,
     ) -> tuple[DraftResult | None, VerifyResult, CacheRef | None, CacheRef, HiddenStates | None]:
         """One round in its own span: draft k tokens (if k > 0), verify, and time both.
 
         ``hidden`` holds target hidden states the draft has not been sent; the round returns what is
         still unsent afterwards. A draft that fails costs this round its speculation, never the request.
         ``looked_up`` is the coordinator's own proposal for a round with k = 0: verified as drafted.
+        ``ahead``: tokens the draft drafts ahead while this round is verified.
         """
         with self._tracer.start_as_current_span("specdec.round") as span:
             round_t0 = time.perf_counter()
@@ -479,13 +500,16 @@ class RoundLoop:
                 try:
                     draft, draft_ref = await self._propose(
                         replica, draft_ref, committed, k, sampling, round_index, remaining_s, hidden, fence,
-                        min_confidence,
+                        min_confidence, ahead,
                     )
                     hidden = None
                 except (BackendUnavailable, BackendRejected) as error:
                     self._failed(self._drafts, error, span, "draft", "draft failed, this round runs target-only")
                 draft_ms = (time.perf_counter() - t0) * 1000
-                if draft is not None:
+                if draft is not None and draft.from_ahead:
+                    stats.ahead_rounds += 1
+                elif draft is not None:
+                    # Only drafting done on the spot counts: a hit's cost says nothing of the next miss.
                     self._costs.record_draft(draft_ms, len(draft.tokens))
             t0 = time.perf_counter()
             verdict, target_ref, fed = await self._verify(
@@ -514,6 +538,7 @@ class RoundLoop:
                     "specdec.k_asked": k,
                     "specdec.min_confidence": min_confidence,
                     "specdec.looked_up": looked_up is not None,
+                    "specdec.from_ahead": bool(draft is not None and draft.from_ahead),
                     "specdec.accepted": verdict.accepted,
                     "specdec.draft_ms": draft_ms,
                     "specdec.verify_ms": verify_ms,
@@ -547,17 +572,19 @@ class RoundLoop:
         hidden: HiddenStates | None,
         fence: int,
         min_confidence: float = 0.0,
+        ahead: int = 0,
     ) -> tuple[DraftResult, CacheRef]:
         """Asks ``draft`` for k tokens, prefilling it first if it lacks the session's cache."""
         if ref is not None and ref.address == draft.address:
             try:
                 result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden,
-                                             min_confidence)
+                                             min_confidence, ahead)
                 return result, replace(ref, committed=result.committed)
             except CacheLost:
                 pass
         ref = await draft.prefill(committed, remaining_s(), fence)
-        result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden, min_confidence)
+        result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden, min_confidence,
+                                     ahead)
         return result, replace(ref, committed=result.committed)
 
     async def _place_target(

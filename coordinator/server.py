@@ -138,6 +138,7 @@ def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
         time_to_first_token_ms=stats.time_to_first_token_ms,
         drafted_at_position=by_position[0],
         accepted_at_position=by_position[1],
+        ahead_rounds=stats.ahead_rounds,
     )
 
 
@@ -306,7 +307,7 @@ async def start_coordinator(
         loop = RoundLoop(tokenizer, target_facts[0], draft_set, target_set, store, tracer, config.default_k,
                          config.max_auto_k, want_hidden=want_hidden, metrics=metrics,
                          draft_colocated=config.draft_colocated, free_lookup_min=config.free_lookup_min,
-                         confidence_cutoff=config.confidence_cutoff,
+                         confidence_cutoff=config.confidence_cutoff, draft_ahead=config.draft_ahead,
                          max_sessions_per_client=config.admission.max_sessions_per_client)
         if config.draft_discovery is not None:
             source = open_source(config.draft_discovery, config.discovery_interval_s, kubernetes_api)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from draft_service.feature_draft import KIND as FEATURE_KIND
-from draft_service.feature_draft import FeatureDraft, FeatureSession
-from draft_service.picking import TokenPicker
+from draft_service.feature_draft import AheadDraft, DraftTail, FeatureDraft, FeatureSession
+from draft_service.picking import TokenPicker, take_next
 from specdec.ngram import propose_ngram
 from specdec.batching import waves
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
@@ -38,6 +38,8 @@ class ProposeCall:
     fence: int = 0
     # Confidence cut-off (see ``draft_service.picking``); 0 proposes all k tokens.
     min_confidence: float = 0.0
+    # Tokens to draft ahead after the reply (``draft_ahead``); 0: none.
+    ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class Proposal:
     tokens: list[int]
     q: list[tuple[list[int], list[float]]]
     committed: int
+    # Drafted ahead, while the target verified the previous round (``draft_ahead``).
+    from_ahead: bool = False
 
 
 class DraftEngine:
@@ -118,7 +122,10 @@ class DraftEngine:
                 except Exception as exc:  # noqa: BLE001 - the error belongs to this call alone
                     results[i] = exc
                     continue
-                if k <= 0:
+                ready = self._drafted_ahead(cache, k)
+                if ready is not None:
+                    results[i] = ready
+                elif k <= 0:
                     results[i] = Proposal([], [], len(cache.committed))
                 else:
                     jobs.append((i, cache, k))
@@ -144,6 +151,16 @@ class DraftEngine:
         if call.hidden is not None:
             self._take_hidden(cache, call.hidden)
         return cache, min(call.k, self._facts.max_context - len(cache.committed) - 1)
+
+    def _drafted_ahead(self, cache, k: int) -> Proposal | None:
+        """Hook, right after a sync: the proposal drafted ahead for exactly the tokens now committed,
+        if any (a feature draft's; see ``draft_ahead``)."""
+        return None
+
+    def draft_ahead(self, call: ProposeCall) -> int:
+        """Goes on drafting past the proposal just made for ``call``, while the target verifies it;
+        returns how many tokens it drafted ahead. Only a feature draft does (0 here)."""
+        return 0
 
     def _draft_many(self, jobs: list) -> list:
         """Drafts for ``(cache, k, pick)`` jobs: ``(tokens, q)`` or an error each."""
@@ -212,15 +229,10 @@ class ModelDrafter(DraftEngine):
         q: list[tuple[list[int], list[float]]] = []
         logits = cache.forward(model, [], logits_to_keep=1)  # [1, V]
         for i in range(k):
-            picked = pick(logits)
-            if picked is None:
+            if not take_next(pick, logits, tokens, q):
                 break
-            token, dist = picked
-            tokens.append(token)
-            if dist is not None:
-                q.append(dist)
             if i + 1 < k:
-                logits = cache.forward(model, [token], logits_to_keep=1)  # [1, V]
+                logits = cache.forward(model, [tokens[-1]], logits_to_keep=1)  # [1, V]
         return tokens, q
 
 
@@ -273,6 +285,54 @@ class FeatureDrafter(DraftEngine):
     def _draft(self, cache, k, pick):
         return self._draft_many([(cache, k, pick)])[0]
 
+    def _drafted_ahead(self, cache: FeatureSession, k: int) -> Proposal | None:
+        ahead, cache.ahead, cache.tail = cache.ahead, None, None
+        # The sync keeps every token before its start, so the ahead base's tokens are still those the
+        # draft saw: a match of the committed tail with the guessed path is a match of the whole.
+        if ahead is None or k <= 0 or not ahead.tokens or cache.committed[ahead.base:] != ahead.path:
+            return None
+        return Proposal(ahead.tokens[:k], ahead.q[:k], len(cache.committed), from_ahead=True)
+
+    @torch.inference_mode()
+    def draft_ahead(self, call: ProposeCall) -> int:
+        """Drafts past the proposal on the guess that the target accepts all of it and then commits
+        the draft's likeliest token; the next proposal serves these tokens if the guess holds.
+
+        Why it pays: on separate hosts the draft idles while the target verifies; a hit saves the
+        next round its whole draft call. The guess is a point guess, so sampled requests stay exact:
+        the ahead tokens are drawn from the q they report, on the guessed path, and only used on it.
+        The round's next draft stream is used (round + 1), as the next proposal would.
+        """
+        cache = self._caches.get(call.cache_id)
+        tail, cache.tail = cache.tail, None
+        if (tail is None or call.ahead <= 0 or len(cache.committed) != tail.base
+                or cache.kv.get_seq_length() != tail.kv_length):
+            return 0
+        draft = self._draft_model
+        predicted, pending, position = tail.predicted, tail.pending, tail.position
+        pick = TokenPicker(call.sampling, call.round_index + 1, self._sample_top_k, call.min_confidence)
+        guess: int | None = None
+        tokens: list[int] = []
+        qs: list = []
+        try:
+            while len(tokens) < call.ahead:
+                if pending is not None:
+                    layout = RaggedLayout.of([1], [cache.kv.get_seq_length()], [position])
+                    predicted = draft.predict_ragged(predicted, torch.tensor([pending]), [cache.kv], layout)  # [1, D]
+                    position += 1
+                logits = draft.full_logits(predicted).float()  # [1, V]
+                if guess is None:
+                    pending = guess = int(logits[0].argmax())
+                    continue
+                if not take_next(pick, logits, tokens, qs):
+                    break
+                pending = tokens[-1]
+        except Exception:
+            cache.reset_kv()  # a pass that failed midway leaves its KV unknown
+            raise
+        cache.ahead = AheadDraft(tail.base, [*tail.proposal, guess], tokens, qs)
+        return len(tokens)
+
     @torch.inference_mode()
     def _draft_many(self, jobs):
         """Sessions without a lookup hit draft together: one ragged pass for every session's catch-up
@@ -317,15 +377,16 @@ class FeatureDrafter(DraftEngine):
         while live:
             logits = draft.full_logits(predicted).float()  # [B', V]
             for row, j in enumerate(live):
-                picked = jobs[j][2](logits[row : row + 1])
-                if picked is None:
+                if not take_next(jobs[j][2], logits[row : row + 1], tokens[j], qs[j]):
                     stopped.add(j)
-                    continue
-                token, q = picked
-                tokens[j].append(token)
-                if q is not None:
-                    qs[j].append(q)
             going = [(row, j) for row, j in enumerate(live) if j not in stopped and len(tokens[j]) < jobs[j][1]]
+            for row, j in enumerate(live):
+                if j in stopped or len(tokens[j]) >= jobs[j][1]:
+                    cache = jobs[j][0]
+                    # A stopped job's row already follows its last token; a finished one's gave it.
+                    cache.tail = DraftTail(len(cache.committed), tokens[j], predicted[row : row + 1].clone(),
+                                           None if j in stopped else tokens[j][-1], positions[j],
+                                           caches[j].get_seq_length())
             if not going:
                 break
             live = [j for _, j in going]

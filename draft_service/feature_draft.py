@@ -27,6 +27,7 @@ from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from draft_service.picking import take_next
 from draft_service.token_draft import (
     WEIGHTS_FILE,
     _output_weight,
@@ -182,6 +183,34 @@ def load_feature_draft(draft_dir: Path, target_model: nn.Module, target_hash: st
     return draft.float().eval().requires_grad_(False)
 
 
+@dataclass(frozen=True)
+class DraftTail:
+    """Where the draft's model stopped after a proposal: enough to go on drafting past it.
+
+    ``predicted`` (``[1, D]``) gives the next position's logits once ``pending`` (a token still to
+    feed, or None) is fed at ``position``, on top of a KV cache of ``kv_length`` entries.
+    """
+
+    base: int
+    """Committed tokens when the proposal was made."""
+    proposal: list[int]
+    predicted: torch.Tensor
+    pending: int | None
+    position: int
+    kv_length: int
+
+
+@dataclass(frozen=True)
+class AheadDraft:
+    """Tokens drafted ahead: the proposal that follows once ``path`` is committed past ``base``."""
+
+    base: int
+    path: list[int]
+    """The proposal that was being verified, then the draft's guess of the target's own token."""
+    tokens: list[int]
+    q: list
+
+
 @dataclass
 class FeatureSession:
     """One session's committed tokens, the target's features for a window of them, and the draft's KV.
@@ -200,6 +229,10 @@ class FeatureSession:
     kv_pairs: int = 0
     # The highest fencing token a caller showed (see SessionCache.sync).
     fence: int = 0
+    # After a proposal the model drafted, until the next sync: where drafting ahead starts.
+    tail: DraftTail | None = None
+    # Drafted ahead, until the next sync serves or drops it.
+    ahead: AheadDraft | None = None
 
     @property
     def feature_end(self) -> int:
@@ -269,14 +302,9 @@ class FeatureSession:
         tokens, qs = [], []
         position = start + len(feats)
         for i in range(k):
-            picked = pick(draft.full_logits(predicted[0]).float())
-            if picked is None:
+            if not take_next(pick, draft.full_logits(predicted[0]).float(), tokens, qs):
                 break
-            token, q = picked
-            tokens.append(token)
-            if q is not None:
-                qs.append(q)
             if i + 1 < k:
-                predicted = draft.predict(predicted, torch.tensor([[token]]), self.kv, torch.tensor([[position]]))
+                predicted = draft.predict(predicted, torch.tensor([[tokens[-1]]]), self.kv, torch.tensor([[position]]))
                 position += 1
         return tokens, qs

@@ -58,3 +58,16 @@ class TokenPicker:
     def _confident(self, top: torch.Tensor) -> bool:
         self.confidence *= float(top)
         return self.confidence >= self.min_confidence
+
+
+def take_next(pick, logits: torch.Tensor, tokens: list[int], qs: list) -> bool:
+    """Appends the token ``pick`` chooses for ``logits [1, V]`` to ``tokens`` and its q (if any) to
+    ``qs``; False, appending nothing, where the proposal stops."""
+    picked = pick(logits)
+    if picked is None:
+        return False
+    token, q = picked
+    tokens.append(token)
+    if q is not None:
+        qs.append(q)
+    return True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import replace
 
 import torch
@@ -24,6 +25,8 @@ from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.hidden_wire import hidden_from_pb
 from specdec.wire import sampling_from_pb
 from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -52,18 +55,33 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
             hidden_from_pb(request.hidden, hidden_size) if hidden_size else None,
             request.sync.fence,
             request.min_confidence,
+            request.ahead,
         )
-        return await self._batcher.submit(call)
+        proposal = await self._batcher.submit(call)
+        if call.ahead and not proposal.from_ahead:
+            # Queued on the model's one worker thread before this reply leaves, so it runs before
+            # the session's next proposal can arrive, whatever the timing.
+            asyncio.get_running_loop().run_in_executor(self._executor, self._draft_ahead, call)
+        return proposal
+
+    def _draft_ahead(self, call: ProposeCall) -> None:
+        """Drafts ahead for ``call``; a failure costs only the tokens ahead (the cache may be gone)."""
+        try:
+            self._draft.draft_ahead(call)
+        except Exception:  # noqa: BLE001 - nobody waits on this work
+            log.debug("drafting ahead failed for cache %s", call.cache_id, exc_info=True)
 
     async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeReply:
         with server_span(self._tracer, "DraftService/Propose", context) as span:
             span.set_attribute("specdec.k", request.k)
             proposal = await guarded(context, self._propose(request), "DraftService/Propose")
             span.set_attribute("specdec.proposed", len(proposal.tokens))
+            span.set_attribute("specdec.from_ahead", proposal.from_ahead)
             return draft_pb2.ProposeReply(
                 tokens=proposal.tokens,
                 q=[draft_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.q],
                 committed=proposal.committed,
+                from_ahead=proposal.from_ahead,
             )
 
 

@@ -49,6 +49,8 @@ class ModeResult:
     seconds: float = 0.0
     outputs: dict[str, list[int]] = field(default_factory=dict)
     rounds: int = 0
+    # Rounds whose proposal the draft had drafted ahead (``--draft-ahead``).
+    ahead_rounds: int = 0
     drafted: int = 0
     accepted: int = 0
     draft_ms: float = 0.0
@@ -145,6 +147,7 @@ def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k
         result.tokens += len(reply.token_ids)
         result.outputs[p.id] = reply.token_ids
         result.rounds += s.rounds
+        result.ahead_rounds += s.ahead_rounds
         result.drafted += s.drafted_tokens
         result.accepted += s.accepted_tokens
         result.draft_ms += s.draft_ms
@@ -194,6 +197,8 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
             mean_k = r.drafted / r.rounds
             entry["acceptance_rate"] = round(alpha, 4)
             entry["mean_k"] = round(mean_k, 3)
+            if r.ahead_rounds:
+                entry["ahead_rounds"] = r.ahead_rounds
             entry["mean_accepted_length"] = round((r.accepted + r.rounds) / r.rounds, 3)
             entry["acceptance_by_position"] = [round(a / d, 4) if d else 0.0 for a, d in zip(r.accepted_at, r.drafted_at)]
             if k0 is not None and k0.rounds:

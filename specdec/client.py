@@ -110,6 +110,7 @@ class Stats:
     drafted_at_position: list[int]
     accepted_at_position: list[int]
     prefill_ms: float
+    ahead_rounds: int
 
     @property
     def tokens_per_second(self) -> float:

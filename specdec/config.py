@@ -251,6 +251,10 @@ class CoordinatorConfig:
     # With k chosen each round, the draft also stops early where its confidence no longer pays for
     # the tokens it adds (coordinator.adaptive.CostModel.min_confidence; draft_service.picking).
     confidence_cutoff: bool = True
+    # Tokens a feature draft drafts ahead while the target verifies a lone session's round, on the
+    # guess that the whole proposal passes (0: off; see ProposeRequest.ahead). It pays where the
+    # draft has cores of its own; on shared cores it takes one from the target's pass.
+    draft_ahead: int = 0
 
     def __post_init__(self) -> None:
         if self.draft_addresses and self.draft_discovery is not None:
@@ -261,3 +265,5 @@ class CoordinatorConfig:
             raise ValueError("the discovery interval must be positive")
         if self.free_lookup_min < 0:
             raise ValueError("free_lookup_min: must be 0 (off) or a suffix length of at least 1")
+        if self.draft_ahead < 0:
+            raise ValueError("draft_ahead: must be 0 (off) or a number of tokens")

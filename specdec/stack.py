@@ -54,6 +54,8 @@ class StackConfig:
     default_k: int | None = None
     # With k auto, the draft stops where its confidence no longer pays (see CoordinatorConfig).
     confidence_cutoff: bool = True
+    # Tokens the draft drafts ahead while a lone session's round is verified (see CoordinatorConfig).
+    draft_ahead: int = 0
     # Under load the target feeds a new prompt in its session's first verify pass (see TargetConfig).
     fold_prefills: bool = True
     # Tokens of a long prompt the target feeds a pass (see TargetConfig.prefill_chunk).
@@ -203,7 +205,8 @@ class LocalStack:
                      "--target", self.target_address, "--redis-url", self.redis_url, "--tokenizer", c.target_model,
                      "--default-k", "auto" if c.default_k is None else str(c.default_k),
                      # Every process of a local stack shares this machine's cores.
-                     "--draft-colocated", *([] if c.confidence_cutoff else ["--no-confidence-cutoff"]), *common],
+                     "--draft-colocated", *([] if c.confidence_cutoff else ["--no-confidence-cutoff"]),
+                     "--draft-ahead", str(c.draft_ahead), *common],
                 )
                 coordinators.append(coordinator)
             self._wait_for_line(target, "READY ")

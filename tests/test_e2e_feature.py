@@ -94,3 +94,18 @@ def test_sampled_tokens_follow_target_distribution(stack, client, tiny_target):
     deferred = [s.attributes["specdec.deferred"] for s in stack.exporter.get_finished_spans()
                 if s.name == "TargetService/Prefill"]
     assert len(deferred) == 900 and not any(deferred)
+
+
+def test_drafting_ahead_keeps_greedy_output_and_serves_rounds(stack, tiny_target):
+    """A coordinator that asks the draft to draft ahead: greedy output still equals target-only
+    decoding, and some rounds get their proposal from the tokens drafted ahead."""
+    address = stack.add_coordinator(draft_ahead=4)
+    ahead_rounds = rounds = 0
+    with Client(address, timeout=60) as client:
+        for prompt in PROMPTS:
+            for k in (1, 2, 3):
+                result = client.complete(prompt, max_new_tokens=80, k=k)
+                assert result.token_ids == hf_greedy(tiny_target, prompt, 80), (prompt, k)
+                ahead_rounds += result.stats.ahead_rounds
+                rounds += result.stats.rounds
+    assert 0 < ahead_rounds < rounds

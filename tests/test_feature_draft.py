@@ -287,3 +287,69 @@ def test_proposals_drafted_together_equal_proposals_drafted_alone(draft, tiny_ta
                 assert p == pytest.approx(w, abs=1e-5)
     # The cut-off ended some proposals early, and left others their whole k.
     assert (True, True) in lengths_seen and (True, False) in lengths_seen
+
+
+@pytest.mark.parametrize("cutoff", [0.0, 0.02], ids=["whole-k", "cut-off"])
+def test_drafting_ahead_serves_the_guessed_path_and_only_it(draft, tiny_target, cutoff):
+    """Drafting ahead continues the chain the proposal left off: once the proposal and the draft's
+    guess of the target's token are committed, the next proposal is the one drafted ahead, exactly
+    the tokens a longer greedy proposal would have held there. On any other committed path the next
+    proposal is what a cache with the same history that drafted nothing ahead proposes."""
+    from draft_service.engine import FeatureDrafter, ProposeCall
+
+    engine = FeatureDrafter(draft, tiny_target.facts("target"), 16, 64, lookup_min=0)
+    r = random.Random(7)
+    prompt = [r.randrange(4, 30) for _ in range(14)]
+    hidden = HiddenRows(0, sample_features(tiny_target.model, [prompt])[0].float()[:-1])
+
+    def first_round(ahead: int) -> tuple[ProposeCall, list[int]]:
+        call = ProposeCall(engine.prefill(prompt)[0], len(prompt), [], 3, Sampling(), 0, hidden,
+                           min_confidence=cutoff, ahead=ahead)
+        return call, engine.propose_batch([call])[0].tokens
+
+    def next_round(cache_id: str, committed_path: list[int], k: int):
+        path = prompt + committed_path
+        feats = sample_features(tiny_target.model, [path])[0].float()
+        rows = HiddenRows(len(prompt) - 1, feats[len(prompt) - 1 : len(path) - 1])
+        return engine.propose(cache_id, len(prompt), committed_path, k, Sampling(), 1, rows)
+
+    # The reference: one proposal of 9 tokens with no cut-off and nothing drafted ahead.
+    chain = engine.propose(engine.prefill(prompt)[0], len(prompt), [], 9, Sampling(), 0, hidden).tokens
+    call, proposal = first_round(ahead=4)
+    j = len(proposal)
+    assert proposal == chain[:j] and (j == 3 or cutoff > 0)
+    drafted = engine.draft_ahead(call)
+    assert 0 < drafted <= 4
+    served = next_round(call.cache_id, chain[: j + 1], 4)
+    assert served.from_ahead and len(served.tokens) == drafted
+    assert served.tokens == chain[j + 1 : j + 1 + drafted]
+
+    # The target committed another token than the guess: the tokens ahead are dropped.
+    other = next(t for t in range(4, 28) if t != chain[j])
+    for path in (chain[:j] + [other], chain[: j + 1]):
+        (missed, _), (control, _) = first_round(ahead=4), first_round(ahead=0)
+        assert engine.draft_ahead(missed) == drafted and engine.draft_ahead(control) == 0
+        if path[-1] == chain[j]:
+            next_round(missed.cache_id, path, 4)  # served from ahead: the same path again is not
+        got, want = next_round(missed.cache_id, path, 3), next_round(control.cache_id, path, 3)
+        assert not got.from_ahead and got.tokens == want.tokens
+
+
+def test_drafting_ahead_of_a_sampled_proposal_reports_its_q(draft, tiny_target):
+    from draft_service.engine import FeatureDrafter, ProposeCall
+
+    engine = FeatureDrafter(draft, tiny_target.facts("target"), 16, 64, lookup_min=0)
+    prompt = [5, 9, 13, 4, 22, 7, 11, 19]
+    hidden = HiddenRows(0, sample_features(tiny_target.model, [prompt])[0].float()[:-1])
+    sampling = Sampling(1.0, seed=11)
+    call = ProposeCall(engine.prefill(prompt)[0], len(prompt), [], 2, sampling, 0, hidden, ahead=3)
+    proposal = engine.propose_batch([call])[0]
+    assert engine.draft_ahead(call) == 3
+    guess = engine.caches.get(call.cache_id).ahead.path[-1]
+    path = prompt + proposal.tokens + [guess]
+    feats = sample_features(tiny_target.model, [path])[0].float()
+    served = engine.propose(call.cache_id, len(prompt), path[len(prompt):], 3, sampling, 1,
+                            HiddenRows(len(prompt) - 1, feats[len(prompt) - 1 : -1]))
+    assert served.from_ahead and len(served.tokens) == len(served.q) == 3
+    for token, (ids, probs) in zip(served.tokens, served.q):
+        assert token in ids and sum(probs) == pytest.approx(1.0, abs=1e-4)

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("sync", "k", "sampling", "round", "hidden", "min_confidence")
+    __slots__ = ("sync", "k", "sampling", "round", "hidden", "min_confidence", "ahead")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.CacheSync
     k: int
     sampling: _common_pb2.SamplingParams
     round: int
     hidden: _common_pb2.HiddenStates
     min_confidence: float
-    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., min_confidence: _Optional[float] = ...) -> None: ...
+    ahead: int
+    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., min_confidence: _Optional[float] = ..., ahead: _Optional[int] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -32,11 +34,13 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
-    __slots__ = ("tokens", "q", "committed")
+    __slots__ = ("tokens", "q", "committed", "from_ahead")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    FROM_AHEAD_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     committed: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., committed: _Optional[int] = ...) -> None: ...
+    from_ahead: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., committed: _Optional[int] = ..., from_ahead: _Optional[bool] = ...) -> None: ...
