@@ -122,7 +122,7 @@ class DraftEngine:
                 except Exception as exc:  # noqa: BLE001 - the error belongs to this call alone
                     results[i] = exc
                     continue
-                ready = self._drafted_ahead(cache, k)
+                ready = self._drafted_ahead(cache, calls[i], k)
                 if ready is not None:
                     results[i] = ready
                 elif k <= 0:
@@ -152,9 +152,9 @@ class DraftEngine:
             self._take_hidden(cache, call.hidden)
         return cache, min(call.k, self._facts.max_context - len(cache.committed) - 1)
 
-    def _drafted_ahead(self, cache, k: int) -> Proposal | None:
-        """Hook, right after a sync: the proposal drafted ahead for exactly the tokens now committed,
-        if any (a feature draft's; see ``draft_ahead``)."""
+    def _drafted_ahead(self, cache, call: ProposeCall, k: int) -> Proposal | None:
+        """Hook, right after ``call``'s sync: the proposal drafted ahead for exactly the tokens now
+        committed, if any (a feature draft's; see ``draft_ahead``)."""
         return None
 
     def draft_ahead(self, call: ProposeCall) -> int:
@@ -285,11 +285,12 @@ class FeatureDrafter(DraftEngine):
     def _draft(self, cache, k, pick):
         return self._draft_many([(cache, k, pick)])[0]
 
-    def _drafted_ahead(self, cache: FeatureSession, k: int) -> Proposal | None:
+    def _drafted_ahead(self, cache: FeatureSession, call: ProposeCall, k: int) -> Proposal | None:
         ahead, cache.ahead, cache.tail = cache.ahead, None, None
-        # The sync keeps every token before its start, so the ahead base's tokens are still those the
-        # draft saw: a match of the committed tail with the guessed path is a match of the whole.
-        if ahead is None or k <= 0 or not ahead.tokens or cache.committed[ahead.base:] != ahead.path:
+        # A sync keeps every token before its start: from a start at or past the ahead base, the
+        # tokens before it are still those the draft saw, so matching the rest matches the whole.
+        if (ahead is None or k <= 0 or not ahead.tokens or call.start < ahead.base
+                or cache.committed[ahead.base:] != ahead.path):
             return None
         return Proposal(ahead.tokens[:k], ahead.q[:k], len(cache.committed), from_ahead=True)
 
