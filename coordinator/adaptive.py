@@ -213,17 +213,39 @@ class CostModel:
         """
         return self._best(tracker.rates(available), [0.0] * (available + 1), load, available)
 
-    def _best(self, rates: list[float], draft: list[float], load: PassLoad | None, k_max: int) -> int:
-        """``choose_k`` over the target's reported pass curve, or over the costs measured here
-        without one (a target that does not batch)."""
+    def prefers_free(self, free: AcceptanceTracker, free_k: int, drafted: AcceptanceTracker, k: int,
+                     load: PassLoad | None) -> bool:
+        """Whether a free proposal of ``free_k`` tokens (prompt lookup in the coordinator) promises at
+        least as many tokens per millisecond as a draft call for ``k``, at this load.
+
+        A lookup hit in copied text (a summary quoting its passage, an edited function) is accepted
+        far more often than the model draft, costs no draft call, and may run longer than the k the
+        model draft is held to.
+        """
+        verify, others = self._pass_curve(load)
+
+        def rate(tracker: AcceptanceTracker, n: int, draft_ms: float) -> float:
+            n = min(n, len(verify) - 2)
+            return (others + expected_tokens(tracker.rates(max(n, 1)), n)) / (draft_ms + verify[n + 1])
+
+        return rate(free, free_k, 0.0) >= rate(drafted, k, self.draft_curve()[min(k, self.k_max)])
+
+    def _pass_curve(self, load: PassLoad | None) -> tuple[list[float], float]:
+        """A round's cost by tokens verified (index 0 unused) and the tokens the same pass commits for
+        the other sessions: the target's reported pass curve, or the costs measured here without one
+        (a target that does not batch)."""
         if load is None or not load.curve_ms:
-            return choose_k(rates, draft, self.curve(), k_max)
-        verify = [0.0] + [self.overhead_ms + ms for ms in load.curve_ms]
+            return self.curve(), 0.0
+        return [0.0] + [self.overhead_ms + ms for ms in load.curve_ms], load.others_committed
+
+    def _best(self, rates: list[float], draft: list[float], load: PassLoad | None, k_max: int) -> int:
+        """``choose_k`` over this load's pass curve (``_pass_curve``)."""
+        verify, others = self._pass_curve(load)
         # In a shared pass the estimates carry other sessions' noise, a late draft delays them all, and
         # near compute-bound a row costs about its share of the pass: speculation, a free lookup too,
         # must promise a clear gain (5%) before it is worth the risk.
-        gain = 1.05 if load.sessions > 1 else 1.0001
-        return choose_k(rates, draft, verify, k_max, load.others_committed, gain)
+        gain = 1.05 if load is not None and load.curve_ms and load.sessions > 1 else 1.0001
+        return choose_k(rates, draft, verify, k_max, others, gain)
 
     def min_confidence(self) -> float:
         """The draft-confidence cut-off that pays (see ``draft_service.picking``).

@@ -338,8 +338,10 @@ class RoundLoop:
                 k = self._choose_k(fixed_k, costs, stats, sampling, target_ref.address, turn.rounds_without_draft)
                 k_round = max(0, min(k, room - 1))
                 looked_up = None
-                if k_round == 0 and fixed_k is None and sampling.greedy:
-                    looked_up = self._free_lookup(committed, costs, stats, target_ref.address, room - 1)
+                if fixed_k is None and sampling.greedy:
+                    looked_up = self._free_lookup(committed, costs, stats, target_ref.address, room - 1, k_round)
+                    if looked_up is not None:
+                        k_round = 0  # the lookup drafts this round: no draft call
                 # Sampled requests read the fixed prior costs here too: their proposals never depend on timing.
                 cutoff = costs.min_confidence() if self._confidence_cutoff and fixed_k is None and k_round else 0.0
                 ahead = self._ahead(k_round, sampling, request.seed, target_ref.address)
@@ -438,10 +440,12 @@ class RoundLoop:
         return self._draft_ahead if load is None or load.sessions <= 1 else 0
 
     def _free_lookup(
-        self, committed: list[int], costs: CostModel, stats: Stats, address: str, room: int
+        self, committed: list[int], costs: CostModel, stats: Stats, address: str, room: int, model_k: int = 0
     ) -> DraftResult | None:
-        """A prompt-lookup proposal the coordinator makes itself, for a greedy round the draft service
-        sits out: as many of the looked-up tokens as pay for the verify rows they add, or None."""
+        """A prompt-lookup proposal the coordinator makes itself for a greedy round: as many of the
+        looked-up tokens as pay for the verify rows they add, or None. For a round the draft service
+        would draft (``model_k`` > 0), only where the lookup promises at least as many tokens per
+        millisecond as that draft call (``CostModel.prefers_free``)."""
         if not self._free_lookup_min or room <= 0:
             return None
         load = self._fresh_load(address)
@@ -452,8 +456,10 @@ class RoundLoop:
         if not tokens:
             return None
         k = costs.choose_free(stats.lookup, load, len(tokens))
+        if k <= 0 or (model_k > 0 and not costs.prefers_free(stats.lookup, k, stats.positions, model_k, load)):
+            return None
         # committed: the draft cache's length, which a local proposal leaves as it was.
-        return DraftResult(tokens[:k], [], 0) if k > 0 else None
+        return DraftResult(tokens[:k], [], 0)
 
     def _checkpoint(
         self, checkpoints: Checkpoints, record: SessionRecord, draft_ref: CacheRef | None, target_ref: CacheRef,

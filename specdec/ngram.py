@@ -18,9 +18,12 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         suffix = tokens[length - n :]
+        last = suffix[-1]
         # Scan right to left so the most recent occurrence wins; it best predicts what comes next.
+        # Comparing the last token first skips the slice at nearly every start: the coordinator
+        # scans a greedy session's whole context every round.
         for start in range(length - n - 1, -1, -1):
-            if tokens[start : start + n] == suffix:
+            if tokens[start + n - 1] == last and tokens[start : start + n] == suffix:
                 follow = tokens[start + n : start + n + k]
                 if follow:
                     return follow

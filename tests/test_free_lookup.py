@@ -43,6 +43,26 @@ def test_free_lookup_pays_where_rows_are_cheap_and_not_where_they_are_not():
     assert costs.choose_free(hits, None, 4) == 4
 
 
+def test_a_lookup_hit_replaces_the_draft_call_only_where_it_promises_more():
+    """A lone session: verify 90 ms for one row and 9 ms a row more, a draft call for one token
+    12 ms. The model draft passes 45% of its tokens."""
+    costs = CostModel(k_max=8)
+    costs.record_draft(12.0, 1)
+    alone = _pass(1, 90.0, 9.0)
+    drafted = AcceptanceTracker(prior=0.45, prior_weight=1e6)
+    # Copied text: four looked-up tokens that pass 80% of the time give about 3.4 tokens for 126 ms,
+    # against 1.45 for 111 ms from the draft call.
+    copied = AcceptanceTracker(prior=0.8, prior_weight=1e6)
+    assert costs.prefers_free(copied, 4, drafted, 1, alone)
+    # A lookup that mostly misses is not worth even a free call's rows, against a fair draft.
+    missing = AcceptanceTracker(prior=0.1, prior_weight=1e6)
+    assert not costs.prefers_free(missing, 1, drafted, 1, alone)
+    # With the draft call's cost measured at 60 ms (a loaded draft replica), one even-odds lookup token wins.
+    costs.record_draft(300.0, 1)
+    assert costs.draft_curve()[1] > 60
+    assert costs.prefers_free(AcceptanceTracker(prior=0.5, prior_weight=1e6), 1, drafted, 1, alone)
+
+
 def _rounds(stack: InProcessStack) -> list:
     return [s for s in stack.exporter.get_finished_spans() if s.name == "specdec.round"]
 
