@@ -42,7 +42,7 @@ from specdec.config import FEATURE_KIND
 from specdec.token_lists import common_prefix_len
 from specdec.metrics import CoordinatorMetrics
 from specdec.vocab import ModelFacts
-from specdec.ngram import propose_ngram
+from specdec.ngram import LOOKUP_MAX_N, propose_ngram
 from specdec.sampling_params import Sampling
 from specdec.v1.common_pb2 import HiddenStates
 
@@ -53,8 +53,6 @@ log = logging.getLogger(__name__)
 _PROBE_EVERY = 8
 # Seconds a target's load report stays current for choosing k.
 _LOAD_FRESH_S = 1.0
-# Longest context suffix the coordinator's own prompt lookup matches.
-_LOOKUP_MAX_N = 4
 
 
 class SessionNotFound(LookupError):
@@ -452,7 +450,7 @@ class RoundLoop:
         if load is None and self._batching_targets:
             return None  # the target's load is unknown: measure it first (as ``_choose_k`` does)
         # The scan is linear in the context: only after the cheap checks, once per round.
-        tokens = propose_ngram(committed, min(costs.k_max, room), _LOOKUP_MAX_N, self._free_lookup_min)
+        tokens = propose_ngram(committed, min(costs.k_max, room), LOOKUP_MAX_N, self._free_lookup_min)
         if not tokens:
             return None
         k = costs.choose_free(stats.lookup, load, len(tokens))

@@ -14,7 +14,7 @@ import torch
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import AheadDraft, DraftTail, FeatureDraft, FeatureSession
 from draft_service.picking import TokenPicker, take_next
-from specdec.ngram import propose_ngram
+from specdec.ngram import LOOKUP_MAX_N, propose_ngram, whole_continuation
 from specdec.batching import waves
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.ragged import RaggedLayout
@@ -245,7 +245,7 @@ class FeatureDrafter(DraftEngine):
     kind = FEATURE_KIND
 
     def __init__(self, draft: FeatureDraft, facts: ModelFacts, max_sessions: int, sample_top_k: int,
-                 lookup_max: int = 4, lookup_min: int = 2, **limits) -> None:
+                 lookup_max: int = LOOKUP_MAX_N, lookup_min: int = 2, **limits) -> None:
         super().__init__(replace(facts, kind=FEATURE_KIND), max_sessions, FeatureSession, **limits)
         self._draft_model = draft
         self._sample_top_k = sample_top_k
@@ -272,15 +272,14 @@ class FeatureDrafter(DraftEngine):
 
     def _lookup(self, cache, k, sampling):
         """Prompt lookup's whole k-token continuation, or None."""
-        if self._lookup_min:
-            # Text that repeats its own context (summaries, answers quoting a passage, code) is
-            # drafted best by prompt lookup: when the context's last n >= lookup_min tokens occurred
-            # before and a whole k-token continuation follows, propose that (q: a point mass, exact).
-            # On the benchmark prompts this lifted the mean accepted length at k = 4 from 1.53 to 1.93.
-            tokens = propose_ngram(cache.committed, k, self._lookup_max, self._lookup_min)
-            if len(tokens) == k:
-                return tokens, ([] if sampling.greedy else [([t], [1.0]) for t in tokens])
-        return None
+        # Text that repeats its own context (summaries, answers quoting a passage, code) is drafted
+        # best by prompt lookup: when the context's last n >= lookup_min tokens occurred before and a
+        # whole k-token continuation follows, propose that (q: a point mass, exact). On the benchmark
+        # prompts this lifted the mean accepted length at k = 4 from 1.53 to 1.93.
+        tokens = whole_continuation(cache.committed, k, self._lookup_min, self._lookup_max)
+        if tokens is None:
+            return None
+        return tokens, ([] if sampling.greedy else [([t], [1.0]) for t in tokens])
 
     def _draft(self, cache, k, pick):
         return self._draft_many([(cache, k, pick)])[0]

@@ -8,6 +8,10 @@ with probability p(x)).
 
 from __future__ import annotations
 
+# Longest context suffix a lookup matches: longer suffixes rarely occur, and a 4-token match already
+# predicts what follows well.
+LOOKUP_MAX_N = 4
+
 
 def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
     """Up to ``k`` tokens that followed the most recent earlier match of the last n tokens.
@@ -28,3 +32,14 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
                 if follow:
                     return follow
     return []
+
+
+def whole_continuation(tokens: list[int], k: int, min_n: int, max_n: int = LOOKUP_MAX_N) -> list[int] | None:
+    """The k tokens that followed the most recent earlier match of the context's tail (a suffix of
+    ``min_n`` to ``max_n`` tokens), or None when no match is followed by a whole k tokens.
+
+    A feature draft proposes this before its model (``draft_service.engine.FeatureDrafter``), and the
+    held-out evaluation of such a draft replays the same rule (``specdec.distill.evaluate``).
+    """
+    found = propose_ngram(tokens, k, max_n, min_n) if min_n else []
+    return found if found and len(found) == k else None

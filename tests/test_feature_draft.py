@@ -353,3 +353,21 @@ def test_drafting_ahead_of_a_sampled_proposal_reports_its_q(draft, tiny_target):
     assert served.from_ahead and len(served.tokens) == len(served.q) == 3
     for token, (ids, probs) in zip(served.tokens, served.q):
         assert token in ids and sum(probs) == pytest.approx(1.0, abs=1e-4)
+
+
+def test_held_out_rounds_with_lookup_replay_the_served_rule(draft, tiny_target):
+    """``evaluate_feature(lookup_min=...)`` proposes a whole looked-up continuation before the model,
+    as the draft service does: on text that repeats itself the rounds get longer; top-1 agreement,
+    the model's own, does not move."""
+    ids = [5, 6, 7, 8, 9, 10, 5, 6, 7, 8, 9, 10, 5, 6]
+    with torch.inference_mode():
+        out = tiny_target.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)[0].tolist()
+    # A continuation that repeats the prompt's cycle, so lookup finds it (the tiny target's own may not).
+    tokens = ids + [7, 8, 9, 10, 5, 6] * 6
+    references = [Sample(out, len(ids), [], 0.0), Sample(tokens, len(ids), [], 0.0)]
+    feats = [sample_features(tiny_target.model, [s.tokens])[0] for s in references]
+    alone = evaluate_feature(draft, references, feats, k=4)
+    served = evaluate_feature(draft, references, feats, k=4, lookup_min=2)
+    assert served["top1_agreement"] == alone["top1_agreement"]
+    assert served["mean_accepted_length"] > alone["mean_accepted_length"]
+    assert served["mean_accepted_length"] > 2.5  # the repeating reference is drafted by lookup

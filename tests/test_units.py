@@ -12,7 +12,7 @@ from coordinator.backends import CacheRef, ReplicaSet
 from coordinator.prompts import build_turn
 from coordinator.sessions import MemorySessionStore, SessionRecord
 from coordinator.textstream import TextStream
-from specdec.ngram import propose_ngram
+from specdec.ngram import propose_ngram, whole_continuation
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound
 from specdec.kvcache import CacheTable, SessionCache, kv_buffer_bytes
 
@@ -23,6 +23,18 @@ def test_ngram_prefers_longest_most_recent_match():
     assert propose_ngram([1, 2, 3, 4], 3, 3, 1) == []
     assert propose_ngram([5, 6, 5], 4, 3, 1) == [6, 5]
     assert propose_ngram([4], 3, 3, 1) == []
+    # The last-token check skips non-matches only: a match whose last token recurs elsewhere is found.
+    assert propose_ngram([8, 8, 3, 8, 1, 2, 8, 6, 3, 8], 2, 2, 2) == [1, 2]
+
+
+def test_whole_continuation_needs_all_k_tokens_and_a_long_enough_suffix():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert whole_continuation(tokens, 2, 2) == [7, 8]
+    assert whole_continuation(tokens, 3, 2) == [7, 8, 5]
+    assert whole_continuation([5, 6, 7, 5, 6], 3, 2) == [7, 5, 6]
+    assert whole_continuation([5, 6, 7, 5, 6], 4, 2) is None  # fewer than k tokens follow
+    assert whole_continuation(tokens, 2, 3) is None  # no earlier match of a 3-token suffix
+    assert whole_continuation(tokens, 2, 0) is None  # 0 turns lookup off
 
 
 def test_session_cache_matches_uncached_forward(tiny_target):

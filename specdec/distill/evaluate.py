@@ -24,6 +24,7 @@ from draft_service.feature_draft import FeatureDraft, FeatureSession
 from draft_service.token_draft import TokenDraft
 from specdec.distill.collect import Sample
 from specdec.kvcache import SessionCache
+from specdec.ngram import whole_continuation
 
 
 @torch.inference_mode()
@@ -98,12 +99,15 @@ def _summary(correct: int, total: int, rounds: list[int], sequences: int, k: int
 
 
 @torch.inference_mode()
-def evaluate_feature(draft: FeatureDraft, references: list[Sample], features: list[torch.Tensor], k: int = 4) -> dict:
+def evaluate_feature(draft: FeatureDraft, references: list[Sample], features: list[torch.Tensor], k: int = 4,
+                     lookup_min: int = 0) -> dict:
     """Top-1 agreement (teacher-forced on the target's features) and greedy rounds at ``k``.
 
     A feature draft's later proposals read its own predicted features, so rounds cannot be derived
     from teacher-forced matches: they are replayed through ``FeatureSession`` exactly as the draft
-    service runs them, with the target's features arriving for committed tokens only.
+    service runs them, with the target's features arriving for committed tokens only. With
+    ``lookup_min`` > 0 each round first tries prompt lookup, as the draft service serves the draft
+    (``whole_continuation``); top-1 agreement is the model's alone either way.
     """
     draft.eval()
     correct = total = 0
@@ -117,19 +121,20 @@ def evaluate_feature(draft: FeatureDraft, references: list[Sample], features: li
         matches = guess == tokens[0, sample.prompt_len:]
         correct += int(matches.sum())
         total += len(matches)
-        rounds += replay_rounds(draft, sample, feats, k)
+        rounds += replay_rounds(draft, sample, feats, k, lookup_min)
     return _summary(correct, total, rounds, len(references), k)
 
 
-def replay_rounds(draft: FeatureDraft, sample: Sample, feats: torch.Tensor, k: int) -> list[int]:
-    """Accepted counts of greedy rounds at ``k`` along one reference, drafted as the service drafts."""
+def replay_rounds(draft: FeatureDraft, sample: Sample, feats: torch.Tensor, k: int, lookup_min: int = 0) -> list[int]:
+    """Accepted counts of greedy rounds at ``k`` along one reference, drafted as the service drafts
+    (prompt lookup first when ``lookup_min`` > 0)."""
     session = FeatureSession(committed=list(sample.tokens[: sample.prompt_len]))
     session.add_features(0, feats[: sample.prompt_len - 1].float())
     greedy = lambda logits: (int(logits[0].argmax()), None)  # noqa: E731
     out = []
     while len(session.committed) + k < len(sample.tokens):
         n = len(session.committed)
-        proposal, _ = session.propose(draft, k, greedy)
+        proposal = whole_continuation(session.committed, k, lookup_min) or session.propose(draft, k, greedy)[0]
         reference = sample.tokens[n: n + k + 1]
         accepted = 0
         while accepted < k and proposal[accepted] == reference[accepted]:

@@ -13,6 +13,7 @@ from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import FeatureDraftArch, build_feature_draft, save_feature_draft
 from draft_service.token_draft import (CARD_FILE, KIND, TokenDraftArch, build_token_draft, save_token_draft,
                                        target_weights_hash)
+from specdec.config import DraftConfig
 from specdec.distill.collect import CollectPlan, collect, load_shards
 from specdec.distill.config import DistillConfig
 from specdec.distill.evaluate import evaluate, evaluate_feature, ms_per_step
@@ -171,7 +172,10 @@ def _train_feature(config, target, samples, references, extra, head_ids, tconf, 
                      deadline=budget_end, resume=config.resume)
     train_s = time.monotonic() - t_train
     draft.requires_grad_(False)
-    metrics = {"held_out": evaluate_feature(draft, references, ref_features), "held_out_untrained": untrained}
+    metrics = {"held_out": evaluate_feature(draft, references, ref_features), "held_out_untrained": untrained,
+               # As the draft service serves it by default: prompt lookup first.
+               "held_out_with_lookup": evaluate_feature(draft, references, ref_features,
+                                                        lookup_min=DraftConfig.lookup_min)}
     for name, refs in extra.items():
         feats = extract_features(target.model, refs, config.work / f"features-eval-{Path(name).stem}")
         metrics[f"extra:{name}"] = evaluate_feature(draft, refs, feats)
