@@ -243,6 +243,7 @@ class FeatureSession:
         """Crops to ``start`` committed tokens and appends ``new_tokens`` (see ``CacheSync``); refuses a
         caller with an older fencing token than seen."""
         self.fence = check_sync(self.fence, len(self.committed), start, len(new_tokens), fence)
+        self.tail = None  # drafting ahead continues only the proposal just made, before any sync
         old = self.committed
         self.committed = old[:start] + list(new_tokens)
         # The feature at position i depends on tokens 0..i; the pair at i also on token i + 1.

@@ -34,7 +34,7 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
     return []
 
 
-def whole_continuation(tokens: list[int], k: int, min_n: int, max_n: int = LOOKUP_MAX_N) -> list[int] | None:
+def whole_continuation(tokens: list[int], k: int, *, min_n: int, max_n: int = LOOKUP_MAX_N) -> list[int] | None:
     """The k tokens that followed the most recent earlier match of the context's tail (a suffix of
     ``min_n`` to ``max_n`` tokens), or None when no match is followed by a whole k tokens.
 

@@ -29,12 +29,12 @@ def test_ngram_prefers_longest_most_recent_match():
 
 def test_whole_continuation_needs_all_k_tokens_and_a_long_enough_suffix():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    assert whole_continuation(tokens, 2, 2) == [7, 8]
-    assert whole_continuation(tokens, 3, 2) == [7, 8, 5]
-    assert whole_continuation([5, 6, 7, 5, 6], 3, 2) == [7, 5, 6]
-    assert whole_continuation([5, 6, 7, 5, 6], 4, 2) is None  # fewer than k tokens follow
-    assert whole_continuation(tokens, 2, 3) is None  # no earlier match of a 3-token suffix
-    assert whole_continuation(tokens, 2, 0) is None  # 0 turns lookup off
+    assert whole_continuation(tokens, 2, min_n=2) == [7, 8]
+    assert whole_continuation(tokens, 3, min_n=2) == [7, 8, 5]
+    assert whole_continuation([5, 6, 7, 5, 6], 3, min_n=2) == [7, 5, 6]
+    assert whole_continuation([5, 6, 7, 5, 6], 4, min_n=2) is None  # fewer than k tokens follow
+    assert whole_continuation(tokens, 2, min_n=3) is None  # no earlier match of a 3-token suffix
+    assert whole_continuation(tokens, 2, min_n=0) is None  # 0 turns lookup off
 
 
 def test_session_cache_matches_uncached_forward(tiny_target):

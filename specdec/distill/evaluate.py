@@ -134,7 +134,7 @@ def replay_rounds(draft: FeatureDraft, sample: Sample, feats: torch.Tensor, k: i
     out = []
     while len(session.committed) + k < len(sample.tokens):
         n = len(session.committed)
-        proposal = whole_continuation(session.committed, k, lookup_min) or session.propose(draft, k, greedy)[0]
+        proposal = whole_continuation(session.committed, k, min_n=lookup_min) or session.propose(draft, k, greedy)[0]
         reference = sample.tokens[n: n + k + 1]
         accepted = 0
         while accepted < k and proposal[accepted] == reference[accepted]:
