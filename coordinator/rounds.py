@@ -12,7 +12,6 @@ import asyncio
 import logging
 import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -35,7 +34,7 @@ from coordinator.backends import (
 )
 from coordinator.prompts import build_turn
 from coordinator.checkpoints import Checkpoints
-from coordinator.sessions import SessionRecord, SessionStore, TurnState
+from coordinator.sessions import SessionRecord, SessionStore, TurnState, is_session_id, new_session_id
 from coordinator.textstream import TextStream
 from specdec.batching import PassLoad
 from specdec.config import FEATURE_KIND
@@ -234,8 +233,8 @@ class RoundLoop:
 
     async def _load_session(self, session_id: str | None) -> SessionRecord:
         if not session_id:
-            return SessionRecord(session_id=uuid.uuid4().hex)
-        record = await self._store.get(session_id)
+            return SessionRecord(session_id=new_session_id())
+        record = await self._store.get(session_id) if is_session_id(session_id) else None
         if record is None:
             raise SessionNotFound(f"session_id: no session {session_id!r} (unknown or expired)")
         return record

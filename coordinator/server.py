@@ -39,6 +39,7 @@ from coordinator.sessions import SessionStore, StoreUnavailable, open_store
 from specdec.config import MAX_K, CoordinatorConfig
 from specdec.config import FEATURE_KIND
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
+from specdec.sampling_params import check_sampling
 from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 from specdec.rpc import (
     RunningServer,
@@ -56,6 +57,9 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
 # Retry hint sent with a replica's RESOURCE_EXHAUSTED (its KV budget is full of running sessions).
 _BACKEND_RETRY_MS = 1000
+# Stop strings a request may name, and their length: generous for real use, bounded for the loop's sake.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 
 def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> GenerationRequest:
@@ -79,13 +83,11 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
         raise ValueError("max_new_tokens: must be at least 1")
     if request.max_new_tokens > max_context:
         raise ValueError(f"max_new_tokens: {request.max_new_tokens} exceeds the model's context of {max_context}")
-    if not request.temperature >= 0:  # also rejects NaN
-        raise ValueError("temperature: must be >= 0")
-    if request.top_k < 0:
-        raise ValueError("top_k: must be >= 0")
     top_p = request.top_p if request.HasField("top_p") else 1.0
-    if not 0 < top_p <= 1:
-        raise ValueError("top_p: must lie in (0, 1]")
+    check_sampling(request.temperature, request.top_k, top_p)
+    if len(request.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
+        # Every round searches the new text for each of them, on the loop that serves every request.
+        raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
     k = request.k if request.HasField("k") else None
     if k is not None and not 0 <= k <= MAX_K:
         raise ValueError(f"k: must lie in [0, {MAX_K}]")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +27,18 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from coordinator.backends import CacheRef, Fenced
+
+
+def new_session_id() -> str:
+    """A fresh session id: 32 lowercase hex digits."""
+    return uuid.uuid4().hex
+
+
+def is_session_id(text: str) -> bool:
+    """Whether ``text`` has the form ``new_session_id`` gives. Nothing else names a session, so a
+    client's id of any other form is unknown without asking the store (where, say, a session's fence
+    counter sits under its id plus ``:fence``)."""
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
 
 
 class StoreUnavailable(RuntimeError):

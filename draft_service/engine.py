@@ -16,6 +16,7 @@ from draft_service.feature_draft import AheadDraft, DraftTail, FeatureDraft, Fea
 from draft_service.picking import TokenPicker, take_next
 from specdec.ngram import LOOKUP_MAX_N, propose_ngram, whole_continuation
 from specdec.batching import waves
+from specdec.config import MAX_K
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.ragged import RaggedLayout
 from specdec.models import LoadedModel
@@ -89,6 +90,8 @@ class DraftEngine:
         if not tokens:
             raise ValueError("tokens: prefill needs at least one token")
         self._check_tokens(tokens, "tokens")
+        if len(tokens) >= self._facts.max_context:
+            raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._facts.max_context}")
         cache_id, cache = self._caches.create(tokens, fence)
         self._prefill(cache)
         self._caches.fit_budget(cache_id)
@@ -146,6 +149,11 @@ class DraftEngine:
         self._check_tokens(call.new_tokens, "sync.tokens")
         if not 0.0 <= call.min_confidence <= 1.0:
             raise ValueError("min_confidence: must lie in [0, 1]")
+        # Drafting is sequential on the model's one thread: an unbounded k or ahead would hold it for good.
+        if not 0 <= call.k <= MAX_K:
+            raise ValueError(f"k: must lie in [0, {MAX_K}]")
+        if not 0 <= call.ahead <= MAX_K:
+            raise ValueError(f"ahead: must lie in [0, {MAX_K}]")
         cache = self._caches.get(call.cache_id)
         cache.sync(call.start, call.new_tokens, call.fence)
         if call.hidden is not None:

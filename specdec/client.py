@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -154,17 +154,24 @@ def build_request(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int | None = None,
-    stop: list[str] | tuple[str, ...] = (),
+    stop: str | list[str] | tuple[str, ...] = (),
     session_id: str | None = None,
     k: int | None = None,
 ) -> coordinator_pb2.GenerateRequest:
-    """The wire request for a prompt: a ``str`` is plain text, a list of dicts is chat."""
+    """The wire request for a prompt: a ``str`` is plain text, a list of dicts is chat.
+
+    Raises InvalidArgument, naming the field, for what the wire cannot carry (a wrong type, an
+    integer outside its field's range); the coordinator checks the rest. ``stop`` may be one string.
+    """
+    stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    _check_fields(prompt, stop, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, k=k,
+                  temperature=temperature, top_p=top_p)
     request = coordinator_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        stop=list(stop),
+        stop=stop,
         session_id=session_id or "",
     )
     if isinstance(prompt, str):
@@ -178,6 +185,44 @@ def build_request(
     if k is not None:
         request.k = k
     return request
+
+
+# The integer fields of a request and the range of each one's wire type.
+_WIRE_INTS = {
+    "max_new_tokens": (0, 2**32 - 1),
+    "top_k": (-(2**31), 2**31 - 1),
+    "seed": (0, 2**64 - 1),
+    "k": (-(2**31), 2**31 - 1),
+}
+
+
+def _check_fields(prompt: Prompt, stop: tuple, **fields) -> None:
+    """Raises InvalidArgument for a field ``build_request`` could not put on the wire."""
+
+    def invalid(details: str) -> InvalidArgument:
+        return InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, details)
+
+    if not isinstance(prompt, str):
+        if not isinstance(prompt, Sequence) or not all(
+            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt
+        ):
+            raise invalid("prompt: give a string, or a list of {'role': str, 'content': str} messages")
+    if not all(isinstance(s, str) for s in stop):
+        raise invalid("stop: give a string or a list of strings")
+    for name, (lo, hi) in _WIRE_INTS.items():
+        value = fields[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi):
+            raise invalid(f"{name}: must be an integer in [{lo}, {hi}]")
+    for name in ("temperature", "top_p"):
+        if isinstance(fields[name], bool) or not isinstance(fields[name], (int, float)):
+            raise invalid(f"{name}: must be a number")
+
+
+def _attempts(prompt: Prompt, options: dict, retry: RetryPolicy, timeout: float | None,
+              default_timeout: float | None) -> _Attempts:
+    """A new request's attempts; ``timeout`` None takes the client's default (0 is a deadline now)."""
+    return _Attempts(build_request(prompt, **options), retry, default_timeout if timeout is None else timeout)
 
 
 @dataclass(frozen=True)
@@ -306,7 +351,7 @@ class Client:
 
     def complete(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Completion:
         """Generates a whole answer; options are those of ``build_request``."""
-        attempts = _Attempts(build_request(prompt, **options), self._retry, timeout or self._timeout)
+        attempts = _attempts(prompt, options, self._retry, timeout, self._timeout)
         while True:
             try:
                 reply = self._stub().Complete(attempts.request, timeout=attempts.timeout(), metadata=self._metadata)
@@ -316,7 +361,7 @@ class Client:
 
     def stream(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Iterator[Chunk]:
         """Yields chunks as rounds commit tokens; the last carries the finish reason and stats."""
-        attempts = _Attempts(build_request(prompt, **options), self._retry, timeout or self._timeout)
+        attempts = _attempts(prompt, options, self._retry, timeout, self._timeout)
         while True:
             try:
                 for msg in self._stub().Generate(attempts.request, timeout=attempts.timeout(), metadata=self._metadata):
@@ -365,7 +410,7 @@ class AsyncClient:
 
     async def complete(self, prompt: Prompt, *, timeout: float | None = None, **options) -> Completion:
         """Generates a whole answer; options are those of ``build_request``."""
-        attempts = _Attempts(build_request(prompt, **options), self._retry, timeout or self._timeout)
+        attempts = _attempts(prompt, options, self._retry, timeout, self._timeout)
         while True:
             try:
                 reply = await self._stub().Complete(
@@ -377,7 +422,7 @@ class AsyncClient:
 
     async def stream(self, prompt: Prompt, *, timeout: float | None = None, **options) -> AsyncIterator[Chunk]:
         """Yields chunks as rounds commit tokens; the last carries the finish reason and stats."""
-        attempts = _Attempts(build_request(prompt, **options), self._retry, timeout or self._timeout)
+        attempts = _attempts(prompt, options, self._retry, timeout, self._timeout)
         while True:
             try:
                 async for msg in self._stub().Generate(

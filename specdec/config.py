@@ -265,5 +265,5 @@ class CoordinatorConfig:
             raise ValueError("the discovery interval must be positive")
         if self.free_lookup_min < 0:
             raise ValueError("free_lookup_min: must be 0 (off) or a suffix length of at least 1")
-        if self.draft_ahead < 0:
-            raise ValueError("draft_ahead: must be 0 (off) or a number of tokens")
+        if not 0 <= self.draft_ahead <= MAX_K:
+            raise ValueError(f"draft_ahead: must be 0 (off) or a number of tokens up to {MAX_K}")

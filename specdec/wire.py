@@ -4,7 +4,7 @@ the coordinator uses them too; hidden states convert in ``specdec.hidden_wire``)
 from __future__ import annotations
 
 from specdec.batching import PassLoad
-from specdec.sampling_params import Sampling
+from specdec.sampling_params import Sampling, check_sampling
 from specdec.v1 import common_pb2, target_pb2
 from specdec.vocab import ModelFacts
 
@@ -12,12 +12,7 @@ from specdec.vocab import ModelFacts
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
     """Core sampling settings from the wire; top_p 0 (unset) reads as 1 (off)."""
     top_p = msg.top_p if msg.top_p > 0 else 1.0
-    if msg.temperature < 0:
-        raise ValueError("sampling.temperature must be >= 0")
-    if msg.top_k < 0:
-        raise ValueError("sampling.top_k must be >= 0")
-    if top_p > 1:
-        raise ValueError("sampling.top_p must lie in (0, 1]")
+    check_sampling(msg.temperature, msg.top_k, top_p, "sampling.")
     return Sampling(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed)
 
 

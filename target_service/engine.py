@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.batching import PassLoad, waves
+from specdec.config import MAX_K
 from specdec.errors import CacheBudgetExceeded
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel
@@ -241,6 +242,8 @@ class TargetEngine:
         if call.feed_rows:
             return self._prepare_feed(index, call)
         self._check_tokens(call.draft_tokens, "draft_tokens")
+        if len(call.draft_tokens) > MAX_K:
+            raise ValueError(f"draft_tokens: at most {MAX_K} per round, got {len(call.draft_tokens)}")
         if not call.sampling.greedy:
             if len(call.q) != len(call.draft_tokens):
                 raise ValueError(
@@ -273,8 +276,9 @@ class TargetEngine:
         cache.sync(call.start, call.new_tokens, call.fence)
         return cache
 
-    def _run_pass(self, batch: list[_Prepared]) -> list[tuple[int, VerifyOutcome]]:
-        """One forward pass over every prepared call, then each call's acceptance decision."""
+    def _run_pass(self, batch: list[_Prepared]) -> list[tuple[int, VerifyOutcome | Exception]]:
+        """One forward pass over every prepared call, then each call's acceptance decision (or the
+        error deciding it raised)."""
         model = self._loaded.model
         t0 = time.perf_counter()
         # A lone session takes the ragged path too: its plain layer loop skips transformers' generic
@@ -323,20 +327,26 @@ class TargetEngine:
                 rows_out = HiddenRows(start, item_hidden) if call.with_hidden else None
                 outcomes.append((p, VerifyOutcome(0, [], len(cache.committed), rows_out)))
                 continue
-            if call.sampling.greedy:
-                verdict = verify_greedy(item_logits, call.draft_tokens)
-            else:
-                verdict = self._verify_sampled(item_logits, call.draft_tokens, call.q, call.sampling, call.round_index)
+            try:
+                if call.sampling.greedy:
+                    verdict = verify_greedy(item_logits, call.draft_tokens)
+                else:
+                    verdict = self._verify_sampled(item_logits, call.draft_tokens, call.q, call.sampling,
+                                                   call.round_index)
+            except Exception as exc:  # noqa: BLE001 - one session's verdict never fails the others in its pass
+                cache.trim()  # the draft rows this pass cached follow no committed token
+                outcomes.append((p, exc))
+                continue
             cache.committed.extend(verdict.tokens)
             cache.trim()
             rows_out = None
             if call.with_hidden:  # keep fed positions that were committed; the newest token is fed next round
                 rows_out = HiddenRows(start, item_hidden[: len(cache.committed) - 1 - start])
             outcomes.append((p, VerifyOutcome(verdict.accepted, verdict.tokens, len(cache.committed), rows_out)))
-        committed_all = sum(len(o.tokens) for _, o in outcomes)
+        committed_all = sum(len(o.tokens) for _, o in outcomes if not isinstance(o, Exception))
         alone = self._costs.curve(0, self._curve_rows)
         return [
-            (p.index, replace(o, load=PassLoad(
+            (p.index, o if isinstance(o, Exception) else replace(o, load=PassLoad(
                 sessions=len(batch),
                 rows=rows,
                 others_committed=committed_all - len(o.tokens),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -26,7 +27,7 @@ from specdec.kvcache import HiddenRows, SessionCache, kv_buffer_bytes
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import Sampling
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from target_service.engine import PREFILL_HIDDEN_ROWS, TargetEngine, VerifyCall, feed_call, newest_hidden
+from target_service.engine import PREFILL_HIDDEN_ROWS, SparseQ, TargetEngine, VerifyCall, feed_call, newest_hidden
 from target_service.server import TargetServicer
 from target_service.pass_costs import PassCosts
 
@@ -99,6 +100,25 @@ def test_verify_batch_equals_separate_verifies(tiny_target):
         torch.testing.assert_close(got.hidden.rows, want.hidden.rows, atol=1e-4, rtol=1e-4)
         assert got.load.sessions == len(PROMPTS) and got.load.rows == sum(len(d) + 1 for d in DRAFTS)
         assert got.load.others_committed == sum(len(r.tokens) for r in results) - len(got.tokens)
+
+
+def test_a_verdict_that_fails_fails_only_its_own_call_in_the_pass(tiny_target):
+    """A temperature past float32 (the services refuse one at the edge) makes one session's sampled
+    verdict fail after the shared pass; the others' verdicts stand, and the failed session's cache
+    answers its next round as a fresh one would."""
+    engine, alone = TargetEngine(tiny_target, 16), TargetEngine(tiny_target, 16)
+    calls = _calls(engine, PROMPTS, DRAFTS, Sampling())
+    bad = replace(calls[2], sampling=Sampling(temperature=1e-40, seed=1), q=[SparseQ([t], [1.0]) for t in DRAFTS[2]])
+    results = engine.verify_batch([calls[0], calls[1], bad, calls[3]])
+    assert engine.passes == 1
+    assert isinstance(results[2], Exception)
+    wanted = alone.verify_batch(_calls(alone, PROMPTS, DRAFTS, Sampling()))
+    for i in (0, 1, 3):
+        assert (results[i].accepted, results[i].tokens) == (wanted[i].accepted, wanted[i].tokens)
+    alone = TargetEngine(tiny_target, 16)
+    again = engine.verify_batch([calls[2]])[0]
+    fresh = alone.verify_batch([_calls(alone, [PROMPTS[2]], [DRAFTS[2]], Sampling())[0]])[0]
+    assert (again.accepted, again.tokens, again.committed) == (fresh.accepted, fresh.tokens, fresh.committed)
 
 
 def test_a_deferred_prefill_is_fed_by_its_sessions_first_verify_pass(tiny_target):

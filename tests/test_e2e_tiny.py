@@ -239,6 +239,10 @@ BAD = [
     (dict(max_new_tokens=0), "max_new_tokens"),
     (dict(max_new_tokens=10_000), "max_new_tokens"),
     (dict(temperature=-0.5), "temperature"),
+    (dict(temperature=1e-40), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(stop=["w2"] * 17), "stop"),
+    (dict(stop=["w2 " * 100]), "stop"),
     (dict(top_p=1.5), "top_p"),
     (dict(top_p=-0.1), "top_p"),
     (dict(top_p=0.0), "top_p"),
@@ -263,6 +267,11 @@ def test_bad_input_is_invalid_argument(client, overrides, field):
 def test_unknown_session_is_not_found(client):
     with pytest.raises(SessionNotFound, match="session_id"):
         client.complete("w1", max_new_tokens=3, session_id="no-such-session")
+    # Beside a session's record, Redis holds its fence counter under the id plus ":fence".
+    session = client.complete("w1", max_new_tokens=2).session_id
+    with pytest.raises(SessionNotFound, match="session_id"):
+        client.complete("w1", max_new_tokens=3, session_id=session + ":fence")
+    assert client.complete("w2", max_new_tokens=2, session_id=session).session_id == session
 
 
 def test_garbled_and_oversized_messages(stack, client):

@@ -172,6 +172,51 @@ def test_service_fields(stack, service):
         run()
 
 
+def _verify(cache_id: str, drafts: list[int], temperature: float) -> target_pb2.VerifyRequest:
+    """A round on the cache prefilled with [3, 4, 5]; a sampled one carries a point-mass q per draft token."""
+    q = [draft_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in drafts] if temperature else []
+    return target_pb2.VerifyRequest(sync=common_pb2.CacheSync(cache_id=cache_id, start=3), draft_tokens=drafts, q=q,
+                                    sampling=common_pb2.SamplingParams(temperature=temperature, seed=1))
+
+
+def _propose(cache_id: str, k: int, temperature: float = 0.0, ahead: int = 0) -> draft_pb2.ProposeRequest:
+    return draft_pb2.ProposeRequest(sync=common_pb2.CacheSync(cache_id=cache_id, start=3), k=k, ahead=ahead,
+                                    sampling=common_pb2.SamplingParams(temperature=temperature, seed=1))
+
+
+# Requests the fuzzer seldom draws that once got INTERNAL (a temperature whose logits overflow float32)
+# or held a service's model thread (an unbounded k, drafting ahead or prompt): each is refused up front,
+# naming its field.
+LIMITS = {
+    "tiny temperature": ("target", "Verify", lambda c: _verify(c, [6, 7], 1e-40), "sampling.temperature"),
+    "infinite temperature": ("target", "Verify", lambda c: _verify(c, [6], float("inf")), "sampling.temperature"),
+    "33 draft tokens": ("target", "Verify", lambda c: _verify(c, [6] * 33, 0.0), "draft_tokens"),
+    "huge k": ("draft", "Propose", lambda c: _propose(c, 2**32 - 1), "k"),
+    "huge ahead": ("draft", "Propose", lambda c: _propose(c, 2, ahead=2**32 - 1), "ahead"),
+    "NaN temperature": ("draft", "Propose", lambda c: _propose(c, 2, float("nan")), "sampling.temperature"),
+    "prompt past the context": ("draft", "Prefill", lambda c: common_pb2.PrefillRequest(tokens=[3] * 256), "tokens"),
+}
+
+
+@pytest.mark.parametrize("case", list(LIMITS))
+def test_requests_past_a_services_limits_are_invalid_argument(stack, case):
+    service, method, build, field = LIMITS[case]
+    name = ROUND_METHODS[service][0]
+    address = stack.target_address if service == "target" else stack.draft_address
+    with grpc.insecure_channel(address) as channel:
+        prefill = common_pb2.PrefillRequest(tokens=[3, 4, 5]).SerializeToString()
+        cache_id = common_pb2.PrefillReply.FromString(
+            channel.unary_unary(f"/specdec.v1.{name}/Prefill")(prefill, timeout=10)
+        ).cache_id
+        with pytest.raises(grpc.RpcError) as err:
+            channel.unary_unary(f"/specdec.v1.{name}/{method}")(build(cache_id).SerializeToString(), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field), \
+            err.value.details()
+        # The session is intact: a valid round on it still succeeds.
+        good = _verify(cache_id, [6], 0.0) if service == "target" else _propose(cache_id, 2)
+        channel.unary_unary(f"/specdec.v1.{name}/{ROUND_METHODS[service][1]}")(good.SerializeToString(), timeout=10)
+
+
 METHODS = [
     ("coordinator", "/specdec.v1.Coordinator/Generate"),
     ("coordinator", "/specdec.v1.Coordinator/Complete"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import pytest
 import torch
 
@@ -15,6 +16,10 @@ from coordinator.textstream import TextStream
 from specdec.ngram import propose_ngram, whole_continuation
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound
 from specdec.kvcache import CacheTable, SessionCache, kv_buffer_bytes
+from specdec.client import InvalidArgument, build_request
+from specdec.sampling import Sampling, warp_probs
+from specdec.sampling_params import check_sampling
+from specdec.v1 import common_pb2
 
 
 def test_ngram_prefers_longest_most_recent_match():
@@ -198,3 +203,39 @@ def test_cache_table_drops_idle_caches():
     assert len(table) == 1 and table.get(fresh)
     time.sleep(0.3)
     assert table.expire_idle() == 1 and len(table) == 0
+
+
+@pytest.mark.parametrize("prompt,options,field", [
+    ([{"role": "user"}], {}, "prompt"),
+    (b"bytes", {}, "prompt"),
+    ("hi", {"max_new_tokens": -1}, "max_new_tokens"),
+    ("hi", {"top_k": 2**31}, "top_k"),
+    ("hi", {"seed": -1}, "seed"),
+    ("hi", {"k": True}, "k"),
+    ("hi", {"temperature": "hot"}, "temperature"),
+    ("hi", {"stop": ["\n", 3]}, "stop"),
+])
+def test_sdk_refuses_what_the_wire_cannot_carry_naming_the_field(prompt, options, field):
+    with pytest.raises(InvalidArgument) as err:
+        build_request(prompt, **options)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT and err.value.details.startswith(field)
+
+
+def test_sdk_takes_one_stop_string_as_one_not_as_characters():
+    assert list(build_request("hi", stop="\n\n").stop) == ["\n\n"]
+    assert list(build_request("hi", stop=("a", "b")).stop) == ["a", "b"]
+
+
+@pytest.mark.parametrize("temperature,ok", [(0.0, True), (1e-4, True), (0.7, True), (1e-5, False), (-1.0, False),
+                                            (float("nan"), False), (float("inf"), False)])
+def test_check_sampling_takes_greedy_or_a_temperature_float32_can_divide_by(temperature, ok):
+    # 1e-4 as the wire's float32 holds it lies just below 1e-4 and must still pass.
+    wire = common_pb2.SamplingParams(temperature=temperature).temperature
+    if ok:
+        check_sampling(wire, 0, 1.0)
+        logits = torch.tensor([[30.0, -30.0, 0.0]])
+        if wire:
+            assert torch.isfinite(warp_probs(logits, Sampling(temperature=wire, top_k=2))).all()
+    else:
+        with pytest.raises(ValueError, match="^temperature"):
+            check_sampling(wire, 0, 1.0)
