@@ -27,6 +27,8 @@ class Checkpoints:
         self._task: asyncio.Task | None = None
         # Set when a newer turn took the session: the turn that owns these checkpoints must stop.
         self.fenced: Fenced | None = None
+        # Set while the latest write failed (the store unreachable); a later successful one clears it.
+        self._unwritten: StoreUnavailable | None = None
 
     def submit(self, record: SessionRecord) -> None:
         """Queues a snapshot of ``record``: its lists are copied now, so later rounds cannot change
@@ -42,13 +44,20 @@ class Checkpoints:
             record, self._pending = self._pending, None
             try:
                 await self._store.put(record)
+                self._unwritten = None
             except Fenced as exc:
                 self.fenced = exc
             except StoreUnavailable as exc:
                 # The stream goes on; the next round's checkpoint tries again.
+                self._unwritten = exc
                 log.warning("checkpoint of session %s skipped: %s", record.session_id, exc)
 
-    async def flush(self) -> None:
-        """Waits for the write in flight, if any."""
+    async def flush(self, must_write: bool = False) -> None:
+        """Waits for the write in flight, if any; raises Fenced when a newer turn took the session,
+        and with ``must_write`` StoreUnavailable when the latest record could not be written."""
         if self._task is not None:
             await asyncio.shield(self._task)
+        if self.fenced is not None:
+            raise self.fenced
+        if must_write and self._unwritten is not None:
+            raise self._unwritten

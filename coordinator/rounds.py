@@ -34,7 +34,14 @@ from coordinator.backends import (
 )
 from coordinator.prompts import build_turn
 from coordinator.checkpoints import Checkpoints
-from coordinator.sessions import SessionRecord, SessionStore, TurnState, is_session_id, new_session_id
+from coordinator.sessions import (
+    SessionRecord,
+    SessionStore,
+    StoreUnavailable,
+    TurnState,
+    is_session_id,
+    new_session_id,
+)
 from coordinator.textstream import TextStream
 from specdec.batching import PassLoad
 from specdec.config import FEATURE_KIND
@@ -231,18 +238,18 @@ class RoundLoop:
         """``close`` awaits ``stop()`` first (a discovery task that adds and retires replicas)."""
         self._stoppers.append(stop)
 
-    async def _load_session(self, session_id: str | None) -> SessionRecord:
+    async def _load_session(self, session_id: str | None, new_id: str) -> SessionRecord:
         if not session_id:
-            return SessionRecord(session_id=new_session_id())
+            return SessionRecord(session_id=new_id)
         record = await self._store.get(session_id) if is_session_id(session_id) else None
         if record is None:
             raise SessionNotFound(f"session_id: no session {session_id!r} (unknown or expired)")
         return record
 
-    async def _begin_turn(self, request: GenerationRequest) -> tuple[SessionRecord, bool]:
+    async def _begin_turn(self, request: GenerationRequest, new_id: str) -> tuple[SessionRecord, bool]:
         """The session's record with this request's turn in ``record.turn``, and whether the turn is
         resumed (it ran before, on this or another coordinator). The turn takes the session's lease."""
-        record = await self._load_session(request.session_id)
+        record = await self._load_session(request.session_id, new_id)
         if request.resume is not None:
             if record.turn is not None and record.turn.fingerprint == request.fingerprint:
                 await self._claim(request, record)
@@ -292,6 +299,30 @@ class RoundLoop:
         A resumed request continues its turn from the latest checkpoint and streams only what its
         client has not received.
         """
+        new_id = new_session_id()  # the session's id, unless the request continues one
+        streamed = False
+        try:
+            async for chunk in self._generate(request, remaining_s, new_id):
+                streamed = True
+                yield chunk
+        except BaseException:
+            if not request.session_id and not streamed:
+                # A new session's id reaches its client only with a chunk: this one can never be
+                # continued, so it must not count against the client's session limit until it expires.
+                await self._unclaim(request, new_id)
+            raise
+
+    async def _unclaim(self, request: GenerationRequest, session_id: str) -> None:
+        if not (self._max_sessions_per_client and request.client):
+            return
+        try:
+            await asyncio.shield(self._store.unclaim(request.client, session_id))
+        except StoreUnavailable as exc:  # the claim expires with the session's TTL instead
+            log.warning("session %s still counts for its client until it expires: %s", session_id, exc)
+
+    async def _generate(
+        self, request: GenerationRequest, remaining_s: Callable[[], float | None], new_id: str
+    ) -> AsyncIterator[Chunk]:
         started = time.perf_counter()
         running = self._metrics.running() if self._metrics is not None else nullcontext()
         with (
@@ -299,7 +330,7 @@ class RoundLoop:
             running,
             _Holding(self._drafts, self._targets) as holding,
         ):
-            record, resumed = await self._begin_turn(request)
+            record, resumed = await self._begin_turn(request, new_id)
             turn = record.turn
             committed = record.tokens
             draft_ref, target_ref = record.draft, record.target
@@ -382,9 +413,9 @@ class RoundLoop:
                 record.messages = [*turn.messages, {"role": "assistant", "content": text.text}]
             turn.finish = finish
             self._checkpoint(checkpoints, record, draft_ref, target_ref, stats)
-            await checkpoints.flush()
-            if checkpoints.fenced is not None:
-                raise checkpoints.fenced
+            # No later round would repair a lost last record, and the session's next turn starts
+            # from it: a store that stays unreachable fails the request, whose client resumes it.
+            await checkpoints.flush(must_write=True)
             stats.total_ms = (time.perf_counter() - started) * 1000
             if self._metrics is not None:
                 first_s = stats.time_to_first_token_ms / 1000 if stats.time_to_first_token_ms else None

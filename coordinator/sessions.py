@@ -118,6 +118,9 @@ class SessionStore(Protocol):
         """Counts ``session_id`` among ``client``'s live sessions (those used within the TTL) unless
         that would make more than ``limit``; returns whether it is counted."""
 
+    async def unclaim(self, client: str, session_id: str) -> None:
+        """Stops counting ``session_id`` among ``client``'s live sessions."""
+
     async def delete(self, session_id: str) -> None:
         """Forgets a session."""
 
@@ -198,9 +201,14 @@ class RedisSessionStore:
 
     async def claim(self, client: str, session_id: str, limit: int) -> bool:
         now = time.time()
-        key = self._prefix.replace("session:", "client:") + client
         args = [session_id, now, now + self._ttl_s, limit, self._ttl_s]
-        return bool(await self._do(self._claim(keys=[key], args=args)))
+        return bool(await self._do(self._claim(keys=[self._client_key(client)], args=args)))
+
+    def _client_key(self, client: str) -> str:
+        return self._prefix.replace("session:", "client:") + client
+
+    async def unclaim(self, client: str, session_id: str) -> None:
+        await self._do(self._redis.zrem(self._client_key(client), session_id))
 
     async def delete(self, session_id: str) -> None:
         await self._do(self._redis.delete(self._prefix + session_id, self._prefix + session_id + ":fence"))
@@ -249,6 +257,9 @@ class MemorySessionStore:
         live[session_id] = now + self._ttl_s
         self._clients[client] = live
         return True
+
+    async def unclaim(self, client: str, session_id: str) -> None:
+        self._clients.get(client, {}).pop(session_id, None)
 
     async def delete(self, session_id: str) -> None:
         self._records.pop(session_id, None)

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import redis
 
 from coordinator.admission import Admission, Overloaded
 from coordinator.rounds import Chunk, Stats
@@ -16,7 +17,7 @@ from coordinator.sessions import MemorySessionStore, RedisSessionStore
 from draft_service.engine import ModelDrafter
 from harness import InProcessStack
 from specdec import Client
-from specdec.client import ResourceExhausted
+from specdec.client import ResourceExhausted, RetryPolicy, Unavailable
 from specdec.config import AdmissionLimits, ServerConfig
 from specdec.rpc import start_server
 from target_service.engine import TargetEngine
@@ -168,5 +169,24 @@ def test_sessions_per_client_over_grpc(tiny_target, tiny_draft, tiny_dir, redis_
             assert client.complete("w7", max_new_tokens=2, session_id=first.session_id).session_id == first.session_id
         with Client(stack.address, timeout=30, client_id=f"someone-else-{time.time()}") as other:
             assert other.complete("w1 w2", max_new_tokens=2).token_ids
+    finally:
+        stack.close()
+
+
+def test_a_new_session_that_never_streamed_does_not_count_for_its_client(tiny_target, tiny_draft, tiny_dir,
+                                                                         redis_url):
+    """A new session's id reaches its client only with a chunk. When the request fails before one (here
+    the target is unreachable), the session can never be continued, so it leaves the client's session
+    limit as it was: the SDK's retries end UNAVAILABLE, not "too many live sessions"."""
+    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
+                           redis_url)
+    stack.start(admission=AdmissionLimits(max_sessions_per_client=1))
+    client_id = f"unreached-{time.time()}"
+    try:
+        stack.run(stack._servers[0].stop(0))  # the target
+        with Client(stack.address, timeout=30, client_id=client_id, retry=RetryPolicy(attempts=3, backoff_s=0.05)) as c:
+            with pytest.raises(Unavailable, match="target"):
+                c.complete("w1 w2", max_new_tokens=2)
+        assert redis.Redis.from_url(redis_url).zcard(f"specdec:client:id:{client_id}") == 0
     finally:
         stack.close()

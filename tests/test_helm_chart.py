@@ -448,6 +448,32 @@ def test_notes_tell_how_to_reach_the_coordinator(case):
     assert ("16686:16686" in notes) == case["merged"]["jaeger"]["enabled"]
 
 
+def test_default_values_serve_what_the_cli_serves_by_default(chart):
+    """Out of the box: the feature draft and k chosen per round (a fixed k would turn off adaptive k,
+    free prompt lookup and the confidence cut-off), as `specdec up` runs them."""
+    _, objects = render(chart, {})
+    parser = specdec_parser()
+    coordinator = parser.parse_args(container(role_workload(objects, "coordinator"))["args"])
+    draft = parser.parse_args(container(role_workload(objects, "draft"))["args"])
+    defaults = parser.parse_args(["up"])
+    assert coordinator.default_k is None and defaults.default_k is None
+    assert draft.kind == defaults.draft_kind == "feature"
+    _, objects = render(chart, {"coordinator": {"defaultK": 3}})
+    assert parser.parse_args(container(role_workload(objects, "coordinator"))["args"]).default_k == 3
+
+
+def test_large_integer_values_render_as_integers(chart):
+    """Helm reads numbers from values as floats: a million would render as 1e+06, which an int flag
+    refuses, and the pod would crash at start."""
+    values = {"coordinator": {"sessionTtlSeconds": 2592000, "admission": {"maxQueued": 1000000}},
+              "target": {"maxSessions": 1000000}}
+    _, objects = render(chart, values)
+    parser = specdec_parser()
+    coordinator = parser.parse_args(container(role_workload(objects, "coordinator"))["args"])
+    target = parser.parse_args(container(role_workload(objects, "target"))["args"])
+    assert (coordinator.session_ttl, coordinator.max_queued, target.max_sessions) == (2592000, 1000000, 1000000)
+
+
 # --- values that must be refused ---------------------------------------------------------------
 
 
@@ -458,6 +484,8 @@ def test_notes_tell_how_to_reach_the_coordinator(case):
     {"target": {"gpusPerPod": -1}},
     {"draft": {"gpus": "1"}},
     {"draft": {"kind": "eagle"}},
+    {"coordinator": {"defaultK": "adaptive"}},
+    {"coordinator": {"defaultK": 33}},
     {"model": {"source": "s3"}},
     {"redis": {"enabled": "yes"}},
     {"coordinator": {"port": 70000}},

@@ -11,7 +11,8 @@ import torch
 
 from coordinator.backends import CacheRef, ReplicaSet
 from coordinator.prompts import build_turn
-from coordinator.sessions import MemorySessionStore, SessionRecord
+from coordinator.checkpoints import Checkpoints
+from coordinator.sessions import MemorySessionStore, SessionRecord, StoreUnavailable
 from coordinator.textstream import TextStream
 from specdec.ngram import propose_ngram, whole_continuation
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound
@@ -239,3 +240,30 @@ def test_check_sampling_takes_greedy_or_a_temperature_float32_can_divide_by(temp
     else:
         with pytest.raises(ValueError, match="^temperature"):
             check_sampling(wire, 0, 1.0)
+
+
+def test_checkpoints_report_a_last_record_the_store_did_not_take():
+    """A round's checkpoint may be skipped (the next one carries its progress); the turn's last one
+    may not, and ``flush(must_write=True)`` says so. A later successful write clears the failure."""
+
+    class FlakyStore(MemorySessionStore):
+        down = True
+
+        async def put(self, record):
+            if self.down:
+                raise StoreUnavailable("redis is restarting")
+            await super().put(record)
+
+    async def scenario():
+        store = FlakyStore(60)
+        checkpoints = Checkpoints(store)
+        checkpoints.submit(SessionRecord("s1", tokens=[1]))
+        await checkpoints.flush()  # a round's checkpoint: skipped quietly
+        with pytest.raises(StoreUnavailable):
+            await checkpoints.flush(must_write=True)
+        store.down = False
+        checkpoints.submit(SessionRecord("s1", tokens=[1, 2]))
+        await checkpoints.flush(must_write=True)
+        assert (await store.get("s1")).tokens == [1, 2]
+
+    asyncio.run(scenario())
