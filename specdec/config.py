@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,12 @@ class ModelConfig:
     cache_idle_s: float = 3600.0
     # Prepack linear weights for oneDNN: a verify pass over k+1 tokens then costs about one step.
     pack: bool = True
+    # The torch device the model computes on: "cpu", or "cuda" / "cuda:N" (the target service only).
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device: {self.device!r} is not cpu, cuda or cuda:N")
 
     def cache_limits(self) -> dict[str, float]:
         """The session cache bounds beyond ``max_sessions``, as engine keyword arguments."""
@@ -135,6 +142,11 @@ class TargetConfig:
     # up to max_batch_rows - 1 of its tokens.
     prefill_chunk: int = 128
     tp: TensorParallelConfig = TensorParallelConfig()
+
+    def __post_init__(self) -> None:
+        if self.tp.world_size > 1 and self.model.device != "cpu":
+            raise ValueError("device: tensor-parallel ranks compute on CPU tensors (gloo); a sharded target "
+                             "takes --device cpu")
 
 
 @dataclass(frozen=True)

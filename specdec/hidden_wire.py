@@ -10,7 +10,7 @@ from specdec.v1 import common_pb2
 
 def hidden_to_pb(hidden: HiddenRows) -> common_pb2.HiddenStates:
     """Wire form of hidden states: fp16 bytes, row-major."""
-    rows = hidden.rows.detach().to(torch.float16).contiguous()  # [n, D]
+    rows = hidden.rows.detach().to(torch.float16).cpu().contiguous()  # [n, D]
     return common_pb2.HiddenStates(start=hidden.start, dim=rows.shape[1], fp16=rows.numpy().tobytes())
 
 

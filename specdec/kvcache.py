@@ -165,7 +165,7 @@ class SessionCache:
         KV cache.
         """
         fed = self.pending() + list(extra)
-        input_ids = torch.tensor([fed], dtype=torch.long)  # [1, n]
+        input_ids = torch.tensor([fed], dtype=torch.long, device=model.device)  # [1, n]
         out = model(input_ids=input_ids, cache=self.kv, use_cache=True, logits_to_keep=logits_to_keep)
         self.kv_tokens.extend(fed)
         return out.logits[0].float()  # [logits_to_keep, V]
@@ -180,7 +180,7 @@ class SessionCache:
         """
         start = len(self.kv_tokens)
         fed = self.pending() + list(extra)
-        input_ids = torch.tensor([fed], dtype=torch.long)  # [1, n]
+        input_ids = torch.tensor([fed], dtype=torch.long, device=model.device)  # [1, n]
         hidden = model.get_decoder()(input_ids=input_ids, cache=self.kv, use_cache=True).last_hidden_state[0]  # [n, D]
         logits = model.get_output_embeddings()(hidden[-logits_to_keep:])  # [logits_to_keep, V]
         self.kv_tokens.extend(fed)
@@ -196,7 +196,7 @@ class SessionCache:
             return HiddenRows(0, torch.zeros(0, model.config.hidden_size)) if with_hidden else None
         if with_hidden:
             start = len(self.kv_tokens)
-            input_ids = torch.tensor([self.committed[:-1]], dtype=torch.long)  # [1, n]
+            input_ids = torch.tensor([self.committed[:-1]], dtype=torch.long, device=model.device)  # [1, n]
             hidden = model.get_decoder()(input_ids=input_ids, cache=self.kv, use_cache=True).last_hidden_state[0]
             self.kv_tokens.extend(self.committed[:-1])
             return HiddenRows(start, hidden)  # [n, D]
@@ -205,7 +205,7 @@ class SessionCache:
 
     def forward_without_logits(self, model: PreTrainedModel, tokens: list[int]) -> None:
         """Feeds tokens into the KV cache, computing as few logits as the model allows."""
-        input_ids = torch.tensor([tokens], dtype=torch.long)  # [1, n]
+        input_ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # [1, n]
         model(input_ids=input_ids, cache=self.kv, use_cache=True, logits_to_keep=1)
         self.kv_tokens.extend(tokens)
 

@@ -114,10 +114,12 @@ def eos_ids(model: PreTrainedModel, tokenizer) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32, pack: bool = False) -> LoadedModel:
-    """Loads a Hugging Face causal LM (folder or GGUF file) for inference.
+def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32, pack: bool = False,
+               device: str = "cpu") -> LoadedModel:
+    """Loads a Hugging Face causal LM (folder or GGUF file) for inference on ``device``.
 
-    ``pack`` swaps its linear layers for oneDNN-prepacked ones (see ``specdec.packed_linear``).
+    ``pack`` swaps its linear layers for oneDNN-prepacked ones (see ``specdec.packed_linear``), on a
+    CPU only.
     """
     path = resolve_model_path(spec, cache_dir)
     if path.suffix == ".gguf":
@@ -125,7 +127,9 @@ def load_model(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32, p
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
-    if pack:
+    if device != "cpu":
+        model.to(device)
+    elif pack:
         pack_linears(model)
     tokenizer = load_tokenizer(path)
     return LoadedModel(

@@ -59,12 +59,12 @@ class RaggedItem:
     logits_to_keep: int
 
 
-def _causal_mask(fed: int, past: int) -> torch.Tensor | None:
+def _causal_mask(fed: int, past: int, device: torch.device | str) -> torch.Tensor | None:
     """``[fed, past + fed]`` bool mask letting each new token see the cache and the new tokens before it."""
     if fed == 1:
         return None  # one query sees every key
-    keys = torch.arange(past + fed)
-    queries = past + torch.arange(fed)
+    keys = torch.arange(past + fed, device=device)
+    queries = past + torch.arange(fed, device=device)
     return keys[None, :] <= queries[:, None]
 
 
@@ -77,8 +77,10 @@ class RaggedLayout:
     positions: torch.Tensor  # [N] absolute position of every row
 
     @classmethod
-    def of(cls, lengths: list[int], pasts: list[int], starts: list[int] | None = None) -> RaggedLayout:
-        """The layout of sessions feeding ``lengths`` rows on top of ``pasts`` cached entries.
+    def of(cls, lengths: list[int], pasts: list[int], starts: list[int] | None = None,
+           device: torch.device | str = "cpu") -> RaggedLayout:
+        """The layout of sessions feeding ``lengths`` rows on top of ``pasts`` cached entries, its
+        tensors on the model's ``device``.
 
         ``starts`` are the rows' first positions when they differ from the cache length (a cache that
         holds only a window of the sequence); by default each session's rows follow its cache.
@@ -87,8 +89,8 @@ class RaggedLayout:
         for n in lengths:
             bounds.append(bounds[-1] + n)
         starts = pasts if starts is None else starts
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
-        return cls(bounds, [_causal_mask(n, p) for n, p in zip(lengths, pasts)], positions)
+        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])
+        return cls(bounds, [_causal_mask(n, p, device) for n, p in zip(lengths, pasts)], positions)
 
 
 def ragged_decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[Cache],
@@ -125,8 +127,10 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
     exactly as a single-session forward would grow them.
     """
     decoder = model.get_decoder()
-    layout = RaggedLayout.of([len(item.tokens) for item in items], [item.cache.get_seq_length() for item in items])
-    input_ids = torch.tensor([t for item in items for t in item.tokens], dtype=torch.long)  # [N]
+    device = model.device
+    layout = RaggedLayout.of([len(item.tokens) for item in items], [item.cache.get_seq_length() for item in items],
+                             device=device)
+    input_ids = torch.tensor([t for item in items for t in item.tokens], dtype=torch.long, device=device)  # [N]
     caches = [item.cache for item in items]
 
     x = decoder.embed_tokens(input_ids)  # [N, D]
@@ -136,7 +140,7 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
     hidden = decoder.norm(x)  # [N, D]
 
     bounds = layout.bounds
-    keep = torch.cat([torch.arange(hi - item.logits_to_keep, hi) for item, hi in zip(items, bounds[1:])])
+    keep = torch.cat([torch.arange(hi - item.logits_to_keep, hi, device=device) for item, hi in zip(items, bounds[1:])])
     logits = model.get_output_embeddings()(hidden[keep]).float()  # [sum keep, V]
     per_item_logits = list(torch.split(logits, [item.logits_to_keep for item in items]))
     per_item_hidden = [hidden[lo:hi] for lo, hi in itertools.pairwise(bounds)]

@@ -305,6 +305,8 @@ class TargetEngine:
                     hidden.append(None)
                     starts.append(0)
                 logits.append(item_logits)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)  # the pass's kernels run asynchronously: time all of them
         pass_ms = (time.perf_counter() - t0) * 1000
         rows = sum(len(p.fed) for p in batch)
         # A pass that also fed a deferred prompt is a prefill's cost, not a verify's: the curve the
@@ -362,7 +364,8 @@ class TargetEngine:
         self, logits: torch.Tensor, draft_tokens: list[int], q: list[SparseQ], sampling: Sampling, round_index: int
     ) -> Verdict:
         vocab = logits.shape[-1]
-        p = warp_probs(logits, sampling)  # [k + 1, V]
+        # The draws come from a CPU generator (the same numbers on every device), so p joins them there.
+        p = warp_probs(logits.cpu(), sampling)  # [k + 1, V]
         q_dense = torch.stack([sparse_to_dense(d.token_ids, d.probs, vocab) for d in q]) if q else p[:0]  # [k, V]
         generator = round_generator(sampling.seed, round_index, TARGET_STREAM)
         return verify_sampled(p, q_dense, draft_tokens, generator)

@@ -211,10 +211,10 @@ async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine
 
 def load_shard(config: TargetConfig) -> LoadedModel:
     """The target model, or with tensor parallelism this rank's shard of it."""
-    loaded = load_model(config.model.model, config.model.cache_dir)
+    loaded = load_model(config.model.model, config.model.cache_dir, device=config.model.device)
     if config.tp.world_size > 1:
         shard_llama(loaded.model, config.tp.rank, config.tp.world_size)
-    if config.model.pack:  # after sharding, so each rank packs only its own slices
+    if config.model.pack and config.model.device == "cpu":  # after sharding: each rank packs its own slices
         pack_linears(loaded.model)
     return loaded
 

@@ -158,7 +158,7 @@ def case(request, chart):
 def test_ci_values_files_cover_the_deployment_shapes():
     names = {p.name for p in CI_FILES}
     assert {"default-values.yaml", "cpu-only-values.yaml", "external-redis-values.yaml",
-            "multi-gpu-tls-values.yaml"} <= names
+            "multi-gpu-tls-values.yaml", "gpu-target-values.yaml"} <= names
 
 
 def test_lint_is_clean(case):
@@ -299,6 +299,8 @@ def test_service_arguments_parse_with_the_real_cli(case):
         assert str(args.cache_dir) == case["merged"]["cache"]["mountPath"]
         if role == "draft":
             assert args.kind == case["merged"]["draft"]["kind"]
+        if role == "target":
+            assert args.device == case["merged"]["target"]["device"]
 
 
 def test_coordinator_discovers_draft_and_target_through_headless_services(case):
@@ -486,6 +488,7 @@ def test_large_integer_values_render_as_integers(chart):
     {"draft": {"kind": "eagle"}},
     {"coordinator": {"defaultK": "adaptive"}},
     {"coordinator": {"defaultK": 33}},
+    {"target": {"device": "tpu"}},
     {"model": {"source": "s3"}},
     {"redis": {"enabled": "yes"}},
     {"coordinator": {"port": 70000}},
@@ -511,6 +514,8 @@ def test_schema_accepts_zero_replicas(chart):
     ({"target": {"terminationGracePeriodSeconds": 25, "preStopSleepSeconds": 5, "drainSeconds": 20}},
      "terminationGracePeriodSeconds"),
     ({"target": {"gpusPerPod": 2, "tensorParallel": 4}}, "tensorParallel"),
+    ({"target": {"device": "cuda"}}, "target.gpusPerPod"),
+    ({"target": {"device": "cuda", "gpusPerPod": 2, "tensorParallel": 2}}, "tensor-parallel ranks"),
     ({"redis": {"enabled": False}}, "redis.externalUrl"),
     ({"model": {"source": "pvc"}}, "model.pvc.claimName"),
     ({"draft": {"kind": "model"}}, "draft.model"),

@@ -18,6 +18,7 @@ from specdec.ngram import propose_ngram, whole_continuation
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound
 from specdec.kvcache import CacheTable, SessionCache, kv_buffer_bytes
 from specdec.client import InvalidArgument, build_request
+from specdec.config import ModelConfig, TargetConfig, TensorParallelConfig
 from specdec.sampling import Sampling, warp_probs
 from specdec.sampling_params import check_sampling
 from specdec.v1 import common_pb2
@@ -267,3 +268,12 @@ def test_checkpoints_report_a_last_record_the_store_did_not_take():
         assert (await store.get("s1")).tokens == [1, 2]
 
     asyncio.run(scenario())
+
+
+def test_a_model_computes_on_cpu_or_cuda_and_a_sharded_target_on_cpu():
+    assert ModelConfig(device="cuda:1").device == "cuda:1"
+    with pytest.raises(ValueError, match="device"):
+        ModelConfig(device="tpu")
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        TargetConfig(model=ModelConfig(device="cuda"), tp=TensorParallelConfig(world_size=2))
+    assert TargetConfig(tp=TensorParallelConfig(world_size=2)).model.device == "cpu"
