@@ -13,7 +13,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import nullcontext
+from contextlib import aclosing, nullcontext
 from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
@@ -302,9 +302,11 @@ class RoundLoop:
         new_id = new_session_id()  # the session's id, unless the request continues one
         streamed = False
         try:
-            async for chunk in self._generate(request, remaining_s, new_id):
-                streamed = True
-                yield chunk
+            # Closed with this generator, so its turn's clean-up never waits for garbage collection.
+            async with aclosing(self._generate(request, remaining_s, new_id)) as chunks:
+                async for chunk in chunks:
+                    streamed = True
+                    yield chunk
         except BaseException:
             if not request.session_id and not streamed:
                 # A new session's id reaches its client only with a chunk: this one can never be
@@ -372,7 +374,7 @@ class RoundLoop:
                         k_round = 0  # the lookup drafts this round: no draft call
                 # Sampled requests read the fixed prior costs here too: their proposals never depend on timing.
                 cutoff = costs.min_confidence() if self._confidence_cutoff and fixed_k is None and k_round else 0.0
-                ahead = self._ahead(k_round, sampling, request.seed, target_ref.address)
+                ahead = self._ahead(k_round, sampling, target_ref.address)
                 draft, verdict, draft_ref, target_ref, hidden = await self._round(
                     turn.round, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s,
                     record.fence, looked_up, cutoff, ahead,
@@ -454,15 +456,16 @@ class RoundLoop:
             return 1
         return k
 
-    def _ahead(self, k: int, sampling: Sampling, seed: int | None, address: str) -> int:
+    def _ahead(self, k: int, sampling: Sampling, address: str) -> int:
         """Tokens the draft should draft ahead after this round's proposal: the configured number for a
         session that drafts and verifies alone, else 0.
 
         Alone, the draft idles while the target verifies, so drafting ahead costs no one time on
-        separate hosts. Beside other sessions it would delay their proposals. Seeded sampled
-        requests never draft ahead: whether they did would hang on the load, and their tokens with it.
+        separate hosts. Beside other sessions it would delay their proposals. Sampled requests never
+        draft ahead: whether they did hangs on the load, and so would their tokens, which a seeded
+        request must repeat and a resumed one (seeded by its turn) must replay as its client saw them.
         """
-        if not self._draft_ahead or k <= 0 or not (sampling.greedy or seed is None):
+        if not self._draft_ahead or k <= 0 or not sampling.greedy:
             return 0
         load = self._fresh_load(address)
         return self._draft_ahead if load is None or load.sessions <= 1 else 0

@@ -98,9 +98,10 @@ def test_sampled_tokens_follow_target_distribution(stack, client, tiny_target):
 
 def test_drafting_ahead_keeps_greedy_output_and_serves_rounds(stack, tiny_target):
     """A coordinator that asks the draft to draft ahead: greedy output still equals target-only
-    decoding, and some rounds get their proposal from the tokens drafted ahead."""
+    decoding, and some rounds get their proposal from the tokens drafted ahead. A sampled request
+    never drafts ahead: whether a round does depends on the load, and its tokens must not."""
     address = stack.add_coordinator(draft_ahead=4)
-    ahead_rounds = rounds = 0
+    ahead_rounds = rounds = sampled_ahead_rounds = 0
     with Client(address, timeout=60) as client:
         for prompt in PROMPTS:
             for k in (1, 2, 3):
@@ -108,4 +109,8 @@ def test_drafting_ahead_keeps_greedy_output_and_serves_rounds(stack, tiny_target
                 assert result.token_ids == hf_greedy(tiny_target, prompt, 80), (prompt, k)
                 ahead_rounds += result.stats.ahead_rounds
                 rounds += result.stats.rounds
+                # Nearly greedy, so its rounds would take the guessed path about as often.
+                sampled = client.complete(prompt, max_new_tokens=80, k=k, temperature=0.05)
+                sampled_ahead_rounds += sampled.stats.ahead_rounds
     assert 0 < ahead_rounds < rounds
+    assert sampled_ahead_rounds == 0
