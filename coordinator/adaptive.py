@@ -91,19 +91,27 @@ class AcceptanceTracker:
 
     prior: float = 0.5
     prior_weight: float = 2.0
+    # By position: rounds that drafted it, rounds whose tokens up to it all passed, and rounds that
+    # reached it (drafted it after every token before it passed). A position past the first rejection
+    # was drafted but never judged; counting it as tried would read the share of rounds that get that
+    # far, and multiplying those shares (``expected_tokens``) would count each rejection again.
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    tried: list[int] = field(default_factory=list)
 
     def record(self, drafted: int, accepted: int) -> None:
-        """Counts one round: positions 1..drafted were tried, 1..accepted passed."""
+        """Counts one round: positions 1..drafted were proposed, 1..accepted passed, and positions up
+        to the first rejection were tried."""
         add_counts(self.drafted, [1] * drafted)
         add_counts(self.accepted, [1] * accepted)
+        add_counts(self.tried, [1] * min(drafted, accepted + 1))
 
     def rates(self, k_max: int) -> list[float]:
-        """Smoothed acceptance for positions 1..k_max; untried positions inherit the last estimate."""
+        """Smoothed acceptance for positions 1..k_max, each given that the ones before it passed;
+        untried positions inherit the last estimate."""
         out: list[float] = []
         for i in range(k_max):
-            tried = self.drafted[i] if i < len(self.drafted) else 0
+            tried = self.tried[i] if i < len(self.tried) else 0
             passed = self.accepted[i] if i < len(self.accepted) else 0
             prior = out[-1] if out else self.prior
             out.append((passed + prior * self.prior_weight) / (tried + self.prior_weight))

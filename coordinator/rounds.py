@@ -337,7 +337,8 @@ class RoundLoop:
             committed = record.tokens
             draft_ref, target_ref = record.draft, record.target
             stats = Stats(prompt_tokens=turn.prompt_len, generated_tokens=len(committed) - turn.prompt_len)
-            stats.positions = AcceptanceTracker(drafted=list(turn.drafted), accepted=list(turn.accepted))
+            stats.positions = AcceptanceTracker(drafted=list(turn.drafted), accepted=list(turn.accepted),
+                                                tried=list(turn.tried))
             sampling = Sampling(request.temperature, request.top_k, request.top_p, turn.seed)
             fixed_k = self._default_k if request.k is None else request.k
             costs = self._costs if sampling.greedy else self._prior_costs
@@ -501,6 +502,7 @@ class RoundLoop:
         record.target = _clip(target_ref, len(record.tokens))
         record.turn.drafted = list(stats.positions.drafted)
         record.turn.accepted = list(stats.positions.accepted)
+        record.turn.tried = list(stats.positions.tried)
         checkpoints.submit(record)
 
     async def _round(

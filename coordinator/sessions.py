@@ -64,6 +64,7 @@ class TurnState:
     round: int = 0
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    tried: list[int] = field(default_factory=list)
     rounds_without_draft: int = 0
     # Set once the turn ended: "stop", "length" or "context".
     finish: str | None = None

@@ -44,8 +44,21 @@ def test_tracker_smooths_and_conditions_on_position():
     tracker.record(drafted=2, accepted=0)
     first, second = tracker.rates(3)[:2]
     assert first == pytest.approx((8 + 1) / (9 + 2))
-    # A position's prior is the estimate of the position before it.
-    assert second == pytest.approx((8 + first * 2) / (9 + 2))
+    # The round that failed at position 1 never tried position 2; a position's prior is the estimate
+    # of the position before it.
+    assert second == pytest.approx((8 + first * 2) / (8 + 2))
+
+
+def test_tracker_rates_are_conditional_so_their_product_is_the_chance_to_get_that_far():
+    """Half the rounds fail at once, half pass all three tokens: a round that reaches position 2 or 3
+    always passes it, and E(3) must be the measured 1 + 0.5 * 3 tokens a round."""
+    tracker = AcceptanceTracker(prior=0.5, prior_weight=1e-9)
+    for _ in range(10):
+        tracker.record(drafted=3, accepted=0)
+        tracker.record(drafted=3, accepted=3)
+    assert tracker.rates(3) == pytest.approx([0.5, 1.0, 1.0])
+    assert expected_tokens(tracker.rates(3), 3) == pytest.approx(2.5)
+    assert (tracker.drafted, tracker.accepted) == ([20, 20, 20], [10, 10, 10])  # what the stats report
 
 
 def test_cost_model_learns_and_fills_gaps():
