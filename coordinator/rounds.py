@@ -145,6 +145,11 @@ class Stats:
         return drafted, accepted
 
     @property
+    def judged_tokens(self) -> int:
+        """Draft tokens the target judged (each round's up to its first rejection), every source."""
+        return sum(self.positions.tried) + sum(self.lookup.tried)
+
+    @property
     def acceptance_rate(self) -> float:
         """Accepted draft tokens over drafted tokens."""
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0

@@ -141,6 +141,7 @@ def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
         drafted_at_position=by_position[0],
         accepted_at_position=by_position[1],
         ahead_rounds=stats.ahead_rounds,
+        judged_tokens=stats.judged_tokens,
     )
 
 

@@ -53,6 +53,8 @@ class ModeResult:
     ahead_rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    # Draft tokens the target judged (up to each round's first rejection).
+    judged: int = 0
     draft_ms: float = 0.0
     verify_ms: float = 0.0
     other_ms: float = 0.0
@@ -150,6 +152,7 @@ def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k
         result.ahead_rounds += s.ahead_rounds
         result.drafted += s.drafted_tokens
         result.accepted += s.accepted_tokens
+        result.judged += s.judged_tokens
         result.draft_ms += s.draft_ms
         result.verify_ms += s.verify_ms
         result.other_ms += s.other_ms
@@ -202,11 +205,18 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
             entry["mean_accepted_length"] = round((r.accepted + r.rounds) / r.rounds, 3)
             entry["acceptance_by_position"] = [round(a / d, 4) if d else 0.0 for a, d in zip(r.accepted_at, r.drafted_at)]
             if k0 is not None and k0.rounds:
+                # The formula's a is a token's chance to pass given the ones before it passed: accepted
+                # over judged tokens. Over drafted tokens it would count the tokens after a rejection,
+                # which the target never judged, as failures.
+                per_token = r.accepted / r.judged if r.judged else 0.0
+                entry["per_token_acceptance"] = round(per_token, 4)
                 # One k0 round is one target step through the same stack: the cost unit of the formula.
                 step_ms = (k0.draft_ms + k0.verify_ms + k0.other_ms) / k0.rounds
                 round_ms = (r.draft_ms + r.verify_ms + r.other_ms) / r.rounds
-                # Prefill is the same work in both modes, outside the rounds the formula describes.
-                predicted = expected_tokens_per_round(alpha, mean_k) * step_ms / round_ms
+                # Each mode's prompt prefill is added on both sides, as the measured times include it.
+                k0_ms = k0.prefill_ms + r.tokens * step_ms
+                spec_ms = r.prefill_ms + r.tokens / expected_tokens_per_round(per_token, mean_k) * round_ms
+                predicted = k0_ms / spec_ms
                 measured = r.tokens_per_s / k0.tokens_per_s if k0.tokens_per_s else 0.0
                 entry["predicted_speedup_vs_k0"] = round(predicted, 3)
                 entry["measured_speedup_vs_k0"] = round(measured, 3)

@@ -111,6 +111,7 @@ class Stats:
     accepted_at_position: list[int]
     prefill_ms: float
     ahead_rounds: int
+    judged_tokens: int
 
     @property
     def tokens_per_second(self) -> float:

@@ -45,6 +45,9 @@ def test_every_mode_matches_target_greedy_output_through_a_real_stack(tiny_targe
     for mode, result in results.items():
         assert result.outputs == expected, mode
     assert results["specdec-k0"].drafted == 0 and results["specdec"].drafted > 0
+    spec = results["specdec"]
+    # A round judges its tokens up to the first rejected one; the tiny random draft is rejected often.
+    assert spec.accepted < spec.judged < spec.drafted
     report = summarize(results, greedy=True)
     assert [report[m]["exact"] for m in ("hf-assisted", "specdec-k0", "specdec")] == ["4/4"] * 3
     assert report["specdec"]["mean_k"] > 0 and "efficiency" in report["specdec"]
@@ -56,3 +59,19 @@ def test_exact_counts_outputs_that_differ_from_the_target():
     other.outputs = {"0": [1, 2], "1": [3, 5]}
     report = summarize({"hf-target": base, "specdec-k0": other}, greedy=True)
     assert report["specdec-k0"]["exact"] == "1/2" and report["specdec-k0"]["speedup_vs_hf_target"] == 0.5
+
+
+def test_the_formula_reads_acceptance_per_judged_token_and_prefill_on_both_sides():
+    """k = 2 every round, a token passes half the time given the ones before it: a round judges 1.5
+    tokens on average and commits 1.75. Over drafted tokens the acceptance would read 0.375 and the
+    formula would commit 1.52 a round; over judged ones it reads 0.5, the true a."""
+    rounds = 400
+    spec = ModeResult(tokens=700, seconds=7.0, rounds=rounds, drafted=2 * rounds, accepted=300, judged=600,
+                      draft_ms=10.0 * rounds, verify_ms=110.0 * rounds, prefill_ms=500.0)
+    k0 = ModeResult(tokens=700, seconds=7.0 * 1.1, rounds=700, verify_ms=100.0 * 700, prefill_ms=500.0)
+    spec.outputs = k0.outputs = {"0": [1]}
+    entry = summarize({"specdec-k0": k0, "specdec": spec}, greedy=False)["specdec"]
+    assert entry["per_token_acceptance"] == 0.5 and entry["acceptance_rate"] == 0.375
+    # 700 tokens: k0 takes 500 + 700 * 100 ms; speculation 500 + 700 / 1.75 * 120 ms.
+    assert entry["predicted_speedup_vs_k0"] == round((500 + 70000) / (500 + 400 * 120), 3)
+    assert entry["measured_speedup_vs_k0"] == 1.1
