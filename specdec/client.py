@@ -12,6 +12,8 @@ the same one the first coordinator would have given.
 from __future__ import annotations
 
 import asyncio
+import numbers
+import operator
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -213,10 +215,12 @@ def _check_fields(prompt: Prompt, stop: tuple, **fields) -> None:
         raise invalid("stop: give a string or a list of strings")
     for name, (lo, hi) in _WIRE_INTS.items():
         value = fields[name]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi):
+        # Anything that is an integer (numpy's too, through __index__), but not a bool.
+        if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")
+                                  or not lo <= operator.index(value) <= hi):
             raise invalid(f"{name}: must be an integer in [{lo}, {hi}]")
     for name in ("temperature", "top_p"):
-        if isinstance(fields[name], bool) or not isinstance(fields[name], (int, float)):
+        if isinstance(fields[name], bool) or not isinstance(fields[name], numbers.Real):
             raise invalid(f"{name}: must be a number")
 
 

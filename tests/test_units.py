@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import grpc
+import numpy as np
 import pytest
 import torch
 
@@ -226,6 +227,9 @@ def test_sdk_refuses_what_the_wire_cannot_carry_naming_the_field(prompt, options
 def test_sdk_takes_one_stop_string_as_one_not_as_characters():
     assert list(build_request("hi", stop="\n\n").stop) == ["\n\n"]
     assert list(build_request("hi", stop=("a", "b")).stop) == ["a", "b"]
+    # numpy's integers and floats are integers and numbers too.
+    request = build_request("hi", max_new_tokens=np.int64(5), seed=np.uint64(3), temperature=np.float32(0.5))
+    assert (request.max_new_tokens, request.seed, request.temperature) == (5, 3, 0.5)
 
 
 @pytest.mark.parametrize("temperature,ok", [(0.0, True), (1e-4, True), (0.7, True), (1e-5, False), (-1.0, False),
