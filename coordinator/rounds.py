@@ -176,6 +176,13 @@ class Chunk:
     stats: Stats | None = None
 
 
+def _out_of_time(remaining_s: Callable[[], float | None]) -> bool:
+    """Whether the request's own deadline has passed. A call that failed then failed on the client's
+    clock, not the replica's: resting the replica would fail every other session on it."""
+    left = remaining_s()
+    return left is not None and left <= 0
+
+
 class RoundLoop:
     """Runs requests over a set of draft and target replicas and a session store."""
 
@@ -548,7 +555,8 @@ class RoundLoop:
                     )
                     hidden = None
                 except (BackendUnavailable, BackendRejected) as error:
-                    self._failed(self._drafts, error, span, "draft", "draft failed, this round runs target-only")
+                    if not _out_of_time(remaining_s):
+                        self._failed(self._drafts, error, span, "draft", "draft failed, this round runs target-only")
                 draft_ms = (time.perf_counter() - t0) * 1000
                 if draft is not None and draft.from_ahead:
                     stats.ahead_rounds += 1
@@ -648,6 +656,8 @@ class RoundLoop:
                     committed, remaining_s(), self._want_hidden, fence, feed_now and self._want_hidden
                 )
             except BackendUnavailable as exc:
+                if _out_of_time(remaining_s):
+                    raise
                 error = exc
                 self._failed(self._targets, exc, span, "target", "target unreachable, trying another")
         raise error or BackendUnavailable("target", "*", "no target replica is available (all resting or none known)")
@@ -686,7 +696,7 @@ class RoundLoop:
                     result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
                 return result, replace(ref, committed=result.committed), merge_hidden(fed, result.hidden)
             except BackendUnavailable as exc:
-                if remaining_s() is not None and remaining_s() <= 0:
+                if _out_of_time(remaining_s):
                     raise
                 self._failed(self._targets, exc, span, "target", "target unreachable, moving the session")
         raise BackendUnavailable("target", ref.address, "no target replica could verify this round")

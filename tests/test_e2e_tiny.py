@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import redis
 import torch
+from opentelemetry import trace
 
+from coordinator.backends import BackendUnavailable
 from coordinator.sessions import SessionRecord
 from draft_service.engine import ModelDrafter, NgramDrafter
 from harness import InProcessStack
@@ -294,6 +297,30 @@ def test_unreachable_target_is_unavailable(tiny_target, tiny_draft, tiny_dir, re
         with Client(s.address) as c:
             with pytest.raises(Unavailable, match="target"):
                 c.complete("w1 w2", max_new_tokens=5, k=2, timeout=20)
+    finally:
+        s.close()
+
+
+def test_a_clients_spent_deadline_rests_no_replica(tiny_target, tiny_draft, tiny_dir, redis_url):
+    """A call that fails because the request's own deadline has passed says nothing about the replica:
+    it must not rest, or every session on it would fail for the rest period. Whether the client's
+    cancellation or the target's DEADLINE_EXCEEDED arrives first is a race, so the loop is driven
+    directly with the deadline already spent, as on a retry after the first attempt used it up."""
+
+    class SlowPrefill(TargetEngine):
+        def prefill(self, *args, **kwargs):
+            time.sleep(0.05)  # far beyond the 1 ms a spent deadline leaves a call
+            return super().prefill(*args, **kwargs)
+
+    s = InProcessStack(SlowPrefill(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
+    s.start()
+    try:
+        loop = s.round_loops[0]
+        with pytest.raises(BackendUnavailable, match="DEADLINE_EXCEEDED"):
+            s.run(loop._place_target([3, 4, 5], lambda: 0.0, trace.INVALID_SPAN, 0))
+        assert loop.members()[1] == {s.target_address} and loop._targets.usable(s.target_address)
+        with Client(s.address) as c:
+            assert c.complete("w1 w2", max_new_tokens=5, timeout=20).token_ids == hf_greedy(tiny_target, "w1 w2", 5)
     finally:
         s.close()
 
