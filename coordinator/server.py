@@ -237,7 +237,22 @@ def register(servicer: CoordinatorServicer) -> Callable[[grpc.aio.Server], None]
 
 
 class IncompatibleReplicas(Refused):
-    """A replica serves a model whose tokenizer differs from the coordinator's."""
+    """A replica serves a model whose tokenizer differs from the coordinator's, or a target serves
+    another model than the other targets."""
+
+
+def check_same_target(reference: ModelFacts, facts: ModelFacts, address: str) -> None:
+    """Refuses a target whose model differs from the reference target's: a session that moves between
+    targets must go on with the same model, and its context and end tokens."""
+    mine = (facts.name, facts.vocab_size, facts.max_context, facts.eos_token_ids)
+    theirs = (reference.name, reference.vocab_size, reference.max_context, reference.eos_token_ids)
+    if mine != theirs:
+        raise IncompatibleReplicas(
+            f"target at {address} serves {facts.name!r} (vocabulary {facts.vocab_size}, context {facts.max_context}, "
+            f"end tokens {list(facts.eos_token_ids)}), the other targets {reference.name!r} (vocabulary "
+            f"{reference.vocab_size}, context {reference.max_context}, end tokens {list(reference.eos_token_ids)}): "
+            "every target must serve the same model"
+        )
 
 
 async def check_replica(
@@ -285,9 +300,17 @@ async def start_coordinator(
     def make_target(address: str) -> TargetReplica:
         return TargetReplica(address, config.rpc_timeout_s, max_bytes, credentials, target_tls_name)
 
+    first_target: list[ModelFacts] = []  # the model every target must serve: the first one's
+
     async def check_joiner(replica: DraftReplica | TargetReplica) -> ModelFacts:
         # A discovered replica is listed once ready, so a short wait is plenty.
-        return await check_replica(fingerprint, replica, config.rpc_timeout_s, credentials)
+        facts = await check_replica(fingerprint, replica, config.rpc_timeout_s, credentials)
+        if isinstance(replica, TargetReplica):
+            if first_target:
+                check_same_target(first_target[0], facts, replica.address)
+            else:
+                first_target.append(facts)
+        return facts
 
     drafts = [make_draft(a) for a in config.draft_addresses]
     targets = [make_target(a) for a in config.target_addresses]
@@ -295,6 +318,9 @@ async def start_coordinator(
         *(check_replica(fingerprint, r, config.startup_timeout_s, credentials) for r in [*drafts, *targets])
     )
     draft_facts, target_facts = facts[: len(drafts)], facts[len(drafts):]
+    for target, target_fact in zip(targets[1:], target_facts[1:]):
+        check_same_target(target_facts[0], target_fact, target.address)
+    first_target.extend(target_facts[:1])
     draft_set, target_set = ReplicaSet(drafts, REST_S), ReplicaSet(targets, REST_S)
     memberships: list[Membership] = []
     try:

@@ -398,6 +398,22 @@ def test_mismatched_tokenizer_is_refused(tiny_target, tiny_dir, redis_url, tmp_p
         s.close()
 
 
+def test_targets_serving_different_models_are_refused(tiny_target, tiny_draft, tiny_dir, redis_url):
+    """The tiny draft shares the target's tokenizer, vocabulary, context and end tokens, but is another
+    model: a session moved onto it would go on with other output."""
+    from coordinator.server import IncompatibleReplicas
+
+    s = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
+    try:
+        s.start()
+        other = s.add_target(TargetEngine(tiny_draft, 8))
+        with pytest.raises(IncompatibleReplicas, match="every target must serve the same model"):
+            s.add_coordinator(target_addresses=(s.target_address, other))
+        assert s.add_coordinator(target_addresses=(s.target_address, s.add_target(TargetEngine(tiny_target, 8))))
+    finally:
+        s.close()
+
+
 def test_random_requests_get_only_documented_statuses(stack, client):
     import random
 
