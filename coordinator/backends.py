@@ -122,13 +122,21 @@ class ReplicaSet(Generic[R]):
         """True for a known replica that is not resting."""
         return address in self.by_address and time.monotonic() >= self._down_until.get(address, 0.0)
 
-    def pick(self, current: CacheRef | None) -> R | None:
+    def any_usable(self) -> bool:
+        """Whether some replica is known and not resting."""
+        return any(self.usable(a) for a in self.by_address)
+
+    def pick(self, current: CacheRef | None, probe: bool = False) -> R | None:
         """The replica holding ``current`` while it is healthy, else the least busy healthy one for a
-        new cache; None when every replica rests."""
+        new cache. When every replica rests: with ``probe`` the one whose rest ends first (one failed
+        call rests a replica that may be back at once, and with no other one to go to, not trying it
+        would fail every session on it), else None."""
         if current is not None and self.usable(current.address):
             return self.by_address[current.address]
         healthy = [a for a in self.by_address if self.usable(a)]
         if not healthy:
+            if probe and self.by_address:
+                return self.by_address[min(self.by_address, key=lambda a: self._down_until.get(a, 0.0))]
             return None
         self._turn += 1
         fewest = min(self._running[a] for a in healthy)

@@ -648,7 +648,7 @@ class RoundLoop:
         ``feed_now`` (only where the draft wants hidden states) forbids the target to defer the prompt."""
         error: BackendUnavailable | None = None
         for _ in range(len(self._targets)):
-            target = self._targets.pick(None)
+            target = self._targets.pick(None, probe=True)
             if target is None:
                 break
             try:
@@ -682,7 +682,11 @@ class RoundLoop:
         want = self._want_hidden
         fed = None
         for _ in range(len(self._targets) + 1):
-            if not self._targets.usable(ref.address):
+            # A resting replica is left for a healthy one; with none healthy, the session's own is tried
+            # again (its cache may well be intact) while it is still a member.
+            if not self._targets.usable(ref.address) and (
+                self._targets.any_usable() or ref.address not in self._targets.by_address
+            ):
                 ref, fed = await self._place_target(committed, remaining_s, span, ref.fence)
             # The replica may have left while the cache was placed: the call then fails over below.
             target = self._targets.find(ref.address)

@@ -325,6 +325,25 @@ def test_a_clients_spent_deadline_rests_no_replica(tiny_target, tiny_draft, tiny
         s.close()
 
 
+def test_a_resting_lone_target_is_tried_rather_than_failing_every_stream(tiny_target, tiny_draft, tiny_dir,
+                                                                          redis_url):
+    """One failed call rests a replica. With no other target to go to, new and running sessions try
+    the resting one (here it is fine) instead of all failing UNAVAILABLE for the rest period."""
+    s = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
+    s.start()
+    try:
+        loop = s.round_loops[0]
+        with Client(s.address) as c:
+            first = c.complete("w1 w2", max_new_tokens=3)
+            loop._targets.failed(s.target_address)  # another session's call failed once
+            assert not loop._targets.usable(s.target_address)
+            assert c.complete("w1 w2", max_new_tokens=5).token_ids == hf_greedy(tiny_target, "w1 w2", 5)
+            loop._targets.failed(s.target_address)
+            assert c.complete("w3", max_new_tokens=3, session_id=first.session_id).session_id == first.session_id
+    finally:
+        s.close()
+
+
 def test_unreachable_draft_costs_speed_not_the_request(tiny_target, tiny_draft, tiny_dir, redis_url):
     s = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
     s.start()
