@@ -376,6 +376,7 @@ class RoundLoop:
             if resumed:
                 text.skip(committed[turn.prompt_len:], request.resume.tokens, request.resume.text_chars)
             finish = turn.finish
+            finished_before = finish is not None
             while finish is None:
                 room = min(request.max_new_tokens - stats.generated_tokens, limit - len(committed))
                 k = self._choose_k(fixed_k, costs, stats, sampling, target_ref.address, turn.rounds_without_draft)
@@ -432,7 +433,9 @@ class RoundLoop:
             # from it: a store that stays unreachable fails the request, whose client resumes it.
             await checkpoints.flush(must_write=True)
             stats.total_ms = (time.perf_counter() - started) * 1000
-            if self._metrics is not None:
+            # A turn that had finished before this call (a resume that only sends what its client
+            # missed) was counted when it finished.
+            if self._metrics is not None and not finished_before:
                 first_s = stats.time_to_first_token_ms / 1000 if stats.time_to_first_token_ms else None
                 self._metrics.observe_request(
                     finish, stats.prompt_tokens, stats.generated_tokens, stats.total_ms / 1000, first_s

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import urllib.request
 
+import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -12,7 +13,9 @@ from draft_service.engine import ModelDrafter, NgramDrafter
 from harness import InProcessStack
 from specdec import Client
 from specdec.cli import _parser, _server
+from specdec.client import build_request
 from specdec.metrics import CacheServiceMetrics, CoordinatorMetrics, start_metrics_server
+from specdec.v1 import coordinator_pb2_grpc
 from target_service.engine import TargetEngine
 
 MAX_SESSIONS = 2
@@ -162,3 +165,21 @@ def test_metrics_port_flag_reaches_the_server_config(monkeypatch):
         assert _server(_parser().parse_args([command, "--metrics-port", "9400"])).metrics_port == 9400
     monkeypatch.setenv("SPECDEC_METRICS_PORT", "9401")
     assert _server(_parser().parse_args(["serve-target"])).metrics_port == 9401
+
+
+def test_resuming_a_finished_turn_counts_the_request_once(stack):
+    """A client whose stream broke after the turn had finished resumes it and gets what it missed; the
+    request was counted when it finished, not again."""
+    request = build_request("w7 w7 w8 w9 w10", max_new_tokens=12)
+    request.request_id = "counted-once"
+    before = scrape(stack.metrics_ports["coordinator"])
+    with grpc.insecure_channel(stack.address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        chunks = list(stub.Generate(request, timeout=60))
+        request.session_id, request.resume.tokens = chunks[0].session_id, 2
+        resumed = list(stub.Generate(request, timeout=60))
+    after = scrape(stack.metrics_ports["coordinator"])
+    assert resumed[-1].finish_reason == chunks[-1].finish_reason
+    assert delta(after, before, "specdec:request_success_total", finish_reason=chunks[-1].finish_reason) == 1
+    assert delta(after, before, "specdec:e2e_request_latency_seconds_count") == 1
+    assert delta(after, before, "specdec:generation_tokens_total") == sum(len(c.token_ids) for c in chunks)
