@@ -122,9 +122,11 @@ class ReplicaSet(Generic[R]):
         """True for a known replica that is not resting."""
         return address in self.by_address and time.monotonic() >= self._down_until.get(address, 0.0)
 
-    def any_usable(self) -> bool:
-        """Whether some replica is known and not resting."""
-        return any(self.usable(a) for a in self.by_address)
+    def stays(self, address: str) -> bool:
+        """Whether a session keeps its cache on ``address``: the replica is healthy, or it rests while
+        no member is healthy (it may well be back, and its cache with it; leaving would only rebuild
+        the cache on a replica resting as long)."""
+        return self.usable(address) or (address in self.by_address and not any(map(self.usable, self.by_address)))
 
     def pick(self, current: CacheRef | None, probe: bool = False) -> R | None:
         """The replica holding ``current`` while it is healthy, else the least busy healthy one for a

@@ -360,7 +360,7 @@ class RoundLoop:
             )
 
             hidden = None  # target hidden states the draft has not been sent yet
-            if target_ref is None or not self._targets.usable(target_ref.address):
+            if target_ref is None or not self._targets.stays(target_ref.address):
                 t0 = time.perf_counter()
                 # A seeded sampled request's draws follow its rounds' k; a deferred prompt would leave a
                 # feature draft without features in round 1, and so make the tokens depend on load.
@@ -685,11 +685,7 @@ class RoundLoop:
         want = self._want_hidden
         fed = None
         for _ in range(len(self._targets) + 1):
-            # A resting replica is left for a healthy one; with none healthy, the session's own is tried
-            # again (its cache may well be intact) while it is still a member.
-            if not self._targets.usable(ref.address) and (
-                self._targets.any_usable() or ref.address not in self._targets.by_address
-            ):
+            if not self._targets.stays(ref.address):
                 ref, fed = await self._place_target(committed, remaining_s, span, ref.fence)
             # The replica may have left while the cache was placed: the call then fails over below.
             target = self._targets.find(ref.address)

@@ -302,14 +302,17 @@ async def start_coordinator(
 
     first_target: list[ModelFacts] = []  # the model every target must serve: the first one's
 
+    def admit_target(facts: ModelFacts, address: str) -> None:
+        if first_target:
+            check_same_target(first_target[0], facts, address)
+        else:
+            first_target.append(facts)
+
     async def check_joiner(replica: DraftReplica | TargetReplica) -> ModelFacts:
         # A discovered replica is listed once ready, so a short wait is plenty.
         facts = await check_replica(fingerprint, replica, config.rpc_timeout_s, credentials)
         if isinstance(replica, TargetReplica):
-            if first_target:
-                check_same_target(first_target[0], facts, replica.address)
-            else:
-                first_target.append(facts)
+            admit_target(facts, replica.address)
         return facts
 
     drafts = [make_draft(a) for a in config.draft_addresses]
@@ -318,9 +321,8 @@ async def start_coordinator(
         *(check_replica(fingerprint, r, config.startup_timeout_s, credentials) for r in [*drafts, *targets])
     )
     draft_facts, target_facts = facts[: len(drafts)], facts[len(drafts):]
-    for target, target_fact in zip(targets[1:], target_facts[1:]):
-        check_same_target(target_facts[0], target_fact, target.address)
-    first_target.extend(target_facts[:1])
+    for target, target_fact in zip(targets, target_facts):
+        admit_target(target_fact, target.address)
     draft_set, target_set = ReplicaSet(drafts, REST_S), ReplicaSet(targets, REST_S)
     memberships: list[Membership] = []
     try:
