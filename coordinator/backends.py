@@ -323,11 +323,13 @@ class TargetReplica(_Replica):
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
 
     async def prefill_with_hidden(
-        self, tokens: list[int], remaining_s: float | None, with_hidden: bool, fence: int = 0, feed_now: bool = False
+        self, tokens: list[int], remaining_s: float | None, with_hidden: bool, fence: int = 0, feed_now: bool = False,
+        side_layers: tuple[int, ...] = (),
     ) -> tuple[CacheRef, common_pb2.HiddenStates | None]:
-        """``prefill``, also returning the hidden states of the fed positions when ``with_hidden``;
-        ``feed_now`` forbids a busy target to defer feeding the prompt."""
-        request = common_pb2.PrefillRequest(tokens=tokens, return_hidden=with_hidden, fence=fence, feed_now=feed_now)
+        """``prefill``, also returning the hidden states of the fed positions (and the outputs of
+        ``side_layers``) when ``with_hidden``; ``feed_now`` forbids a busy target to defer feeding the prompt."""
+        request = common_pb2.PrefillRequest(tokens=tokens, return_hidden=with_hidden, fence=fence, feed_now=feed_now,
+                                            hidden_side_layers=side_layers if with_hidden else ())
         reply = await self._call(self._stub.Prefill, request, remaining_s)
         return CacheRef(self.address, reply.cache_id, reply.committed, fence), (reply.hidden if with_hidden else None)
 
@@ -340,10 +342,13 @@ class TargetReplica(_Replica):
         round_index: int,
         remaining_s: float | None,
         with_hidden: bool = False,
+        side_layers: tuple[int, ...] = (),
     ) -> VerifyResult:
-        """Syncs the cache to ``committed``, verifies the draft tokens, commits accepted + 1."""
+        """Syncs the cache to ``committed``, verifies the draft tokens, commits accepted + 1 (returning the
+        fed positions' hidden states, then the outputs of ``side_layers``, when ``with_hidden``)."""
         request = target_pb2.VerifyRequest(
-            sync=_sync(ref, committed), sampling=sampling_to_pb(sampling), round=round_index, return_hidden=with_hidden
+            sync=_sync(ref, committed), sampling=sampling_to_pb(sampling), round=round_index, return_hidden=with_hidden,
+            hidden_side_layers=side_layers if with_hidden else (),
         )
         if draft is not None:
             request.draft_tokens.extend(draft.tokens)

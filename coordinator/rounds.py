@@ -197,6 +197,7 @@ class RoundLoop:
         default_k: int | None,
         max_auto_k: int = 8,
         want_hidden: bool = False,
+        side_layers: tuple[int, ...] = (),
         draft_retry_s: float = REST_S,
         metrics: CoordinatorMetrics | None = None,
         draft_colocated: bool = False,
@@ -219,6 +220,7 @@ class RoundLoop:
         self._default_k = default_k
         # A feature draft reads the target's hidden states: ask the target for them, carry them over.
         self._want_hidden = want_hidden
+        self._side_layers = side_layers  # target layers whose outputs the feature draft reads too
         # Measured costs steer greedy requests. Seeded sampled requests use the fixed prior curve,
         # so their k sequence, and hence their tokens, never depend on timing.
         self._costs = CostModel(k_max=max_auto_k, colocated=draft_colocated)
@@ -241,6 +243,7 @@ class RoundLoop:
         from now on."""
         if facts.kind == FEATURE_KIND:
             self._want_hidden = True
+            self._side_layers = facts.side_layers
 
     def members(self) -> tuple[frozenset[str], frozenset[str]]:
         """The addresses of the draft and of the target replicas that take work now."""
@@ -656,7 +659,8 @@ class RoundLoop:
                 break
             try:
                 return await target.prefill_with_hidden(
-                    committed, remaining_s(), self._want_hidden, fence, feed_now and self._want_hidden
+                    committed, remaining_s(), self._want_hidden, fence, feed_now and self._want_hidden,
+                    self._side_layers,
                 )
             except BackendUnavailable as exc:
                 if _out_of_time(remaining_s):
@@ -692,11 +696,13 @@ class RoundLoop:
             try:
                 if target is None:
                     raise BackendUnavailable("target", ref.address, "the replica left")
+                asks = (want, self._side_layers)
                 try:
-                    result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
+                    result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), *asks)
                 except CacheLost:
-                    ref, fed = await target.prefill_with_hidden(committed, remaining_s(), want, ref.fence)
-                    result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), want)
+                    ref, fed = await target.prefill_with_hidden(committed, remaining_s(), want, ref.fence,
+                                                                side_layers=self._side_layers)
+                    result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), *asks)
                 return result, replace(ref, committed=result.committed), merge_hidden(fed, result.hidden)
             except BackendUnavailable as exc:
                 if _out_of_time(remaining_s):

@@ -255,6 +255,16 @@ def check_same_target(reference: ModelFacts, facts: ModelFacts, address: str) ->
         )
 
 
+def check_same_side_layers(reference: ModelFacts, facts: ModelFacts, address: str) -> None:
+    """Refuses a feature draft that reads other target layers than the reference draft: the target
+    sends one kind of hidden-state row to whichever draft a session drafts on."""
+    if facts.side_layers != reference.side_layers:
+        raise IncompatibleReplicas(
+            f"feature draft at {address} reads target layers {list(facts.side_layers)} beside the hidden states, "
+            f"the other feature drafts {list(reference.side_layers)}: every feature draft must read the same"
+        )
+
+
 async def check_replica(
     fingerprint: str, replica: DraftReplica | TargetReplica, timeout_s: float,
     credentials: grpc.ChannelCredentials | None = None,
@@ -308,11 +318,23 @@ async def start_coordinator(
         else:
             first_target.append(facts)
 
+    first_feature: list[ModelFacts] = []  # the target layers every feature draft reads: the first one's
+
+    def admit_draft(facts: ModelFacts, address: str) -> None:
+        if facts.kind != FEATURE_KIND:
+            return
+        if first_feature:
+            check_same_side_layers(first_feature[0], facts, address)
+        else:
+            first_feature.append(facts)
+
     async def check_joiner(replica: DraftReplica | TargetReplica) -> ModelFacts:
         # A discovered replica is listed once ready, so a short wait is plenty.
         facts = await check_replica(fingerprint, replica, config.rpc_timeout_s, credentials)
         if isinstance(replica, TargetReplica):
             admit_target(facts, replica.address)
+        else:
+            admit_draft(facts, replica.address)
         return facts
 
     drafts = [make_draft(a) for a in config.draft_addresses]
@@ -323,6 +345,8 @@ async def start_coordinator(
     draft_facts, target_facts = facts[: len(drafts)], facts[len(drafts):]
     for target, target_fact in zip(targets, target_facts):
         admit_target(target_fact, target.address)
+    for draft, draft_fact in zip(drafts, draft_facts):
+        admit_draft(draft_fact, draft.address)
     draft_set, target_set = ReplicaSet(drafts, REST_S), ReplicaSet(targets, REST_S)
     memberships: list[Membership] = []
     try:
@@ -334,9 +358,9 @@ async def start_coordinator(
             target_facts = [await following.first_facts(config.startup_timeout_s)]
         store = store or open_store(config.redis_url, config.session_ttl_s, config.redis_password, config.redis_ca)
         await store.ping()
-        want_hidden = any(f.kind == FEATURE_KIND for f in draft_facts)
         loop = RoundLoop(tokenizer, target_facts[0], draft_set, target_set, store, tracer, config.default_k,
-                         config.max_auto_k, want_hidden=want_hidden, metrics=metrics,
+                         config.max_auto_k, want_hidden=bool(first_feature),
+                         side_layers=first_feature[0].side_layers if first_feature else (), metrics=metrics,
                          draft_colocated=config.draft_colocated, free_lookup_min=config.free_lookup_min,
                          confidence_cutoff=config.confidence_cutoff, draft_ahead=config.draft_ahead,
                          max_sessions_per_client=config.admission.max_sessions_per_client)

@@ -254,7 +254,8 @@ class FeatureDrafter(DraftEngine):
 
     def __init__(self, draft: FeatureDraft, facts: ModelFacts, max_sessions: int, sample_top_k: int,
                  lookup_max: int = LOOKUP_MAX_N, lookup_min: int = 2, **limits) -> None:
-        super().__init__(replace(facts, kind=FEATURE_KIND), max_sessions, FeatureSession, **limits)
+        super().__init__(replace(facts, kind=FEATURE_KIND, side_layers=draft.arch.side_layers), max_sessions,
+                         FeatureSession, **limits)
         self._draft_model = draft
         self._sample_top_k = sample_top_k
         self._lookup_max = lookup_max
@@ -262,8 +263,8 @@ class FeatureDrafter(DraftEngine):
 
     @property
     def hidden_size(self) -> int:
-        """Width of the hidden states it reads."""
-        return self._draft_model.hidden_size
+        """Width of the hidden-state rows it reads (the final-norm feature, then any side layers)."""
+        return self._draft_model.feature_width
 
     def warmup(self) -> None:
         cache_id, committed = self.prefill([0, 1, 2, 0, 1])

@@ -7,6 +7,11 @@ that into the distribution of t_{i+2}. Drafting further positions feeds the draf
 feature back in place of the target's, which the target only supplies for committed tokens.
 
 Layout: ``fc`` (2D -> D) over [embedding(t_{i+1}); f_i] -> one Llama decoder layer -> RMSNorm.
+
+With ``side_layers`` (the EAGLE-3 idea) the target also sends its residual stream after those of its
+layers, each RMS-normalised and read by ``fc`` beside f_i: lower layers keep context that the last
+one has already narrowed down to its own next token. The target sends them for committed positions
+only, so a step that reads the draft's own predicted feature reads zeros there, as in training.
 The embedding and head rows are the target's own (frozen, taken from the loaded target at start-up);
 the draft's files hold only ``fc``, the layer, the norm, the head ids and a head bias.
 
@@ -52,16 +57,21 @@ class FeatureDraftArch:
     """N: the head scores the N most frequent target tokens of the distillation data."""
     init_from: int = -1
     """Target layer the draft's decoder layer starts from (-1: the last)."""
+    side_layers: tuple[int, ...] = ()
+    """Target layers (0-based) whose outputs the draft reads besides the final-norm feature."""
 
     def to_json(self) -> dict:
         """The architecture as it goes into the card."""
-        return {**asdict(self), "layers": 1, "input": "fc([embedding(t_{i+1}); f_i])",
+        sides = "".join(f"; rms(h{j}_i)" for j in self.side_layers)
+        return {**asdict(self), "side_layers": list(self.side_layers), "layers": 1,
+                "input": f"fc([embedding(t_{{i+1}}); f_i{sides}])",
                 "head": "frozen rows of the target LM head (tied embedding) + trainable bias"}
 
     @classmethod
     def from_json(cls, data: dict) -> FeatureDraftArch:
         """Reads the card's ``architecture`` entry."""
-        return cls(head_size=int(data["head_size"]), init_from=int(data["init_from"]))
+        return cls(head_size=int(data["head_size"]), init_from=int(data["init_from"]),
+                   side_layers=tuple(int(j) for j in data.get("side_layers", ())))
 
 
 class FeatureDraft(nn.Module):
@@ -82,14 +92,17 @@ class FeatureDraft(nn.Module):
         # Kept out of the module tree so the target's matrix is neither trained nor saved with the draft.
         self.__dict__["embedding"] = embedding
         self.__dict__["_int8_head"] = None
-        self.fc = nn.Linear(2 * dim, dim, bias=True)
+        self.feature_width = dim * (1 + len(arch.side_layers))
+        """Width of the rows the target sends: f_i, then its side layers' outputs."""
+        self.fc = nn.Linear(dim + self.feature_width, dim, bias=True)
         self.layer = LlamaDecoderLayer(config, 0)
         self.norm = LlamaRMSNorm(dim, eps=config.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(config=config)
         add_reduced_head(self, output_weight, head_ids, self.vocab_size)
 
     def init_from_target(self, target: nn.Module) -> None:
-        """Starts the decoder layer and norm from the target's; ``fc`` passes the feature through."""
+        """Starts the decoder layer and norm from the target's; ``fc`` passes the feature through (and
+        the side layers' outputs start unread)."""
         base = target.get_decoder()
         self.layer.load_state_dict(base.layers[self.arch.init_from].state_dict())
         self.norm.load_state_dict(base.norm.state_dict())
@@ -97,14 +110,13 @@ class FeatureDraft(nn.Module):
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :dim].copy_(torch.eye(dim) * 0.5)
-            self.fc.weight[:, dim:].copy_(torch.eye(dim) * 0.5)
+            self.fc.weight[:, dim:2 * dim].copy_(torch.eye(dim) * 0.5)
             self.fc.bias.zero_()
 
     def predict(self, features: torch.Tensor, tokens: torch.Tensor, cache=None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Predicted next features ``[B, T, D]`` from features ``[B, T, D]`` and next tokens ``[B, T]``."""
-        embeds = nn.functional.embedding(tokens, self.embedding.weight.detach())  # [B, T, D], frozen
-        x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))  # [B, T, D]
+        x = self._fc(tokens, features)  # [B, T, D]
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(tokens.shape[1]) + past).unsqueeze(0)  # [1, T]
@@ -119,10 +131,23 @@ class FeatureDraft(nn.Module):
                        layout: RaggedLayout) -> torch.Tensor:
         """``predict`` for many sessions at once: rows ``[N, D]`` and ``[N]`` laid out by ``layout``,
         each session attending to its own cache (see ``specdec.ragged``)."""
-        embeds = nn.functional.embedding(tokens, self.embedding.weight.detach())  # [N, D]
-        x = self.fc(torch.cat([embeds, features.to(embeds.dtype)], dim=-1))  # [N, D]
+        x = self._fc(tokens, features)  # [N, D]
         rope = self.rotary_emb(x, layout.positions[None])  # [1, N, hd] each
         return self.norm(ragged_decoder_layer(self.layer, x, rope, caches, layout, 0))  # [N, D]
+
+    def _fc(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """``fc`` over [embedding(tokens); features], features ``[..., W]`` from the target or ``[..., D]``
+        predicted by the draft (its side inputs then zero)."""
+        embeds = nn.functional.embedding(tokens, self.embedding.weight.detach())  # [..., D], frozen
+        features = features.to(embeds.dtype)
+        dim, sides = self.hidden_size, len(self.arch.side_layers)
+        if features.shape[-1] == dim and sides:
+            features = torch.cat([features, features.new_zeros(*features.shape[:-1], sides * dim)], dim=-1)
+        elif sides:
+            side = features[..., dim:].unflatten(-1, (sides, dim))  # [..., S, D]; the residual stream has outliers
+            side = side * torch.rsqrt(side.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+            features = torch.cat([features[..., :dim], side.flatten(-2)], dim=-1)
+        return self.fc(torch.cat([embeds, features], dim=-1))  # [..., D]
 
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary logits ``[..., N]`` of (predicted or true) features ``[..., D]``."""

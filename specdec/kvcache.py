@@ -20,6 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
+from specdec.side_layers import layer_outputs, with_sides
 from specdec.token_lists import common_prefix_len  # noqa: F401 - also imported from here
 
 
@@ -89,7 +90,8 @@ class GrowableCache(DynamicCache):
 
 @dataclass(frozen=True)
 class HiddenRows:
-    """The target's final-norm hidden states ``rows [n, D]`` at committed positions ``start ..``."""
+    """The target's final-norm hidden states ``rows [n, D]`` at committed positions ``start ..`` (with
+    side layers, ``[n, D * (1 + S)]``: see ``specdec.side_layers``)."""
 
     start: int
     rows: torch.Tensor
@@ -171,35 +173,43 @@ class SessionCache:
         return out.logits[0].float()  # [logits_to_keep, V]
 
     @torch.inference_mode()
-    def forward_with_hidden(self, model: PreTrainedModel, extra: list[int],
-                            logits_to_keep: int) -> tuple[torch.Tensor, HiddenRows]:
-        """``forward``, also returning the final-norm hidden states of every fed position.
+    def forward_with_hidden(self, model: PreTrainedModel, extra: list[int], logits_to_keep: int,
+                            side_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenRows]:
+        """``forward``, also returning the final-norm hidden states of every fed position (followed by
+        the outputs of ``side_layers``, see ``specdec.side_layers``).
 
         The same decoder pass and LM head as the model's own forward, run in two calls so the hidden
         states are at hand; the logits are the same numbers.
         """
         start = len(self.kv_tokens)
         fed = self.pending() + list(extra)
-        input_ids = torch.tensor([fed], dtype=torch.long, device=model.device)  # [1, n]
-        hidden = model.get_decoder()(input_ids=input_ids, cache=self.kv, use_cache=True).last_hidden_state[0]  # [n, D]
-        logits = model.get_output_embeddings()(hidden[-logits_to_keep:])  # [logits_to_keep, V]
-        self.kv_tokens.extend(fed)
+        hidden = self._hidden(model, fed, side_layers)  # [n, W]
+        logits = model.get_output_embeddings()(hidden[-logits_to_keep:, : model.config.hidden_size])  # [keep, V]
         return logits.float(), HiddenRows(start, hidden)
 
+    def _hidden(self, model: PreTrainedModel, fed: list[int], side_layers: tuple[int, ...]) -> torch.Tensor:
+        """Feeds ``fed`` into the cache; their final-norm hidden states and side outputs ``[n, W]``."""
+        decoder = model.get_decoder()
+        input_ids = torch.tensor([fed], dtype=torch.long, device=model.device)  # [1, n]
+        with layer_outputs(decoder.layers, side_layers) as sides:
+            hidden = decoder(input_ids=input_ids, cache=self.kv, use_cache=True).last_hidden_state  # [1, n, D]
+        self.kv_tokens.extend(fed)
+        return with_sides(hidden, sides, side_layers)[0]
+
     @torch.inference_mode()
-    def prefill(self, model: PreTrainedModel, with_hidden: bool = False) -> HiddenRows | None:
+    def prefill(self, model: PreTrainedModel, with_hidden: bool = False,
+                side_layers: tuple[int, ...] = ()) -> HiddenRows | None:
         """Caches every committed token but the last, so the next call starts with one pending.
 
-        With ``with_hidden``, returns the hidden states of the positions it fed.
+        With ``with_hidden``, returns the hidden states of the positions it fed (and the outputs of
+        ``side_layers``).
         """
         if len(self.committed) <= 1:
-            return HiddenRows(0, torch.zeros(0, model.config.hidden_size)) if with_hidden else None
+            width = model.config.hidden_size * (1 + len(side_layers))
+            return HiddenRows(0, torch.zeros(0, width)) if with_hidden else None
         if with_hidden:
             start = len(self.kv_tokens)
-            input_ids = torch.tensor([self.committed[:-1]], dtype=torch.long, device=model.device)  # [1, n]
-            hidden = model.get_decoder()(input_ids=input_ids, cache=self.kv, use_cache=True).last_hidden_state[0]
-            self.kv_tokens.extend(self.committed[:-1])
-            return HiddenRows(start, hidden)  # [n, D]
+            return HiddenRows(start, self._hidden(model, self.committed[:-1], side_layers))  # [n, W]
         self.forward_without_logits(model, self.committed[:-1])
         return None
 

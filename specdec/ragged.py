@@ -37,6 +37,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from specdec.side_layers import with_sides
+
 _RAGGED_TYPES = ("llama",)
 
 
@@ -57,6 +59,8 @@ class RaggedItem:
     cache: Cache
     tokens: list[int]
     logits_to_keep: int
+    side_layers: tuple[int, ...] = ()
+    """Layers whose outputs follow the final-norm hidden states in its rows (``specdec.side_layers``)."""
 
 
 def _causal_mask(fed: int, past: int, device: torch.device | str) -> torch.Tensor | None:
@@ -123,8 +127,9 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
     """Feeds every item's tokens into its own cache in one pass over the model's weights.
 
     Returns, per item, the logits ``[logits_to_keep, V]`` (float32) of its last positions and the
-    final-norm hidden states ``[n_i, D]`` of every position it fed. The caches grow by the fed tokens,
-    exactly as a single-session forward would grow them.
+    final-norm hidden states ``[n_i, D]`` of every position it fed, followed by the outputs of the
+    item's side layers (``[n_i, D * (1 + S_i)]``). The caches grow by the fed tokens, exactly as a
+    single-session forward would grow them.
     """
     decoder = model.get_decoder()
     device = model.device
@@ -135,13 +140,18 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
 
     x = decoder.embed_tokens(input_ids)  # [N, D]
     rope = decoder.rotary_emb(x, layout.positions[None])  # [1, N, hd] each
+    wanted = {j for item in items for j in item.side_layers}
+    sides: dict[int, torch.Tensor] = {}
     for layer_idx, layer in enumerate(decoder.layers[: model.config.num_hidden_layers]):
         x = ragged_decoder_layer(layer, x, rope, caches, layout, layer_idx)
+        if layer_idx in wanted:
+            sides[layer_idx] = x  # [N, D]
     hidden = decoder.norm(x)  # [N, D]
 
     bounds = layout.bounds
     keep = torch.cat([torch.arange(hi - item.logits_to_keep, hi, device=device) for item, hi in zip(items, bounds[1:])])
     logits = model.get_output_embeddings()(hidden[keep]).float()  # [sum keep, V]
     per_item_logits = list(torch.split(logits, [item.logits_to_keep for item in items]))
-    per_item_hidden = [hidden[lo:hi] for lo, hi in itertools.pairwise(bounds)]
+    per_item_hidden = [with_sides(hidden[lo:hi], {j: out[lo:hi] for j, out in sides.items()}, item.side_layers)
+                       for item, (lo, hi) in zip(items, itertools.pairwise(bounds))]
     return per_item_logits, per_item_hidden

@@ -28,6 +28,8 @@ class ModelFacts:
     max_context: int
     eos_token_ids: tuple[int, ...]
     fingerprint: str
+    side_layers: tuple[int, ...] = ()
+    """A feature draft: target layers whose outputs it reads besides the final-norm hidden states."""
 
 
 def default_model_folder(cache_dir: Path) -> Path | None:

@@ -32,6 +32,7 @@ def facts_to_pb(facts: ModelFacts) -> common_pb2.ModelInfo:
         max_context=facts.max_context,
         eos_token_ids=list(facts.eos_token_ids),
         tokenizer_fingerprint=facts.fingerprint,
+        side_layers=list(facts.side_layers),
     )
 
 
@@ -44,6 +45,7 @@ def facts_from_pb(msg: common_pb2.ModelInfo) -> ModelFacts:
         max_context=msg.max_context,
         eos_token_ids=tuple(msg.eos_token_ids),
         fingerprint=msg.tokenizer_fingerprint,
+        side_layers=tuple(msg.side_layers),
     )
 
 

@@ -17,6 +17,7 @@ from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel
 from specdec.vocab import ModelFacts
 from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
+from specdec.side_layers import check_side_layers
 from specdec.sampling import (
     Sampling,
     Verdict,
@@ -34,8 +35,10 @@ CURVE_ROWS = 16
 # Pass sizes (token rows) measured at start-up.
 WARMUP_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 # Most hidden-state rows a prefill (or a verify that fed a long new turn) returns (2048 x 576 fp16 is
-# 2.4 MB, well inside a message); the draft attends to the newest ones only.
+# 2.4 MB, well inside a message); the draft attends to the newest ones only. Rows that carry side
+# layers are wider: fewer of them fit the byte budget, well inside the default 8 MiB message limit.
 PREFILL_HIDDEN_ROWS = 2048
+PREFILL_HIDDEN_BYTES = 6 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -63,23 +66,28 @@ class VerifyCall:
     # > 0: not a round but a chunk of a long prompt (see ``feed_call``): the pass feeds this many of
     # the cache's pending committed tokens, never the last, and verifies nothing.
     feed_rows: int = 0
+    # With ``with_hidden``: target layers whose outputs follow the hidden states (specdec.side_layers).
+    side_layers: tuple[int, ...] = ()
 
 
 def newest_hidden(rows: list[HiddenRows]) -> HiddenRows | None:
-    """Consecutive hidden rows as one block, cut to the newest PREFILL_HIDDEN_ROWS (None: no rows)."""
+    """Consecutive hidden rows as one block, cut to the newest PREFILL_HIDDEN_ROWS, or fewer where wide
+    rows would pass PREFILL_HIDDEN_BYTES (None: no rows)."""
     if not rows:
         return None
     kept = rows[0].rows if len(rows) == 1 else torch.cat([r.rows for r in rows])
-    kept = kept[-PREFILL_HIDDEN_ROWS:]  # [n, D]
+    kept = kept[-min(PREFILL_HIDDEN_ROWS, PREFILL_HIDDEN_BYTES // (2 * kept.shape[1])):]  # [n, W]
     return HiddenRows(rows[-1].start + len(rows[-1].rows) - len(kept), kept)
 
 
-def feed_call(cache_id: str, rows: int, with_hidden: bool = False, sync: VerifyCall | None = None) -> VerifyCall:
+def feed_call(cache_id: str, rows: int, with_hidden: bool = False, sync: VerifyCall | None = None,
+              side_layers: tuple[int, ...] = ()) -> VerifyCall:
     """A call that feeds the next ``rows`` pending tokens of a long prompt (or a long new turn) into its
     cache, beside other sessions' rounds in a shared pass; its outcome commits nothing and carries the
     fed rows' hidden states. With ``sync`` (a round's call) it first syncs the cache as that call would."""
     start, tokens, fence = (sync.start, sync.new_tokens, sync.fence) if sync is not None else (0, [], 0)
-    return VerifyCall(cache_id, start, list(tokens), [], [], Sampling(), 0, with_hidden, fence, feed_rows=rows)
+    return VerifyCall(cache_id, start, list(tokens), [], [], Sampling(), 0, with_hidden, fence, feed_rows=rows,
+                      side_layers=side_layers)
 
 
 @dataclass(frozen=True)
@@ -162,10 +170,11 @@ class TargetEngine:
 
     def prefill(
         self, tokens: list[int], with_hidden: bool = False, fence: int = 0, cache_id: str | None = None,
-        defer: bool = False,
+        defer: bool = False, side_layers: tuple[int, ...] = (),
     ) -> tuple[str, int, HiddenRows | None]:
         """Creates a session cache over ``tokens`` (under ``cache_id``, or a fresh id); returns its id,
-        committed length and, when asked, the hidden states of the positions it fed.
+        committed length and, when asked, the hidden states of the positions it fed (followed by the
+        outputs of ``side_layers``).
 
         With ``defer`` nothing is fed yet: the session's first verify pass feeds the prompt beside the
         other sessions' rows (and returns its hidden states), instead of a pass of its own that every
@@ -176,10 +185,11 @@ class TargetEngine:
         if len(tokens) >= self._loaded.max_context:
             raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._loaded.max_context}")
         self._check_tokens(tokens, "tokens")
+        side_layers = check_side_layers(side_layers, self._loaded.model.config.num_hidden_layers)
         cache_id, cache = self._caches.create(tokens, fence, cache_id)
         if defer:
             return cache_id, len(cache.committed), None
-        hidden = cache.prefill(self._loaded.model, with_hidden)
+        hidden = cache.prefill(self._loaded.model, with_hidden, side_layers)
         self._caches.fit_budget(cache_id)
         # A long prompt's rows would outgrow a message; the draft attends to the newest ones only.
         return cache_id, len(cache.committed), newest_hidden([hidden] if hidden is not None else [])
@@ -194,12 +204,15 @@ class TargetEngine:
         sampling: Sampling,
         round_index: int,
         with_hidden: bool = False,
+        side_layers: tuple[int, ...] = (),
     ) -> VerifyOutcome:
         """Scores ``draft_tokens`` after the committed tokens and commits accepted + 1 tokens.
 
-        With ``with_hidden``, the outcome carries the hidden states of the committed positions fed.
+        With ``with_hidden``, the outcome carries the hidden states of the committed positions fed
+        (followed by the outputs of ``side_layers``).
         """
-        call = VerifyCall(cache_id, start, new_tokens, draft_tokens, q, sampling, round_index, with_hidden)
+        call = VerifyCall(cache_id, start, new_tokens, draft_tokens, q, sampling, round_index, with_hidden,
+                          side_layers=side_layers)
         outcome = self.verify_batch([call])[0]
         if isinstance(outcome, Exception):
             raise outcome
@@ -239,6 +252,7 @@ class TargetEngine:
 
     def _prepare(self, index: int, call: VerifyCall) -> _Prepared:
         """Checks a call's fields and syncs its cache to the committed tokens it names."""
+        check_side_layers(call.side_layers, self._loaded.model.config.num_hidden_layers)
         if call.feed_rows:
             return self._prepare_feed(index, call)
         self._check_tokens(call.draft_tokens, "draft_tokens")
@@ -287,7 +301,8 @@ class TargetEngine:
         if self._ragged:
             logits, hidden = ragged_forward(
                 model,
-                [RaggedItem(p.cache.kv, p.fed, 0 if p.call.feed_rows else len(p.call.draft_tokens) + 1) for p in batch],
+                [RaggedItem(p.cache.kv, p.fed, 0 if p.call.feed_rows else len(p.call.draft_tokens) + 1,
+                            p.call.side_layers if p.call.with_hidden else ()) for p in batch],
             )
             for p in batch:
                 p.cache.kv_tokens.extend(p.fed)
@@ -297,7 +312,8 @@ class TargetEngine:
             for p in batch:
                 keep = len(p.call.draft_tokens) + 1
                 if p.call.with_hidden:
-                    item_logits, rows = p.cache.forward_with_hidden(model, p.call.draft_tokens, keep)
+                    item_logits, rows = p.cache.forward_with_hidden(model, p.call.draft_tokens, keep,
+                                                                    p.call.side_layers)
                     hidden.append(rows.rows)
                     starts.append(rows.start)
                 else:

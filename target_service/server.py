@@ -87,6 +87,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
             tokens = list(request.tokens)
+            side_layers = tuple(request.hidden_side_layers)
             # Under load a prompt's own pass would stall every running session for its length; fed
             # beside their one-token rows it costs about the prompt alone (compute-bound rows). A burst
             # of prompts counts as load too: the first gets a pass, the rest share verify passes.
@@ -101,7 +102,8 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             try:
                 cache_id, committed, hidden = await call_core(
                     context, self._executor,
-                    lambda: self._target.prefill(tokens, request.return_hidden, request.fence, defer=defer),
+                    lambda: self._target.prefill(tokens, request.return_hidden, request.fence, defer=defer,
+                                                 side_layers=side_layers),
                 )
             finally:
                 self._prefilling -= not defer
@@ -109,7 +111,8 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                 leave = self._fold_rows if deferred else 1  # pending tokens left to the first round
                 try:
                     rows = await guarded(
-                        context, self._feed_chunks(cache_id, len(tokens), leave, request.return_hidden),
+                        context, self._feed_chunks(cache_id, len(tokens), leave, request.return_hidden,
+                                                   side_layers=side_layers),
                         "TargetService/Prefill",
                     )
                 except BaseException:
@@ -122,14 +125,15 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             return reply
 
     async def _feed_chunks(self, cache_id: str, pending: int, leave: int, with_hidden: bool,
-                           sync: VerifyCall | None = None) -> list[HiddenRows]:
+                           sync: VerifyCall | None = None, side_layers: tuple[int, ...] = ()) -> list[HiddenRows]:
         """Feeds a cache's ``pending`` tokens through the batcher, a chunk a pass, until ``leave`` are
         left, so running sessions' rounds share those passes instead of waiting for all of them (the
         first chunk applies ``sync``, a round's call, first). Returns the fed rows' hidden states."""
         rows, first = [], True
         while pending > leave:
             n = min(self._next_chunk(), pending - 1)  # the last committed token is always a round's to feed
-            outcome = await self._batcher.submit(feed_call(cache_id, n, with_hidden, sync if first else None))
+            outcome = await self._batcher.submit(feed_call(cache_id, n, with_hidden, sync if first else None,
+                                                           side_layers))
             first, pending = False, pending - n
             if outcome.hidden is not None:
                 rows.append(outcome.hidden)
@@ -168,10 +172,12 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             request.round,
             request.return_hidden,
             request.sync.fence,
+            side_layers=tuple(request.hidden_side_layers),
         )
         rows = []
         if self._chunk_rows and (pending := self._pending_after(call)) > self._chunk_rows:
-            rows = await self._feed_chunks(call.cache_id, pending, self._chunk_rows, call.with_hidden, call)
+            rows = await self._feed_chunks(call.cache_id, pending, self._chunk_rows, call.with_hidden, call,
+                                           call.side_layers)
         self._rounds_in_flight += 1
         try:
             outcome = await self._batcher.submit(call)

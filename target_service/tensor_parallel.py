@@ -194,13 +194,14 @@ class LeaderEngine:
         self._last_call = time.monotonic()
 
     def prefill(
-        self, tokens: list[int], with_hidden: bool = False, fence: int = 0, defer: bool = False
+        self, tokens: list[int], with_hidden: bool = False, fence: int = 0, defer: bool = False,
+        side_layers: tuple[int, ...] = (),
     ) -> tuple[str, int, HiddenRows | None]:
         """TargetEngine.prefill on every rank, under one cache id."""
         with self._lock:
             cache_id = self._engine.caches.new_id()
-            self._announce("prefill", tokens, with_hidden, fence, cache_id, defer, new_id=cache_id)
-            return self._engine.prefill(tokens, with_hidden, fence, cache_id, defer)
+            self._announce("prefill", tokens, with_hidden, fence, cache_id, defer, side_layers, new_id=cache_id)
+            return self._engine.prefill(tokens, with_hidden, fence, cache_id, defer, side_layers)
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
         """TargetEngine.verify_batch on every rank."""

@@ -195,8 +195,9 @@ def test_a_long_prompt_fed_in_chunks_answers_as_one_fed_at_once(tiny_target):
 
 
 def test_newest_hidden_joins_consecutive_rows_and_keeps_the_newest():
-    """Chunks' hidden rows join into one block; past PREFILL_HIDDEN_ROWS only the newest rows (and
-    their start position) are kept, since the draft attends to the newest ones."""
+    """Chunks' hidden rows join into one block; past PREFILL_HIDDEN_ROWS (fewer for rows widened by
+    side layers) only the newest rows (and their start position) are kept, since the draft attends to
+    the newest ones."""
     assert newest_hidden([]) is None
     rows = torch.arange(2 * 3, dtype=torch.float32).view(2, 3)
     chunks = [HiddenRows(5, rows), HiddenRows(7, rows + 6)]
@@ -205,6 +206,10 @@ def test_newest_hidden_joins_consecutive_rows_and_keeps_the_newest():
     long = [HiddenRows(0, torch.zeros(PREFILL_HIDDEN_ROWS, 3)), HiddenRows(PREFILL_HIDDEN_ROWS, torch.ones(10, 3))]
     kept = newest_hidden(long)
     assert kept.start == 10 and len(kept.rows) == PREFILL_HIDDEN_ROWS and kept.rows[-10:].eq(1).all()
+    # Rows with four side layers of the default target's width: a reply stays inside 6 MiB.
+    wide = newest_hidden([HiddenRows(0, torch.zeros(PREFILL_HIDDEN_ROWS, 5 * 576, dtype=torch.float16))])
+    assert wide.start + len(wide.rows) == PREFILL_HIDDEN_ROWS and wide.rows.numel() * 2 <= 6 * 1024 * 1024 < (
+        len(wide.rows) + 1) * 5 * 576 * 2
 
 
 class _GatedEngine(TargetEngine):
@@ -225,10 +230,10 @@ class _GatedEngine(TargetEngine):
             self._hold()
         return super().verify_batch(calls)
 
-    def prefill(self, tokens, with_hidden=False, fence=0, cache_id=None, defer=False):
+    def prefill(self, tokens, with_hidden=False, fence=0, cache_id=None, defer=False, side_layers=()):
         if self.gated == "prefill" and not defer:
             self._hold()
-        return super().prefill(tokens, with_hidden, fence, cache_id, defer)
+        return super().prefill(tokens, with_hidden, fence, cache_id, defer, side_layers)
 
 
 def _deferred_flags(stack: InProcessStack) -> list[bool]:

@@ -13,6 +13,7 @@ from draft_service.feature_draft import KIND, FeatureDraftArch, build_feature_dr
 from draft_service.token_draft import CARD_FILE, target_weights_hash
 from harness import InProcessStack
 from specdec import Client
+from specdec.distill.features import sample_features
 from specdec.sampling import Sampling
 from target_service.engine import TargetEngine
 from test_e2e_tiny import PROMPTS, chi_square_passes, hf_greedy
@@ -46,6 +47,23 @@ def stack(tiny_target, tiny_dir, feature_dir, redis_url):
 
 
 @pytest.fixture(scope="module")
+def side_stack(tiny_target, tiny_dir, redis_url):
+    """A stack whose feature draft also reads the target's first layer's output (a side layer)."""
+    torch.manual_seed(4)
+    arch = FeatureDraftArch(head_size=26, side_layers=(0,))
+    draft = build_feature_draft(tiny_target.model, torch.arange(4, 30), arch)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    engine = FeatureDrafter(draft.eval().requires_grad_(False), tiny_target.facts("target"), 64, 64)
+    engine.warmup()
+    s = InProcessStack(TargetEngine(tiny_target, 64), engine, tiny_dir / "target", redis_url).start()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
 def client(stack):
     with Client(stack.address, timeout=60) as c:
         yield c
@@ -66,6 +84,25 @@ def test_greedy_equals_target_only_and_drafts(client, tiny_target, k):
         drafted += result.stats.drafted_tokens
     # A feature draft proposes nothing without the target's hidden states: these prove they arrive.
     assert drafted >= (len(PROMPTS) * 5 if k else 1)
+
+
+def test_a_draft_with_side_layers_gets_them_and_output_stays_exact(side_stack, tiny_target):
+    """The coordinator asks the target for the side layers the draft's card names; the rows the draft
+    holds are the target's own [final-norm hidden; layer 0 output] at those positions."""
+    with Client(side_stack.address, timeout=60) as client:
+        drafted = 0
+        for prompt in PROMPTS:
+            result = client.complete(prompt, max_new_tokens=30, k=4)
+            assert result.token_ids == hf_greedy(tiny_target, prompt, 30), prompt
+            drafted += result.stats.drafted_tokens
+    assert drafted >= len(PROMPTS) * 5
+    sessions = list(side_stack.draft_engine._caches._caches.values())
+    assert sessions
+    for session in sessions:
+        want = sample_features(tiny_target.model, [session.committed], (0,))[0].float()  # [T, 2D]
+        got = session.features.float()
+        assert got.shape[1] == 2 * tiny_target.model.config.hidden_size
+        torch.testing.assert_close(got, want[session.window: session.feature_end], atol=2e-2, rtol=1e-2)
 
 
 def test_lost_draft_cache_and_next_turn(stack, client, tiny_target):

@@ -172,11 +172,12 @@ def test_service_fields(stack, service):
         run()
 
 
-def _verify(cache_id: str, drafts: list[int], temperature: float) -> target_pb2.VerifyRequest:
+def _verify(cache_id: str, drafts: list[int], temperature: float, sides: list[int] = ()) -> target_pb2.VerifyRequest:
     """A round on the cache prefilled with [3, 4, 5]; a sampled one carries a point-mass q per draft token."""
     q = [draft_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in drafts] if temperature else []
     return target_pb2.VerifyRequest(sync=common_pb2.CacheSync(cache_id=cache_id, start=3), draft_tokens=drafts, q=q,
-                                    sampling=common_pb2.SamplingParams(temperature=temperature, seed=1))
+                                    sampling=common_pb2.SamplingParams(temperature=temperature, seed=1),
+                                    return_hidden=bool(sides), hidden_side_layers=sides)
 
 
 def _propose(cache_id: str, k: int, temperature: float = 0.0, ahead: int = 0) -> draft_pb2.ProposeRequest:
@@ -195,6 +196,10 @@ LIMITS = {
     "huge ahead": ("draft", "Propose", lambda c: _propose(c, 2, ahead=2**32 - 1), "ahead"),
     "NaN temperature": ("draft", "Propose", lambda c: _propose(c, 2, float("nan")), "sampling.temperature"),
     "prompt past the context": ("draft", "Prefill", lambda c: common_pb2.PrefillRequest(tokens=[3] * 256), "tokens"),
+    "side layer past the target's": ("target", "Verify", lambda c: _verify(c, [6], 0.0, sides=[0, 99]),
+                                     "hidden_side_layers"),
+    "five side layers": ("target", "Prefill", lambda c: common_pb2.PrefillRequest(
+        tokens=[3, 4], return_hidden=True, hidden_side_layers=[0, 1, 0, 1, 0]), "hidden_side_layers"),
 }
 
 

@@ -59,6 +59,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
     g.add_argument("--init-from", type=_ints, default=d.init_from, help="target layers to initialise them from")
     g.add_argument("--head-size", type=int, default=d.head_size, help="reduced vocabulary size N")
+    g.add_argument("--side-layers", type=_ints, default=d.side_layers,
+                   help="feature draft: target layers (0-based) whose outputs it also reads, e.g. 2,15")
     g = p.add_argument_group("training")
     g.add_argument("--lr", type=float, default=d.lr)
     g.add_argument("--epochs", type=float, default=d.epochs, help="at most this many passes over the data")
@@ -74,6 +76,8 @@ def config_from_args(argv: list[str]) -> DistillConfig:
     args = parser().parse_args(argv)
     if len(args.init_from) != args.layers:
         raise SystemExit(f"--init-from names {len(args.init_from)} layers, --layers is {args.layers}")
+    if args.side_layers and args.kind != "feature":
+        raise SystemExit("--side-layers is for --kind feature")
     work = args.work or args.cache_dir / "distill" / args.out.resolve().name
     return DistillConfig(
         target=args.target, out=args.out, work=work, cache_dir=args.cache_dir,
@@ -81,7 +85,8 @@ def config_from_args(argv: list[str]) -> DistillConfig:
         seed=args.seed, resume=args.resume, threads=args.threads, prompts=args.prompts, held_out=args.held_out,
         batch_size=args.batch_size, max_new=args.max_new, eval_max_new=args.eval_max_new,
         temperatures=args.temperatures, collect_share=args.collect_share, layers=args.layers,
-        init_from=args.init_from, head_size=args.head_size, lr=args.lr, epochs=args.epochs,
+        init_from=args.init_from, head_size=args.head_size, side_layers=args.side_layers, lr=args.lr,
+        epochs=args.epochs,
         batch_tokens=args.batch_tokens, max_len=args.max_len, soft_weight=args.soft_weight,
         prompt_weight=args.prompt_weight, extra_eval=tuple(args.extra_eval),
         collect_only=args.collect_only,

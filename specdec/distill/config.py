@@ -46,6 +46,8 @@ class DistillConfig:
     layers: int = 2
     init_from: tuple[int, ...] = (0, 1)
     head_size: int = 8192
+    side_layers: tuple[int, ...] = ()
+    """Feature draft: target layers whose outputs it reads besides the final-norm feature (EAGLE-3)."""
     # training
     lr: float = 3e-3
     epochs: float = 4.0

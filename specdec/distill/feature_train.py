@@ -100,18 +100,21 @@ def feature_loss(draft: FeatureDraft, batch: FeatureBatch, soft_weight: float = 
                  noise: float = 0.05) -> tuple[torch.Tensor, int, int]:
     """Regression + argmax + distribution loss of one batch, plus the same after one rollout step;
     also (correct top-1 on first-step generated positions, their count)."""
-    feats = batch.features.float()  # [B, T, D]
+    feats = batch.features.float()  # [B, T, W]: f, then any side layers' outputs
+    dim = draft.hidden_size
     inputs = feats[:, :-1]  # f_i, i = 0 .. T-2
-    if noise > 0:
-        inputs = inputs + noise * inputs.std() * torch.randn_like(inputs)
+    if noise > 0:  # on f only: later steps read the draft's own f, never its own side features
+        f = inputs[..., :dim]
+        inputs = torch.cat([f + noise * f.std() * torch.randn_like(f), inputs[..., dim:]], dim=-1)
     tokens = batch.tokens[:, 1:]  # t_{i+1}
-    truth = feats[:, 1:]  # f_{i+1}
+    truth = feats[:, 1:, :dim]  # f_{i+1}
     labels, weights = batch.labels[:, 1:], batch.weights[:, 1:]  # argmax at i + 1
     valid = batch.valid[:, 1:]
     first = draft.predict(inputs, tokens)  # [B, T-1, D]
     loss, correct, count = _targets_loss(draft, first, truth, labels, weights, valid, soft_weight)
     if rollout_weight > 0 and first.shape[1] > 1:
-        # Position i + 1 now reads the draft's own prediction of f_{i+1}, as the second draft step does.
+        # Position i + 1 now reads the draft's own prediction of f_{i+1} (and no side features), as the
+        # second draft step does.
         second = draft.predict(first[:, :-1], tokens[:, 1:])  # [B, T-2, D]
         rolled, _, _ = _targets_loss(draft, second, truth[:, 1:], labels[:, 1:], weights[:, 1:], valid[:, 1:],
                                      soft_weight)

@@ -160,10 +160,11 @@ def _train_token(config, target, samples, references, extra, head_ids, tconf, bu
 
 def _train_feature(config, target, samples, references, extra, head_ids, tconf, budget_end):
     """Extracts the target's features, then trains, evaluates and saves a feature draft."""
-    arch = FeatureDraftArch(head_size=len(head_ids))
+    arch = FeatureDraftArch(head_size=len(head_ids), side_layers=config.side_layers)
     draft = build_feature_draft(target.model, head_ids, arch)
-    features = extract_features(target.model, samples, config.work / "features-data")
-    ref_features = extract_features(target.model, references, config.work / "features-eval-held-out")
+    sides = {"side_layers": config.side_layers}
+    features = extract_features(target.model, samples, config.work / "features-data", **sides)
+    ref_features = extract_features(target.model, references, config.work / "features-eval-held-out", **sides)
     untrained = evaluate_feature(draft, references, ref_features)
     examples = make_feature_examples(samples, features, draft.vocab_to_head, config.max_len, config.prompt_weight)
     t_train = time.monotonic()
@@ -177,7 +178,7 @@ def _train_feature(config, target, samples, references, extra, head_ids, tconf, 
                "held_out_with_lookup": evaluate_feature(draft, references, ref_features,
                                                         lookup_min=DraftConfig.lookup_min)}
     for name, refs in extra.items():
-        feats = extract_features(target.model, refs, config.work / f"features-eval-{Path(name).stem}")
+        feats = extract_features(target.model, refs, config.work / f"features-eval-{Path(name).stem}", **sides)
         metrics[f"extra:{name}"] = evaluate_feature(draft, refs, feats)
     save_feature_draft(draft, config.out)
     return draft, arch, training, metrics, train_s

@@ -31,36 +31,40 @@ class CacheSync(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., fence: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "kind")
+    __slots__ = ("name", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "kind", "side_layers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    SIDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     max_context: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     tokenizer_fingerprint: str
     kind: str
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., kind: _Optional[str] = ...) -> None: ...
+    side_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., kind: _Optional[str] = ..., side_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("tokens", "return_hidden", "fence", "feed_now")
+    __slots__ = ("tokens", "return_hidden", "fence", "feed_now", "hidden_side_layers")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     FEED_NOW_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     return_hidden: bool
     fence: int
     feed_now: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., return_hidden: _Optional[bool] = ..., fence: _Optional[int] = ..., feed_now: _Optional[bool] = ...) -> None: ...
+    hidden_side_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., return_hidden: _Optional[bool] = ..., fence: _Optional[int] = ..., feed_now: _Optional[bool] = ..., hidden_side_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("cache_id", "committed", "hidden")

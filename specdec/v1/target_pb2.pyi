@@ -9,20 +9,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("sync", "draft_tokens", "q", "sampling", "round", "return_hidden")
+    __slots__ = ("sync", "draft_tokens", "q", "sampling", "round", "return_hidden", "hidden_side_layers")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.CacheSync
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_draft_pb2.SparseDistribution]
     sampling: _common_pb2.SamplingParams
     round: int
     return_hidden: bool
-    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., return_hidden: _Optional[bool] = ...) -> None: ...
+    hidden_side_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., return_hidden: _Optional[bool] = ..., hidden_side_layers: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("accepted", "tokens", "committed", "hidden", "load")
