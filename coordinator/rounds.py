@@ -578,7 +578,7 @@ class RoundLoop:
             drafted = len(draft.tokens) if draft else 0
             self._costs.record_verify(verify_ms, drafted + 1, verdict.load)
             if verdict.load is not None:
-                self._target_load[target_ref.address] = (time.monotonic(), verdict.load)
+                self._note_load(target_ref.address, verdict.load)
             else:
                 self._batching_targets = False
             stats.draft_ms += draft_ms
@@ -603,6 +603,14 @@ class RoundLoop:
                 }
             )
         return draft, verdict, draft_ref, target_ref, hidden
+
+    def _note_load(self, address: str, load: PassLoad) -> None:
+        """Keeps the replica's latest pass; forgets stale ones once replicas that left (discovered pods
+        come and go under new addresses) could make the table grow past the live set."""
+        now = time.monotonic()
+        self._target_load[address] = (now, load)
+        if len(self._target_load) > 2 * len(self._targets) + 1:
+            self._target_load = {a: seen for a, seen in self._target_load.items() if now - seen[0] <= _LOAD_FRESH_S}
 
     def _fresh_load(self, address: str) -> PassLoad | None:
         """The replica's latest pass, unless it is older than a second (the load may have changed)."""

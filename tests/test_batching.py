@@ -586,3 +586,19 @@ def test_a_draft_on_the_targets_own_cores_is_off_under_load():
     # Alone on the target the draft never overlaps another session's pass: both agree.
     alone = PassLoad(1, 1, 0, 110.0, load.alone_ms, load.alone_ms)
     assert shared.choose(tracker, alone) == separate.choose(tracker, alone) > 0
+
+
+def test_the_load_table_forgets_targets_that_left(tiny_target, tiny_draft, tiny_dir, redis_url):
+    """Discovered targets come and go under new addresses: once the coordinator's table of their
+    latest passes outgrows the live replicas, the stale entries go and the fresh ones stay."""
+    stack = InProcessStack(TargetEngine(tiny_target, 4), ModelDrafter(tiny_draft, 4, 4), tiny_dir / "target",
+                           redis_url).start()
+    try:
+        loop = stack.round_loops[0]
+        load = PassLoad(1, 1, 0, 1.0, [1.0], [1.0])
+        stale = time.monotonic() - 60
+        loop._target_load.update({f"gone-{i}:1": (stale, load) for i in range(10)})
+        loop._note_load("fresh:1", load)
+        assert set(loop._target_load) == {"fresh:1"} and loop._fresh_load("fresh:1") is load
+    finally:
+        stack.close()
