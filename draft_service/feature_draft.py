@@ -8,12 +8,13 @@ feature back in place of the target's, which the target only supplies for commit
 
 Layout: ``fc`` (2D -> D) over [embedding(t_{i+1}); f_i] -> one Llama decoder layer -> RMSNorm.
 
+The embedding and head rows are the target's own (frozen, taken from the loaded target at start-up);
+the draft's files hold only ``fc``, the layer, the norm, the head ids and a head bias.
+
 With ``side_layers`` (the EAGLE-3 idea) the target also sends its residual stream after those of its
 layers, each RMS-normalised and read by ``fc`` beside f_i: lower layers keep context that the last
 one has already narrowed down to its own next token. The target sends them for committed positions
 only, so a step that reads the draft's own predicted feature reads zeros there, as in training.
-The embedding and head rows are the target's own (frozen, taken from the loaded target at start-up);
-the draft's files hold only ``fc``, the layer, the norm, the head ids and a head bias.
 
 ``FeatureSession`` keeps one session's features and the draft's KV cache in step with the committed
 tokens (the committed-prefix invariant of ``specdec.kvcache``, extended to features).
