@@ -23,6 +23,7 @@ tokens (the committed-prefix invariant of ``specdec.kvcache``, extended to featu
 from __future__ import annotations
 
 import copy
+import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -207,6 +208,42 @@ def load_feature_draft(draft_dir: Path, target_model: nn.Module, target_hash: st
                          tensors["head_ids"], arch)
     draft.load_state_dict({k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()})
     return draft.float().eval().requires_grad_(False)
+
+
+def warm_start(draft: FeatureDraft, source_dir: Path, target_hash: str) -> dict:
+    """Starts ``draft`` from the feature draft in ``source_dir`` (distilled for the same target, with
+    the same head and a prefix of ``draft``'s side layers); returns the source's identity for a card.
+
+    Every tensor is copied; ``fc``'s columns for side layers the source did not read stay zero, so
+    the draft starts out proposing exactly what the source proposes and training adds the new inputs.
+    """
+    card = read_card(source_dir)
+    if card.get("kind") != KIND:
+        raise ValueError(f"{source_dir} holds a draft of kind {card.get('kind')!r}, not {KIND!r}")
+    check_target(card, source_dir, target_hash)
+    source = FeatureDraftArch.from_json(card["architecture"])
+    if draft.arch.side_layers[: len(source.side_layers)] != source.side_layers:
+        raise ValueError(f"{source_dir} reads side layers {list(source.side_layers)}: the draft's "
+                         f"{list(draft.arch.side_layers)} must start with them")
+    path = Path(source_dir) / WEIGHTS_FILE
+    tensors = load_file(str(path))
+    if not torch.equal(tensors["head_ids"].long(), draft.head_ids):
+        raise ValueError(f"{source_dir} scores another head: start from its head ids (source_head_ids)")
+    state = draft.state_dict()
+    with torch.no_grad():
+        for name, value in tensors.items():
+            if name == "fc.weight":  # [D, width of the source's inputs]: a prefix of the draft's columns
+                state[name][:, : value.shape[1]].copy_(value.float())
+            else:
+                state[name].copy_(value.to(state[name].dtype))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return {"path": str(source_dir), "weights_sha256": digest, "command": card["recipe"]["command"],
+            "seed": card["recipe"]["seed"], "side_layers": list(source.side_layers)}
+
+
+def source_head_ids(source_dir: Path) -> torch.Tensor:
+    """The head ids ``[N]`` of the draft stored in ``source_dir``."""
+    return load_file(str(Path(source_dir) / WEIGHTS_FILE))["head_ids"].long()
 
 
 @dataclass(frozen=True)

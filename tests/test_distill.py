@@ -274,3 +274,37 @@ def test_shipped_draft_loads_for_default_target(default_model):
     assert len(proposal.tokens) == 4 and all(t in head for t in proposal.tokens)
     wrapped = wrap_token_draft(loaded.model, default_model, "x")
     assert wrapped.tokenizer is default_model.tokenizer
+
+
+def test_a_feature_distillation_can_start_from_a_draft_and_skip_its_prompts(tiny_target, tiny_dir, tmp_path):
+    """``--init-draft`` starts the run from a distilled feature draft (its head kept, the card naming
+    it and scoring the start) and ``--prompt-offset`` collects from later training prompts only."""
+    from draft_service.feature_draft import FeatureDraftArch, build_feature_draft, save_feature_draft
+
+    source = tmp_path / "source"
+    draft = build_feature_draft(tiny_target.model, torch.arange(5, 29), FeatureDraftArch(head_size=24))
+    save_feature_draft(draft, source)
+    card = {"kind": "feature", "target": {"name": "tiny", "weights_sha256": target_weights_hash(tiny_target.model)},
+            "architecture": draft.arch.to_json(), "recipe": {"command": "specdec distill --kind feature", "seed": 0}}
+    (source / CARD_FILE).write_text(json.dumps(card))
+    orig_build, orig_harvest = pipeline.build_prompts, pipeline.harvest_stdlib
+    pipeline.build_prompts, pipeline.harvest_stdlib = _tiny_prompts, lambda: []
+    argv = ["--target", str(tiny_dir / "target"), "--kind", "feature", "--out", str(tmp_path / "draft"),
+            "--work", str(tmp_path / "work"), "--cache-dir", str(tiny_dir), "--minutes", "0.5", "--tokens", "300",
+            "--prompts", "200", "--held-out", "12", "--batch-size", "16", "--max-new", "12", "--eval-max-new", "12",
+            "--epochs", "2", "--batch-tokens", "1024", "--threads", "1", "--side-layers", "0",
+            "--init-draft", str(source), "--prompt-offset", "40"]
+    try:
+        assert distill_cli.main(argv) == 0
+    finally:
+        pipeline.build_prompts, pipeline.harvest_stdlib = orig_build, orig_harvest
+    made = json.loads((tmp_path / "draft" / CARD_FILE).read_text())
+    assert made["training"]["started_from"]["path"] == str(source)
+    assert made["recipe"]["settings"]["prompt_offset"] == 40
+    assert "held_out_start" in made["metrics"] and "held_out_untrained" not in made["metrics"]
+    train_prompts, _ = split_prompts(_tiny_prompts(200, 0), 12, 0)
+    first = pipeline.load_shards(tmp_path / "work" / "data")[0]
+    tokenizer = tiny_target.tokenizer
+    assert first.tokens[: first.prompt_len] == train_prompts[40].render(tokenizer)
+    with safe_open(str(tmp_path / "draft" / WEIGHTS_FILE), "pt") as f:
+        assert f.get_tensor("head_ids").tolist() == list(range(5, 29))

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draft_service.feature_draft import FeatureDraftArch, FeatureSession, build_feature_draft, load_feature_draft
+from draft_service.feature_draft import (FeatureDraftArch, FeatureSession, build_feature_draft, load_feature_draft,
+                                         save_feature_draft, source_head_ids, warm_start)
 from draft_service.token_draft import CARD_FILE, WEIGHTS_FILE, target_weights_hash
 from specdec.distill.collect import Sample
 from specdec.distill.evaluate import evaluate_feature
@@ -371,3 +372,39 @@ def test_held_out_rounds_with_lookup_replay_the_served_rule(draft, tiny_target):
     assert served["top1_agreement"] == alone["top1_agreement"]
     assert served["mean_accepted_length"] > alone["mean_accepted_length"]
     assert served["mean_accepted_length"] > 2.5  # the repeating reference is drafted by lookup
+
+
+def _saved_draft(folder: Path, draft, model) -> Path:
+    save_feature_draft(draft, folder)
+    card = {"kind": "feature", "target": {"name": "tiny", "weights_sha256": target_weights_hash(model)},
+            "architecture": draft.arch.to_json(), "recipe": {"command": "specdec distill ...", "seed": 3}}
+    (folder / CARD_FILE).write_text(json.dumps(card))
+    return folder
+
+
+def test_a_warm_start_proposes_what_its_source_proposes_and_reads_new_side_layers_from_zero(draft, tiny_target,
+                                                                                             tmp_path):
+    """A draft started from a distilled one (``specdec distill --init-draft``) predicts exactly what the
+    source predicts, whatever its new side layers hold, until training moves it; wrong sources are refused."""
+    model = tiny_target.model
+    source = _saved_draft(tmp_path / "source", draft, model)
+    grown = build_feature_draft(model, source_head_ids(source), FeatureDraftArch(head_size=24, side_layers=(0,)))
+    identity = warm_start(grown, source, target_weights_hash(model))
+    assert identity["seed"] == 3 and identity["side_layers"] == [] and len(identity["weights_sha256"]) == 64
+    tokens = torch.randint(4, 28, (9,), generator=torch.Generator().manual_seed(1)).tolist()
+    feats = sample_features(model, [tokens], (0,))[0].float()  # [T, 2D]: f, then layer 0's output
+    dim = model.config.hidden_size
+    with torch.no_grad():
+        expected = load_feature_draft(source, model).predict(feats[None, :, :dim], torch.tensor([tokens]))
+        torch.testing.assert_close(grown.predict(feats[None], torch.tensor([tokens])), expected, atol=1e-3, rtol=1e-3)
+        assert grown.fc.weight[:, 2 * dim:].abs().sum() == 0  # the side block starts unread, and trains
+
+    with pytest.raises(ValueError, match="sha256"):
+        warm_start(grown, source, "0" * 64)
+    with pytest.raises(ValueError, match="another head"):
+        warm_start(build_feature_draft(model, torch.arange(5, 29), FeatureDraftArch(head_size=24)), source,
+                   target_weights_hash(model))
+    sided = _saved_draft(tmp_path / "sided", grown, model)
+    with pytest.raises(ValueError, match="must start with them"):
+        warm_start(build_feature_draft(model, source_head_ids(source), FeatureDraftArch(head_size=24)), sided,
+                   target_weights_hash(model))

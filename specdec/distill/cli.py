@@ -48,6 +48,8 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--prompts", type=int, default=d.prompts, help="prompts to build (used in seeded order)")
     g.add_argument("--held-out", type=int, default=d.held_out, help="prompts held out for evaluation")
+    g.add_argument("--prompt-offset", type=int, default=d.prompt_offset,
+                   help="skip this many training prompts (those an --init-draft was trained on); held-out ones stay")
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts continued together")
     g.add_argument("--max-new", type=int, default=d.max_new, help="tokens generated per training prompt")
     g.add_argument("--eval-max-new", type=int, default=d.eval_max_new, help="tokens generated per held-out prompt")
@@ -61,6 +63,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--head-size", type=int, default=d.head_size, help="reduced vocabulary size N")
     g.add_argument("--side-layers", type=_ints, default=d.side_layers,
                    help="feature draft: target layers (0-based) whose outputs it also reads, e.g. 2,15")
+    g.add_argument("--init-draft", type=Path, default=None,
+                   help="feature draft: start from this distilled draft (same target and head; its side layers "
+                        "a prefix of --side-layers) instead of the target's last layer")
     g = p.add_argument_group("training")
     g.add_argument("--lr", type=float, default=d.lr)
     g.add_argument("--epochs", type=float, default=d.epochs, help="at most this many passes over the data")
@@ -78,14 +83,18 @@ def config_from_args(argv: list[str]) -> DistillConfig:
         raise SystemExit(f"--init-from names {len(args.init_from)} layers, --layers is {args.layers}")
     if args.side_layers and args.kind != "feature":
         raise SystemExit("--side-layers is for --kind feature")
+    if args.init_draft and args.kind != "feature":
+        raise SystemExit("--init-draft is for --kind feature")
     work = args.work or args.cache_dir / "distill" / args.out.resolve().name
     return DistillConfig(
         target=args.target, out=args.out, work=work, cache_dir=args.cache_dir,
         command="specdec distill " + shlex.join(argv), kind=args.kind, minutes=args.minutes, tokens=args.tokens,
         seed=args.seed, resume=args.resume, threads=args.threads, prompts=args.prompts, held_out=args.held_out,
+        prompt_offset=args.prompt_offset,
         batch_size=args.batch_size, max_new=args.max_new, eval_max_new=args.eval_max_new,
         temperatures=args.temperatures, collect_share=args.collect_share, layers=args.layers,
-        init_from=args.init_from, head_size=args.head_size, side_layers=args.side_layers, lr=args.lr,
+        init_from=args.init_from, head_size=args.head_size, side_layers=args.side_layers, init_draft=args.init_draft,
+        lr=args.lr,
         epochs=args.epochs,
         batch_tokens=args.batch_tokens, max_len=args.max_len, soft_weight=args.soft_weight,
         prompt_weight=args.prompt_weight, extra_eval=tuple(args.extra_eval),

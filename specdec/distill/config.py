@@ -35,6 +35,8 @@ class DistillConfig:
     """Prompts built (in a seeded order; collection uses as many as the budgets allow)."""
     held_out: int = 48
     """Prompts held out for evaluation (never trained on)."""
+    prompt_offset: int = 0
+    """Training prompts (in seeded order) to skip: those a warm start's source was already trained on."""
     batch_size: int = 48
     max_new: int = 128
     eval_max_new: int = 128
@@ -48,6 +50,8 @@ class DistillConfig:
     head_size: int = 8192
     side_layers: tuple[int, ...] = ()
     """Feature draft: target layers whose outputs it reads besides the final-norm feature (EAGLE-3)."""
+    init_draft: Path | None = None
+    """Feature draft: a distilled draft of the same target to start from instead of the target's layer."""
     # training
     lr: float = 3e-3
     epochs: float = 4.0
@@ -64,6 +68,7 @@ class DistillConfig:
         """The settings as JSON-friendly values, for the card."""
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
         out["extra_eval"] = [str(p) for p in self.extra_eval]
+        out["init_draft"] = None if self.init_draft is None else str(self.init_draft)
         for k in ("out", "work", "cache_dir", "resume", "command", "collect_only"):
             out.pop(k)
         return out

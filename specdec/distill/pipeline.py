@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from draft_service.feature_draft import KIND as FEATURE_KIND
-from draft_service.feature_draft import FeatureDraftArch, build_feature_draft, save_feature_draft
+from draft_service.feature_draft import (FeatureDraftArch, build_feature_draft, save_feature_draft, source_head_ids,
+                                         warm_start)
 from draft_service.token_draft import (CARD_FILE, KIND, TokenDraftArch, build_token_draft, save_token_draft,
                                        target_weights_hash)
 from specdec.config import DraftConfig
@@ -90,6 +91,7 @@ def run(config: DistillConfig) -> dict | None:
 
     references = _references(target, held_prompts, config.work / "eval-held-out", config, pad_id)
     t_collect = time.monotonic()
+    train_prompts = train_prompts[config.prompt_offset:]
     train_ids = [p.render(tokenizer) for p in train_prompts]
     plan = CollectPlan(config.batch_size, config.max_new, config.temperatures, config.seed)
     collect_deadline = started + 60 * config.minutes * config.collect_share
@@ -119,6 +121,9 @@ def run(config: DistillConfig) -> dict | None:
     head_path = config.work / "head_ids.pt"
     if config.resume and head_path.exists():
         head_ids = torch.load(head_path)
+    elif config.init_draft is not None:  # a warm start keeps its source's head
+        head_ids = source_head_ids(config.init_draft)
+        torch.save(head_ids, head_path)
     else:
         head_ids = top_tokens(samples, min(config.head_size, target.vocab_size), target.eos_token_ids)
         torch.save(head_ids, head_path)
@@ -128,7 +133,7 @@ def run(config: DistillConfig) -> dict | None:
                         soft_weight=config.soft_weight, seed=config.seed)
     train_kind = _train_feature if config.kind == FEATURE_KIND else _train_token
     draft, arch, training, metrics, train_s = train_kind(config, target, samples, references, extra, head_ids, tconf,
-                                                         budget_end)
+                                                         budget_end, target_hash)
     metrics["head_coverage_of_train_labels"] = _coverage(samples, head_ids)
     timing = {"collect_s": round(collect_s, 1), "train_s": round(train_s, 1),
               "total_s": round(time.monotonic() - started, 1), "threads": config.threads}
@@ -138,7 +143,7 @@ def run(config: DistillConfig) -> dict | None:
     return card
 
 
-def _train_token(config, target, samples, references, extra, head_ids, tconf, budget_end):
+def _train_token(config, target, samples, references, extra, head_ids, tconf, budget_end, target_hash):
     """Trains, evaluates and saves a token draft; returns (draft, arch, training, metrics, seconds)."""
     arch = TokenDraftArch(config.layers, config.init_from, len(head_ids))
     draft = build_token_draft(target.model, head_ids, arch)
@@ -158,14 +163,15 @@ def _train_token(config, target, samples, references, extra, head_ids, tconf, bu
     return draft, arch, training, metrics, train_s
 
 
-def _train_feature(config, target, samples, references, extra, head_ids, tconf, budget_end):
+def _train_feature(config, target, samples, references, extra, head_ids, tconf, budget_end, target_hash):
     """Extracts the target's features, then trains, evaluates and saves a feature draft."""
     arch = FeatureDraftArch(head_size=len(head_ids), side_layers=config.side_layers)
     draft = build_feature_draft(target.model, head_ids, arch)
+    start = None if config.init_draft is None else warm_start(draft, config.init_draft, target_hash)
     sides = {"side_layers": config.side_layers}
     features = extract_features(target.model, samples, config.work / "features-data", **sides)
     ref_features = extract_features(target.model, references, config.work / "features-eval-held-out", **sides)
-    untrained = evaluate_feature(draft, references, ref_features)
+    before = evaluate_feature(draft, references, ref_features)
     examples = make_feature_examples(samples, features, draft.vocab_to_head, config.max_len, config.prompt_weight)
     t_train = time.monotonic()
     training = train(draft, feature_batcher(examples, config.batch_tokens),
@@ -173,7 +179,11 @@ def _train_feature(config, target, samples, references, extra, head_ids, tconf, 
                      deadline=budget_end, resume=config.resume)
     train_s = time.monotonic() - t_train
     draft.requires_grad_(False)
-    metrics = {"held_out": evaluate_feature(draft, references, ref_features), "held_out_untrained": untrained,
+    if start is not None:
+        training["started_from"] = start
+    metrics = {"held_out": evaluate_feature(draft, references, ref_features),
+               # Before this run's training: the target's own layer, or the draft it started from.
+               ("held_out_untrained" if start is None else "held_out_start"): before,
                # As the draft service serves it by default: prompt lookup first.
                "held_out_with_lookup": evaluate_feature(draft, references, ref_features,
                                                         lookup_min=DraftConfig.lookup_min)}
