@@ -16,7 +16,7 @@ from draft_service.feature_draft import (FeatureDraftArch, FeatureSession, build
 from draft_service.token_draft import CARD_FILE, WEIGHTS_FILE, target_weights_hash
 from specdec.distill.collect import Sample
 from specdec.distill.evaluate import evaluate_feature
-from specdec.distill.feature_train import feature_batcher, feature_loss, make_feature_examples
+from specdec.distill.feature_train import feature_batcher, feature_loss, make_feature_examples, two_steps
 from specdec.distill.features import extract_features, sample_features
 from specdec.distill.train import TrainConfig, train
 from specdec.kvcache import HiddenRows
@@ -124,6 +124,30 @@ def test_training_lowers_loss_and_evaluation_replays(tiny_target, tmp_path):
     assert after["mean_accepted_length"] > before["mean_accepted_length"]
     assert after["rounds"] > 0 and len(after["acceptance_by_position"]) == 3
 
+
+
+@torch.no_grad()
+def test_training_rolls_out_as_the_service_drafts(draft, tiny_target):
+    """The training's first step is ``predict`` over the pairs, and its rollout step at every position
+    is what a served session's second draft step computes there once the target accepted the first
+    draft token (true features in the cache, the draft's own predicted feature last)."""
+    model = tiny_target.model
+    tokens = torch.randint(4, 28, (14,), generator=torch.Generator().manual_seed(7)).tolist()
+    feats = sample_features(model, [tokens])[0].float()  # [T, D]
+    first, second = two_steps(draft, feats[None, :-1], torch.tensor([tokens[1:]]))
+    torch.testing.assert_close(first, draft.predict(feats[None, :-1], torch.tensor([tokens[1:]])))
+    for n in range(3, len(tokens)):
+        session = FeatureSession(committed=tokens[:n])
+        session.add_features(0, feats[: n - 1])
+        seen = []
+
+        def pick(logits, n=n):  # the target's own token first, as a round whose first token passed
+            seen.append(logits)
+            return (tokens[n] if len(seen) == 1 else 4), None
+
+        session.propose(draft, 2, pick)
+        torch.testing.assert_close(seen[1], draft.full_logits(second[0, n - 2 : n - 1]), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(second, first[:, 1:], atol=1e-3)  # the rollout reads something else
 
 
 def test_feature_shards_resume_when_more_samples_arrive(tiny_target, tmp_path):

@@ -6,7 +6,10 @@ Per sample of ``T`` tokens with the target's features ``f_0 .. f_{T-1}``, the dr
   draft's own predictions, start from something close to the target's;
 - the target's argmax there, and its distribution over the head (from f_{i+1} itself).
 A second, *rollout* pass feeds the draft's own predicted features back in (as drafting beyond the
-first token does) and is taught the same targets, so errors do not compound as fast.
+first token does) and is taught the same targets, so errors do not compound as fast. It is built as
+the draft service drafts (the "training-time test" of EAGLE-3): the rollout pair at position p
+attends to the first pass's keys and values at positions before p, which came from the target's
+true features, as a served session's KV cache does, and to its own.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from draft_service.feature_draft import FeatureDraft
 from specdec.distill.collect import Sample
@@ -110,29 +115,78 @@ def feature_loss(draft: FeatureDraft, batch: FeatureBatch, soft_weight: float = 
     truth = feats[:, 1:, :dim]  # f_{i+1}
     labels, weights = batch.labels[:, 1:], batch.weights[:, 1:]  # argmax at i + 1
     valid = batch.valid[:, 1:]
-    first = draft.predict(inputs, tokens)  # [B, T-1, D]
-    loss, correct, count = _targets_loss(draft, first, truth, labels, weights, valid, soft_weight)
-    if rollout_weight > 0 and first.shape[1] > 1:
-        # Position i + 1 now reads the draft's own prediction of f_{i+1} (and no side features), as the
-        # second draft step does.
-        second = draft.predict(first[:, :-1], tokens[:, 1:])  # [B, T-2, D]
+    first, second = two_steps(draft, inputs, tokens, rollout=rollout_weight > 0)
+    keep = weights > 0  # [B, T-1]; the head, the costly part, runs on labelled positions only
+    teacher = None
+    if soft_weight > 0:
+        with torch.no_grad():  # the target's own distribution over the head, from its true feature
+            teacher = torch.softmax(nn.functional.linear(truth[keep], draft.head_weight), dim=-1)  # [M, N]
+    loss, correct, count = _targets_loss(draft, first, truth, labels, weights, valid, soft_weight, teacher)
+    if second is not None:
+        later = keep.clone()
+        later[:, 0] = False  # the rollout predicts from position 1 on: its rows of the same teacher
         rolled, _, _ = _targets_loss(draft, second, truth[:, 1:], labels[:, 1:], weights[:, 1:], valid[:, 1:],
-                                     soft_weight)
+                                     soft_weight, None if teacher is None else teacher[later[keep]])
         loss = loss + rollout_weight * rolled
     return loss, correct, count
 
 
+def two_steps(draft: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor,
+              rollout: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The draft's first and second draft steps at every position of right-padded pairs.
+
+    ``features [B, T, W]`` and ``tokens [B, T]`` are the pairs (f_i, t_{i+1}). Returns ``first
+    [B, T, D]``, the predicted f_{i+1} (``draft.predict`` on the pairs), and ``second [B, T-1, D]``
+    (None without ``rollout`` or with T < 2): the prediction of f_{i+2} from the pair
+    (first[i], t_{i+2}) at position i + 1, attending to the pairs 0..i as they were fed in the first
+    step (true features, as a served session's cache holds them) and to itself. That is what the
+    service's second draft step computes after a round whose tokens the target all accepted.
+    """
+    t = tokens.shape[1]
+    x = draft._fc(tokens, features)  # [B, T, D]
+    positions = torch.arange(t).unsqueeze(0)  # [1, T]
+    causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
+    h, (keys, values) = _decoder_layer(draft.layer, x, draft.rotary_emb(x, positions), causal)
+    first = draft.norm(h)
+    if not rollout or t < 2:
+        return first, None
+    x = draft._fc(tokens[:, 1:], first[:, :-1])  # [B, T-1, D]: the draft's own features, no side layers
+    seen = torch.cat([causal[:-1, :-1], torch.eye(t - 1, dtype=torch.bool)], dim=1)  # [T-1, 2(T-1)]
+    h, _ = _decoder_layer(draft.layer, x, draft.rotary_emb(x, positions[:, 1:]), seen,
+                          (keys[:, :, :-1], values[:, :, :-1]))
+    return first, draft.norm(h)
+
+
+def _decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+                   context: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """A Llama decoder layer over ``x [B, T, D]`` under a boolean ``mask [T, C + T]``, its own keys and
+    values after ``context``'s (``[B, Hkv, C, hd]`` each); returns (output, its own keys and values)."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    b, t, _ = h.shape
+    shape = (b, t, -1, attn.head_dim)
+    q = attn.q_proj(h).view(shape).transpose(1, 2)  # [B, Hq, T, hd]
+    k = attn.k_proj(h).view(shape).transpose(1, 2)  # [B, Hkv, T, hd]
+    v = attn.v_proj(h).view(shape).transpose(1, 2)  # [B, Hkv, T, hd]
+    q, k = apply_rotary_pos_emb(q, k, *rope)
+    keys, values = (k, v) if context is None else (torch.cat([context[0], k], 2), torch.cat([context[1], v], 2))
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, D]
+    return x + layer.mlp(layer.post_attention_layernorm(x)), (k, v)
+
+
 def _targets_loss(draft: FeatureDraft, predicted: torch.Tensor, truth: torch.Tensor, labels: torch.Tensor,
-                  weights: torch.Tensor, valid: torch.Tensor, soft_weight: float) -> tuple[torch.Tensor, int, int]:
+                  weights: torch.Tensor, valid: torch.Tensor, soft_weight: float,
+                  teacher: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+    """The loss at the labelled positions (``weights > 0``), ``teacher [M, N]`` the target's
+    distribution over the head at each of them."""
     reg = nn.functional.smooth_l1_loss(predicted[valid], truth[valid])
-    keep = weights > 0  # [B, T]; the head, the costly part, runs on labelled positions only
+    keep = weights > 0  # [B, T]
     logp = torch.log_softmax(draft.head_logits(predicted[keep]), dim=-1)  # [M, N]
     w = weights[keep]
     hard = -(logp.gather(1, labels[keep][:, None])[:, 0] * w).sum() / w.sum().clamp(min=1e-6)
     soft = hard * 0
     if soft_weight > 0 and bool(keep.any()):
-        with torch.no_grad():  # the target's own distribution over the head, from its true feature
-            teacher = torch.softmax(nn.functional.linear(truth[keep], draft.head_weight), dim=-1)  # [M, N]
         soft = -(teacher * logp).sum(-1).mean()
     generated = w == 1.0
     correct = int((logp.detach().argmax(-1)[generated] == labels[keep][generated]).sum())
