@@ -231,7 +231,7 @@ def test_shipped_feature_draft_agrees_with_the_real_target(default_model):
         with torch.inference_mode():
             out = default_model.model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False)[0].tolist()
         references.append(Sample(out, len(ids), [], 0.0))
-    feats = [sample_features(default_model.model, [s.tokens])[0] for s in references]
+    feats = [sample_features(default_model.model, [s.tokens], draft.arch.side_layers)[0] for s in references]
     metrics = evaluate_feature(draft, references, feats, k=4)
     assert metrics["top1_agreement"] > 0.3, metrics
     assert metrics["mean_accepted_length"] > 1.3, metrics
