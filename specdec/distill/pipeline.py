@@ -131,9 +131,11 @@ def run(config: DistillConfig) -> dict | None:
                                           config, pad_id) for path in config.extra_eval}
     tconf = TrainConfig(lr=config.lr, epochs=config.epochs, batch_tokens=config.batch_tokens, max_len=config.max_len,
                         soft_weight=config.soft_weight, seed=config.seed)
-    train_kind = _train_feature if config.kind == FEATURE_KIND else _train_token
-    draft, arch, training, metrics, train_s = train_kind(config, target, samples, references, extra, head_ids, tconf,
-                                                         budget_end, target_hash)
+    common = (config, target, samples, references, extra, head_ids, tconf, budget_end)
+    if config.kind == FEATURE_KIND:
+        draft, arch, training, metrics, train_s = _train_feature(*common, target_hash)
+    else:
+        draft, arch, training, metrics, train_s = _train_token(*common)
     metrics["head_coverage_of_train_labels"] = _coverage(samples, head_ids)
     timing = {"collect_s": round(collect_s, 1), "train_s": round(train_s, 1),
               "total_s": round(time.monotonic() - started, 1), "threads": config.threads}
@@ -143,7 +145,7 @@ def run(config: DistillConfig) -> dict | None:
     return card
 
 
-def _train_token(config, target, samples, references, extra, head_ids, tconf, budget_end, target_hash):
+def _train_token(config, target, samples, references, extra, head_ids, tconf, budget_end):
     """Trains, evaluates and saves a token draft; returns (draft, arch, training, metrics, seconds)."""
     arch = TokenDraftArch(config.layers, config.init_from, len(head_ids))
     draft = build_token_draft(target.model, head_ids, arch)
