@@ -237,8 +237,9 @@ def warm_start(draft: FeatureDraft, source_dir: Path, target_hash: str) -> dict:
             else:
                 state[name].copy_(value.to(state[name].dtype))
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return {"path": str(source_dir), "weights_sha256": digest, "command": card["recipe"]["command"],
-            "seed": card["recipe"]["seed"], "side_layers": list(source.side_layers)}
+    recipe = card.get("recipe", {})  # a hand-made card may have none
+    return {"path": str(source_dir), "weights_sha256": digest, "command": recipe.get("command"),
+            "seed": recipe.get("seed"), "side_layers": list(source.side_layers)}
 
 
 def source_head_ids(source_dir: Path) -> torch.Tensor:

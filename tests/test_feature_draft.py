@@ -423,6 +423,12 @@ def test_a_warm_start_proposes_what_its_source_proposes_and_reads_new_side_layer
         torch.testing.assert_close(grown.predict(feats[None], torch.tensor([tokens])), expected, atol=1e-3, rtol=1e-3)
         assert grown.fc.weight[:, 2 * dim:].abs().sum() == 0  # the side block starts unread, and trains
 
+    bare = tmp_path / "bare"  # a hand-made card without a recipe still names its source
+    _saved_draft(bare, draft, model)
+    card = json.loads((bare / CARD_FILE).read_text())
+    del card["recipe"]
+    (bare / CARD_FILE).write_text(json.dumps(card))
+    assert warm_start(grown, bare, target_weights_hash(model))["command"] is None
     with pytest.raises(ValueError, match="sha256"):
         warm_start(grown, source, "0" * 64)
     with pytest.raises(ValueError, match="another head"):

@@ -160,7 +160,10 @@ def two_steps(draft: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor,
 def _decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                    context: tuple[torch.Tensor, torch.Tensor] | None = None):
     """A Llama decoder layer over ``x [B, T, D]`` under a boolean ``mask [T, C + T]``, its own keys and
-    values after ``context``'s (``[B, Hkv, C, hd]`` each); returns (output, its own keys and values)."""
+    values after ``context``'s (``[B, Hkv, C, hd]`` each); returns (output, its own keys and values).
+
+    The padded-batch, masked counterpart of ``specdec.ragged.ragged_decoder_layer``, which serves a
+    ragged block against per-session caches and cannot take keys from another pass."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     b, t, _ = h.shape
