@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -16,6 +17,7 @@ from draft_service.token_draft import CARD_FILE, load_token_draft, target_weight
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
+from specdec.model_thread import model_executor, on_model_thread
 from specdec.models import LoadedModel, load_config, load_model, max_context
 from specdec.packed_linear import pack_linears
 from specdec.batching import PassBatcher
@@ -34,8 +36,9 @@ SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
     """Thin servicer over a DraftEngine."""
 
-    def __init__(self, engine: DraftEngine, tracer: trace.Tracer, max_batch_rows: int = 256) -> None:
-        super().__init__(engine, tracer, "DraftService")
+    def __init__(self, engine: DraftEngine, tracer: trace.Tracer, max_batch_rows: int = 256,
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        super().__init__(engine, tracer, "DraftService", executor)
         self._draft = engine
         # Proposals that arrive together are drafted together (one ragged pass per draft position).
         # Sessions reach the draft right after a shared verify pass, a few ms apart: a short window.
@@ -139,9 +142,11 @@ def build_drafter(config: DraftConfig) -> DraftEngine:
                         **config.model.cache_limits())
 
 
-async def start_draft(config: DraftConfig, engine: DraftEngine, tracer: trace.Tracer) -> RunningServer:
-    """Starts the draft gRPC server over a ready drafter and reports it ready."""
-    servicer = DraftServicer(engine, tracer)
+async def start_draft(config: DraftConfig, engine: DraftEngine, tracer: trace.Tracer,
+                      executor: ThreadPoolExecutor | None = None) -> RunningServer:
+    """Starts the draft gRPC server over a ready drafter (on ``executor``'s thread, see
+    ``specdec.model_thread``) and reports it ready."""
+    servicer = DraftServicer(engine, tracer, executor=executor)
     running = await start_server(
         config.server, lenient_service(servicer, draft_pb2.DESCRIPTOR.services_by_name["DraftService"]),
         (SERVICE_NAME,),
@@ -152,11 +157,17 @@ async def start_draft(config: DraftConfig, engine: DraftEngine, tracer: trace.Tr
 
 
 def main(config: DraftConfig) -> None:
-    """Entry point of ``specdec serve-draft``: load, warm, serve until SIGTERM."""
-    torch.set_num_threads(config.model.threads)
-    engine = build_drafter(config)
-    engine.warmup()
+    """Entry point of ``specdec serve-draft``: load, warm, serve until SIGTERM, the model on one worker
+    thread (``specdec.model_thread``)."""
+    executor = model_executor("DraftService")
+
+    def build() -> DraftEngine:
+        engine = build_drafter(config)
+        engine.warmup()
+        return engine
+
+    engine = on_model_thread(executor, config.model.threads, build)
     if config.server.metrics_port is not None:
         metrics = CacheServiceMetrics(engine.caches)
         start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
-    asyncio.run(serve_forever(config.server, "draft", lambda tracer: start_draft(config, engine, tracer)))
+    asyncio.run(serve_forever(config.server, "draft", lambda tracer: start_draft(config, engine, tracer, executor)))

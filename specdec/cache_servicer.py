@@ -9,6 +9,7 @@ from typing import Protocol
 from opentelemetry import trace
 
 from specdec.kvcache import CacheTable
+from specdec.model_thread import model_executor
 from specdec.vocab import ModelFacts
 from specdec.rpc import call_core
 from specdec.tracing import server_span
@@ -33,12 +34,20 @@ class CacheEngine(Protocol):
 class CacheServicer:
     """Mixin servicer: model work runs on one worker thread, since caches and model are not shared."""
 
-    def __init__(self, engine: CacheEngine, tracer: trace.Tracer, name: str) -> None:
+    def __init__(self, engine: CacheEngine, tracer: trace.Tracer, name: str,
+                 executor: ThreadPoolExecutor | None = None) -> None:
+        """``executor`` is the thread the engine's model was loaded on (see ``specdec.model_thread``);
+        by default a new one."""
         self._engine = engine
         self._tracer = tracer
         self._name = name
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._executor = executor or model_executor(name)
         self._sweeper: asyncio.Task | None = None
+
+    async def _on_model_thread(self, fn, *args):
+        """``fn(*args)`` on the model's thread: tensor work too large for one thread stays off the event
+        loop's (see ``specdec.model_thread``)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def sweep_idle_caches(self, idle_s: float) -> None:
         """Drops caches idle for ``idle_s`` even when no call arrives to notice (0: never), so an

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 import torch
@@ -12,6 +13,7 @@ from specdec.batching import PassBatcher
 from specdec.cache_servicer import CacheServicer
 from specdec.config import TargetConfig
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
+from specdec.model_thread import model_executor, on_model_thread
 from specdec.models import LoadedModel, load_model
 from specdec.packed_linear import pack_linears
 from specdec.rpc import (
@@ -56,8 +58,8 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     """Thin servicer over a TargetEngine."""
 
     def __init__(self, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer, max_batch_rows: int,
-                 fold_prefills: bool = True, prefill_chunk: int = 0) -> None:
-        super().__init__(engine, tracer, "TargetService")
+                 fold_prefills: bool = True, prefill_chunk: int = 0, executor: ThreadPoolExecutor | None = None) -> None:
+        super().__init__(engine, tracer, "TargetService", executor)
         self._target = engine
         self._batcher = PassBatcher(engine.verify_batch, self._executor, self._rows_of, max_batch_rows,
                                     stamp_queue_wait)
@@ -118,7 +120,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                 except BaseException:
                     self._executor.submit(self._target.release, cache_id)  # a half-fed cache serves no one
                     raise
-                hidden = newest_hidden(rows)
+                hidden = await self._on_model_thread(newest_hidden, rows)
             reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
             if hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(hidden))
@@ -185,7 +187,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             self._rounds_in_flight -= 1
             self._last_round_end = asyncio.get_running_loop().time()
         if rows and outcome.hidden is not None:
-            outcome = replace(outcome, hidden=newest_hidden([*rows, outcome.hidden]))
+            outcome = replace(outcome, hidden=await self._on_model_thread(newest_hidden, [*rows, outcome.hidden]))
         return outcome
 
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
@@ -203,9 +205,12 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             return reply
 
 
-async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer) -> RunningServer:
-    """Starts the target gRPC server over a loaded engine and reports it ready."""
-    servicer = TargetServicer(engine, tracer, config.max_batch_rows, config.fold_prefills, config.prefill_chunk)
+async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer,
+                       executor: ThreadPoolExecutor | None = None) -> RunningServer:
+    """Starts the target gRPC server over a loaded engine (on ``executor``'s thread, see
+    ``specdec.model_thread``) and reports it ready."""
+    servicer = TargetServicer(engine, tracer, config.max_batch_rows, config.fold_prefills, config.prefill_chunk,
+                              executor)
     running = await start_server(
         config.server, lenient_service(servicer, target_pb2.DESCRIPTOR.services_by_name["TargetService"]),
         (SERVICE_NAME,),
@@ -229,25 +234,37 @@ def main(config: TargetConfig) -> None:
     """Entry point of ``specdec serve-target``: load, warm, serve until SIGTERM.
 
     With tensor parallelism every rank runs this; rank 0 serves and the others follow its passes.
+    Rank 0 loads and runs its model on one worker thread (``specdec.model_thread``).
     """
-    torch.set_num_threads(config.model.threads)
     tp = config.tp
     if tp.rank > 0:
+        torch.set_num_threads(config.model.threads)
         become_follower(tp.launcher_pid)
+        join_group(tp)
+        follow(follower_engine(load_shard(config)))
+        return
     if tp.world_size > 1:
         join_group(tp)
-    loaded = load_shard(config)
-    if tp.rank > 0:
-        follow(follower_engine(loaded))
-        return
-    core = TargetEngine(loaded, config.model.max_sessions, **config.model.cache_limits())
-    engine = LeaderEngine(core) if tp.world_size > 1 else core
+    executor = model_executor("TargetService")
+
+    def build() -> tuple[TargetEngine, TargetEngine | LeaderEngine]:
+        core = TargetEngine(load_shard(config), config.model.max_sessions, **config.model.cache_limits())
+        engine = LeaderEngine(core) if tp.world_size > 1 else core
+        try:
+            engine.warmup()
+        except BaseException:
+            if isinstance(engine, LeaderEngine):
+                engine.close()
+            raise
+        return core, engine
+
+    core, engine = on_model_thread(executor, config.model.threads, build)
     try:
-        engine.warmup()
         if config.server.metrics_port is not None:
             metrics = CacheServiceMetrics(core.caches, passes=core)
             start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
-        asyncio.run(serve_forever(config.server, "target", lambda tracer: start_target(config, engine, tracer)))
+        asyncio.run(serve_forever(config.server, "target",
+                                  lambda tracer: start_target(config, engine, tracer, executor)))
     finally:
         if isinstance(engine, LeaderEngine):
-            engine.close()
+            executor.submit(engine.close).result()
