@@ -176,6 +176,8 @@ class DraftResult:
     committed: int
     # Drafted ahead, while the target verified the round before.
     from_ahead: bool = False
+    # Prompt lookup answered in the draft service in place of its model (``ProposeReply.looked_up``).
+    looked_up: bool = False
 
 
 @dataclass(frozen=True)
@@ -309,7 +311,7 @@ class DraftReplica(_Replica):
         )
         reply = await self._call(self._stub.Propose, request, remaining_s)
         q = [(list(d.token_ids), list(d.probs)) for d in reply.q]
-        return DraftResult(list(reply.tokens), q, reply.committed, reply.from_ahead)
+        return DraftResult(list(reply.tokens), q, reply.committed, reply.from_ahead, reply.looked_up)
 
 
 class TargetReplica(_Replica):

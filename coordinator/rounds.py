@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from opentelemetry import trace
 
-from coordinator.adaptive import AcceptanceTracker, CostModel, add_counts
+from coordinator.adaptive import AcceptanceTracker, CostModel, FleetAcceptance, add_counts
 from coordinator.backends import (
     BackendRejected,
     BackendUnavailable,
@@ -225,6 +225,7 @@ class RoundLoop:
         # so their k sequence, and hence their tokens, never depend on timing.
         self._costs = CostModel(k_max=max_auto_k, colocated=draft_colocated)
         self._prior_costs = CostModel(k_max=max_auto_k)
+        self._fleet = FleetAcceptance()
         # Prometheus metrics of this process; None records nothing.
         self._metrics = metrics
         # Each target replica's latest batched pass and when it was seen: steers k under load.
@@ -352,9 +353,13 @@ class RoundLoop:
             committed = record.tokens
             draft_ref, target_ref = record.draft, record.target
             stats = Stats(prompt_tokens=turn.prompt_len, generated_tokens=len(committed) - turn.prompt_len)
-            stats.positions = AcceptanceTracker(drafted=list(turn.drafted), accepted=list(turn.accepted),
-                                                tried=list(turn.tried))
             sampling = Sampling(request.temperature, request.top_k, request.top_p, turn.seed)
+            if sampling.greedy:
+                stats.positions = self._fleet.session_tracker(self._costs.k_max, turn.drafted, turn.accepted,
+                                                              turn.tried)
+            else:
+                stats.positions = AcceptanceTracker(drafted=list(turn.drafted), accepted=list(turn.accepted),
+                                                    tried=list(turn.tried))
             fixed_k = self._default_k if request.k is None else request.k
             costs = self._costs if sampling.greedy else self._prior_costs
             limit = self._facts.max_context
@@ -402,6 +407,8 @@ class RoundLoop:
                 turn.rounds_without_draft = 0 if model_drafted else turn.rounds_without_draft + 1
                 turn.round += 1
                 stats.add_round(drafted, verdict.accepted, len(verdict.tokens), looked_up is not None)
+                if model_drafted and sampling.greedy:
+                    self._fleet.record(drafted, verdict.accepted)
 
                 new = verdict.tokens
                 eos = next((i for i, t in enumerate(new) if t in self._facts.eos_token_ids), None)
@@ -566,8 +573,9 @@ class RoundLoop:
                 draft_ms = (time.perf_counter() - t0) * 1000
                 if draft is not None and draft.from_ahead:
                     stats.ahead_rounds += 1
-                elif draft is not None:
-                    # Only drafting done on the spot counts: a hit's cost says nothing of the next miss.
+                elif draft is not None and not draft.looked_up:
+                    # Only the model's drafting on the spot counts: the cost of a call answered ahead
+                    # or by a lookup says nothing of the next one the model drafts.
                     self._costs.record_draft(draft_ms, len(draft.tokens))
             t0 = time.perf_counter()
             verdict, target_ref, fed = await self._verify(

@@ -52,6 +52,9 @@ class Proposal:
     committed: int
     # Drafted ahead, while the target verified the previous round (``draft_ahead``).
     from_ahead: bool = False
+    # Prompt lookup answered in place of the draft model (a feature draft's lookup first): what the
+    # call cost says nothing of what the model's drafting costs.
+    looked_up: bool = False
 
 
 class DraftEngine:
@@ -137,7 +140,11 @@ class DraftEngine:
             except Exception as exc:  # noqa: BLE001 - a failed pass fails only its own calls
                 drafted = [exc] * len(jobs)
             for (i, cache, _), outcome in zip(jobs, drafted):
-                results[i] = outcome if isinstance(outcome, Exception) else Proposal(*outcome, len(cache.committed))
+                if isinstance(outcome, Exception):
+                    results[i] = outcome
+                else:
+                    tokens, q, looked_up = outcome
+                    results[i] = Proposal(tokens, q, len(cache.committed), looked_up=looked_up)
         return results  # type: ignore[return-value]
 
     def _picker(self, call: ProposeCall) -> TokenPicker:
@@ -171,11 +178,11 @@ class DraftEngine:
         return 0
 
     def _draft_many(self, jobs: list) -> list:
-        """Drafts for ``(cache, k, pick)`` jobs: ``(tokens, q)`` or an error each."""
+        """Drafts for ``(cache, k, pick)`` jobs: ``(tokens, q, looked_up)`` or an error each."""
         out = []
         for cache, k, pick in jobs:
             try:
-                out.append(self._draft(cache, k, pick))
+                out.append((*self._draft(cache, k, pick), False))
             except Exception as exc:  # noqa: BLE001 - the error belongs to this call alone
                 out.append(exc)
         return out
@@ -290,9 +297,6 @@ class FeatureDrafter(DraftEngine):
             return None
         return tokens, ([] if sampling.greedy else [([t], [1.0]) for t in tokens])
 
-    def _draft(self, cache, k, pick):
-        return self._draft_many([(cache, k, pick)])[0]
-
     def _drafted_ahead(self, cache: FeatureSession, call: ProposeCall, k: int) -> Proposal | None:
         ahead, cache.ahead = cache.ahead, None
         # A sync keeps every token before its start: from a start at or past the ahead base, the
@@ -351,9 +355,9 @@ class FeatureDrafter(DraftEngine):
         for j, (cache, k, pick) in enumerate(jobs):
             found = self._lookup(cache, k, pick.sampling)
             if found is not None:
-                out[j] = found
+                out[j] = (*found, True)
             elif not cache.ready():
-                out[j] = ([], [])
+                out[j] = ([], [], False)
             else:
                 model_jobs.append((j, cache, k, pick))
         if model_jobs:
@@ -365,8 +369,8 @@ class FeatureDrafter(DraftEngine):
                 for _, cache, _, _ in model_jobs:
                     cache.reset_kv()  # a pass that failed midway leaves its KV unknown
                 raise
-            for (j, *_), result in zip(model_jobs, drafted):
-                out[j] = result
+            for (j, *_), (tokens, q) in zip(model_jobs, drafted):
+                out[j] = (tokens, q, False)
         return out
 
     def _draft_together(self, jobs: list) -> list[tuple[list[int], list]]:

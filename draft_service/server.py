@@ -80,11 +80,13 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
             proposal = await guarded(context, self._propose(request), "DraftService/Propose")
             span.set_attribute("specdec.proposed", len(proposal.tokens))
             span.set_attribute("specdec.from_ahead", proposal.from_ahead)
+            span.set_attribute("specdec.looked_up", proposal.looked_up)
             return draft_pb2.ProposeReply(
                 tokens=proposal.tokens,
                 q=[draft_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in proposal.q],
                 committed=proposal.committed,
                 from_ahead=proposal.from_ahead,
+                looked_up=proposal.looked_up,
             )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.adaptive import AcceptanceTracker, CostModel, choose_k, expected_tokens
+from coordinator.adaptive import AcceptanceTracker, CostModel, FleetAcceptance, choose_k, expected_tokens
 from specdec.batching import PassLoad
 
 
@@ -99,16 +99,28 @@ def test_a_cheap_average_token_does_not_hide_an_expensive_call():
     assert choose_k(accept, [0.0, 100.0, 101.0, 102.0, 103.0], verify, 4) == 0
 
 
-def test_confidence_cut_off_prices_a_token_against_a_target_only_step():
-    """min_confidence = (draft ms per token + one verify row) / one-token verify, from measured costs."""
-    cpu = CostModel(k_max=4, draft_ms_per_token=5.0)
-    cpu.record_verify(90.0, 1)
-    cpu.record_verify(99.0, 2)
-    assert cpu.min_confidence() == pytest.approx((5.0 + 9.0) / 90.0)
+def test_confidence_cut_off_prices_one_more_token_a_draft_step_and_a_verify_row():
+    """min_confidence = (draft step + mean verify row) / one-token verify: a call's fixed part is paid
+    whatever it proposes, and a CPU pass's cost jumps at its second row, then barely grows."""
+    cpu = CostModel(k_max=4)
+    for rows, ms in [(1, 38.0), (2, 44.0), (3, 44.0), (4, 44.0), (5, 44.0)]:
+        cpu.record_verify(ms, rows)
+    for _ in range(10):
+        cpu.record_draft(10.0, 1)
+        cpu.record_draft(13.0, 3)
+    cpu.record_draft(38.0, 4)  # one slow call of a rare length
+    assert cpu.draft_step_ms() == pytest.approx(1.5)
+    assert cpu.min_confidence() == pytest.approx((1.5 + 6.0 / 4) / 38.0)
+    # Two lengths seen once each still give a slope; one length gives the per-token average.
+    fresh = CostModel(k_max=4, draft_ms_per_token=5.0)
+    fresh.record_draft(10.0, 1)
+    assert fresh.draft_step_ms() == pytest.approx(fresh.draft_ms_per_token)
+    fresh.record_draft(16.0, 3)
+    assert fresh.draft_step_ms() == pytest.approx(3.0)
     # Rows that cost nothing (an accelerator's pass) leave only the draft's share: drafts run longer.
     gpu = CostModel(k_max=4, draft_ms_per_token=1.0)
-    gpu.record_verify(20.0, 1)
-    gpu.record_verify(20.0, 2)
+    for rows in range(1, 6):
+        gpu.record_verify(20.0, rows)
     assert gpu.min_confidence() == pytest.approx(1.0 / 20.0)
     # A draft dearer than the target's own step is never worth a token.
     dear = CostModel(k_max=4, draft_ms_per_token=200.0)
@@ -117,3 +129,36 @@ def test_confidence_cut_off_prices_a_token_against_a_target_only_step():
     # Before any measurement the priors price it: (2 ms draft + 8% of a 100 ms step) / 100 ms. Sampled
     # requests keep these priors, so their cut-off never depends on timing.
     assert CostModel(k_max=4).min_confidence() == pytest.approx((2.0 + 8.0) / 100.0)
+
+
+def test_a_new_session_starts_from_the_drafts_acceptance_across_sessions():
+    """Early rejections move a session's estimate less when its prior is what the draft achieves
+    across sessions, and a session's own long record still outweighs that prior."""
+    fleet = FleetAcceptance()
+    for i in range(200):  # the draft passes its first token 60% of the time, its second 50%
+        first = i % 5 < 3
+        fleet.record(2, (1 + (i % 2 == 0)) if first else 0)
+    fresh = fleet.session_tracker(4)
+    assert fresh.rates(2) == pytest.approx([0.6, 0.5], abs=0.02)
+    for _ in range(3):  # three rejections in a row
+        fresh.record(2, 0)
+    alone = AcceptanceTracker()
+    for _ in range(3):
+        alone.record(2, 0)
+    assert alone.rates(1)[0] == pytest.approx(0.2)
+    assert fresh.rates(1)[0] == pytest.approx((0.6 * 6) / 9, abs=0.02)  # 0.4: still worth a draft
+    poor = fleet.session_tracker(4)
+    for _ in range(60):
+        poor.record(2, 0)
+    assert poor.rates(1)[0] < 0.07
+    resumed = fleet.session_tracker(4, [3, 3], [2, 1], [3, 2])
+    assert resumed.tried == [3, 2] and resumed.rates(1)[0] == pytest.approx((2 + 0.6 * 6) / 9, abs=0.02)
+
+
+def test_the_fleet_estimate_follows_a_changing_draft():
+    fleet = FleetAcceptance(horizon=100)
+    for _ in range(1000):
+        fleet.record(1, 1)
+    for _ in range(300):
+        fleet.record(1, 0)
+    assert fleet.counts.tried[0] <= 100 and fleet.session_tracker(1).rates(1)[0] < 0.15

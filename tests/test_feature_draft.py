@@ -260,12 +260,17 @@ def test_prompt_lookup_goes_first_when_it_finds_a_whole_continuation(draft, tiny
     without = FeatureDrafter(draft, tiny_target.facts("target"), 4, 64, lookup_min=0)
     for engine in (with_lookup, without):
         cache_id, committed = engine.prefill(context)
-        assert engine.propose(cache_id, committed, [], 3, Sampling(), 0).tokens == (
-            [7, 8, 9] if engine is with_lookup else []  # no hidden states were sent: the model cannot draft
-        )
+        proposal = engine.propose(cache_id, committed, [], 3, Sampling(), 0)
+        # no hidden states were sent: the model cannot draft
+        assert proposal.tokens == ([7, 8, 9] if engine is with_lookup else [])
+        assert proposal.looked_up == (engine is with_lookup)  # its cost is no model draft's
     lookup_id, _ = with_lookup.prefill(context)
     sampled = with_lookup.propose(lookup_id, committed, [], 3, Sampling(1.0, seed=1), 0)
     assert sampled.tokens == [7, 8, 9] and sampled.q == [([7], [1.0]), ([8], [1.0]), ([9], [1.0])]
+    assert sampled.looked_up
+    feats = sample_features(tiny_target.model, [context])[0].float()
+    drafted = without.propose(without.prefill(context)[0], committed, [], 3, Sampling(), 0, HiddenRows(0, feats[:-1]))
+    assert len(drafted.tokens) == 3 and not drafted.looked_up
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0, seed=5)], ids=["greedy", "sampled"])
@@ -277,7 +282,7 @@ def test_proposals_drafted_together_equal_proposals_drafted_alone(draft, tiny_ta
 
     class OneAtATime(FeatureDrafter):
         def _draft_many(self, jobs):
-            return [cache.propose(self._draft_model, k, pick) for cache, k, pick in jobs]
+            return [(*cache.propose(self._draft_model, k, pick), False) for cache, k, pick in jobs]
 
     r = random.Random(3)
     facts = tiny_target.facts("target")

@@ -34,13 +34,15 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
-    __slots__ = ("tokens", "q", "committed", "from_ahead")
+    __slots__ = ("tokens", "q", "committed", "from_ahead", "looked_up")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     FROM_AHEAD_FIELD_NUMBER: _ClassVar[int]
+    LOOKED_UP_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     committed: int
     from_ahead: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., committed: _Optional[int] = ..., from_ahead: _Optional[bool] = ...) -> None: ...
+    looked_up: bool
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., committed: _Optional[int] = ..., from_ahead: _Optional[bool] = ..., looked_up: _Optional[bool] = ...) -> None: ...
