@@ -138,6 +138,7 @@ class TargetEngine:
         self._caches = CacheTable(max_sessions, budget_bytes=budget_bytes, idle_s=idle_s)
         self._ragged = supports_ragged(loaded.model)
         self._costs = PassCosts()
+        self._warming = False  # passes now are warm-up's (PassCosts.record)
         self._curve_rows = curve_rows
         self._reset_totals()
 
@@ -328,7 +329,7 @@ class TargetEngine:
         # A pass that also fed a deferred prompt is a prefill's cost, not a verify's: the curve the
         # coordinators price draft rows with keeps only passes of one pending token per session.
         if not any(p.feeds_prompt for p in batch):
-            self._costs.record(rows, pass_ms)
+            self._costs.record(rows, pass_ms, warmup=self._warming)
         rounds = sum(not p.call.feed_rows for p in batch)
         round_rows = sum(len(p.call.draft_tokens) + 1 for p in batch if not p.call.feed_rows)
         self.passes += 1
@@ -403,7 +404,15 @@ class TargetEngine:
     def warmup(self, sizes: tuple[int, ...] | None = None) -> None:
         """Runs a prefill and passes of several sizes (by default every one of WARMUP_ROWS that fits),
         so the first real request pays no start-up costs and the pass-cost curve starts from
-        measurements rather than guesses."""
+        measurements rather than guesses (until serving measures its own: ``PassCosts``)."""
+        self._warming = True
+        try:
+            self._warmup_passes(sizes)
+        finally:
+            self._warming = False
+        self._reset_totals()
+
+    def _warmup_passes(self, sizes: tuple[int, ...] | None) -> None:
         cache_id, committed, _ = self.prefill([0, 1, 2, 3], with_hidden=True)
         self.verify(cache_id, committed, [], [4, 5], [], Sampling(), 0, with_hidden=True)
         self.release(cache_id)
@@ -428,4 +437,3 @@ class TargetEngine:
             self.verify_batch(calls)
         for i in ids:
             self.release(i)
-        self._reset_totals()

@@ -18,10 +18,16 @@ class PassCosts:
         self._smoothing = smoothing
         self._ms: dict[int, float] = {}
         self._sizes: list[int] = []  # measured row counts, sorted
+        self._warmup: PassCosts | None = None  # warm-up's figures, until serving measures a pass
 
-    def record(self, rows: int, ms: float) -> None:
-        """Folds in one pass over ``rows`` rows that took ``ms`` milliseconds."""
+    def record(self, rows: int, ms: float, warmup: bool = False) -> None:
+        """Folds in one pass over ``rows`` rows that took ``ms`` milliseconds (``warmup``: measured
+        before serving, see the module's docstring)."""
         if rows <= 0:
+            return
+        if warmup:
+            self._warmup = self._warmup or PassCosts(self._smoothing)
+            self._warmup.record(rows, ms)
             return
         if rows not in self._ms:
             self._ms[rows] = ms
@@ -37,7 +43,7 @@ class PassCosts:
         """
         sizes = self._sizes
         if not sizes:
-            return None
+            return self._warmup.predict(rows) if self._warmup is not None else None
         if rows in self._ms:
             return self._ms[rows]
         at = bisect.bisect_left(sizes, rows)

@@ -516,6 +516,22 @@ def test_pass_costs_interpolate_and_extrapolate():
     assert costs.predict(4) == pytest.approx(18.0)  # a moving average, not the last value
 
 
+def test_warmup_costs_seed_the_curve_only_until_serving_measures_a_pass():
+    """A warm-up beside other start-up work priced 2 rows at 222 ms and 4 rows at 91 ms against 54 ms
+    for one; serving never fed those sizes again while they looked dear. Once serving measures a pass,
+    only its own measurements price the curve (flat past them), so a longer draft gets tried."""
+    costs = PassCosts()
+    for rows, ms in [(1, 54.0), (2, 222.0), (4, 91.0)]:
+        costs.record(rows, ms, warmup=True)
+    assert costs.curve(0, 4) == pytest.approx([54.0, 222.0, 222.0, 222.0])  # nothing else known yet
+    costs.record(1, 47.0)
+    assert costs.curve(0, 4) == pytest.approx([47.0] * 4)
+    costs.record(2, 50.0)
+    assert costs.curve(0, 4) == pytest.approx([47.0, 50.0, 53.0, 56.0])  # the measured slope, 3 ms a row
+    costs.record(4, 52.0)
+    assert costs.predict(4) == pytest.approx(52.0) and costs.predict(3) == pytest.approx(51.0)
+
+
 def _flat_then_steep(others_rows: int) -> list[float]:
     """A synthetic CPU pass: 50 ms for up to 8 rows, then 4 ms per extra row (compute-bound)."""
     return [50.0 + 4.0 * max(0, others_rows + n - 8) for n in range(1, 10)]
