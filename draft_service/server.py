@@ -7,7 +7,6 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-import torch
 from opentelemetry import trace
 
 from draft_service.engine import DraftEngine, FeatureDrafter, ModelDrafter, NgramDrafter, ProposeCall
