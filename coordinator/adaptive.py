@@ -26,6 +26,7 @@ heavy load and climbs back when the load falls.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specdec.batching import PassLoad
@@ -147,8 +148,8 @@ class FleetAcceptance:
             for counts in (self.counts.drafted, self.counts.accepted, self.counts.tried):
                 counts[:] = [n // 2 for n in counts]
 
-    def session_tracker(self, k_max: int, drafted: list[int] = (), accepted: list[int] = (),
-                        tried: list[int] = ()) -> AcceptanceTracker:
+    def session_tracker(self, k_max: int, drafted: Sequence[int] = (), accepted: Sequence[int] = (),
+                        tried: Sequence[int] = ()) -> AcceptanceTracker:
         """A session's tracker (with its counts so far, for a resumed turn) starting from the fleet's
         acceptance by position."""
         return AcceptanceTracker(prior_weight=self.weight, prior_rates=self.counts.rates(k_max),

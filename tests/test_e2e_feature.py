@@ -151,3 +151,25 @@ def test_drafting_ahead_keeps_greedy_output_and_serves_rounds(stack, tiny_target
                 sampled_ahead_rounds += sampled.stats.ahead_rounds
     assert 0 < ahead_rounds < rounds
     assert sampled_ahead_rounds == 0
+
+
+def test_the_reply_says_when_prompt_lookup_answered_in_place_of_the_model(stack, tiny_target):
+    """Over gRPC: a context whose tail occurred before is answered by prompt lookup (the coordinator
+    must not price the draft model by that call), one without a repeat by the model."""
+    import grpc
+
+    from specdec.hidden_wire import hidden_to_pb
+    from specdec.kvcache import HiddenRows
+    from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+    stub = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(stack.draft_address))
+    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    for context, looked_up in [([5, 6, 7, 8, 9, 10, 11, 5, 6], True), ([5, 6, 7, 8, 9, 10, 11, 12, 13], False)]:
+        cache_id = stub.Prefill(common_pb2.PrefillRequest(tokens=context)).cache_id
+        feats = sample_features(tiny_target.model, [context])[0].float()
+        reply = stub.Propose(draft_pb2.ProposeRequest(
+            sync=common_pb2.CacheSync(cache_id=cache_id, start=len(context)), k=3, sampling=greedy,
+            hidden=hidden_to_pb(HiddenRows(0, feats[:-1]))))
+        assert len(reply.tokens) == 3 and reply.looked_up == looked_up, context
+        if looked_up:
+            assert list(reply.tokens) == [7, 8, 9]
