@@ -562,7 +562,7 @@ class RoundLoop:
                 drafting = True
                 t0 = time.perf_counter()
                 try:
-                    draft, draft_ref = await self._propose(
+                    draft, draft_ref, routine = await self._propose(
                         replica, draft_ref, committed, k, sampling, round_index, remaining_s, hidden, fence,
                         min_confidence, ahead,
                     )
@@ -573,9 +573,13 @@ class RoundLoop:
                 draft_ms = (time.perf_counter() - t0) * 1000
                 if draft is not None and draft.from_ahead:
                     stats.ahead_rounds += 1
-                elif draft is not None and not draft.looked_up:
+                elif draft is not None and not draft.looked_up and routine:
                     # Only the model's drafting on the spot counts: the cost of a call answered ahead
-                    # or by a lookup says nothing of the next one the model drafts.
+                    # or by a lookup says nothing of the next one the model drafts. Nor does a call
+                    # that first took in a whole prompt (a session's first, or one placed anew): on
+                    # the benchmark such a call cost 133 ms against 9 to 11 for a round's, and priced
+                    # as a draft of its k it kept that k, and through the per-token average every
+                    # longer one, from being tried again.
                     self._costs.record_draft(draft_ms, len(draft.tokens))
             t0 = time.perf_counter()
             verdict, target_ref, fed = await self._verify(
@@ -647,19 +651,21 @@ class RoundLoop:
         fence: int,
         min_confidence: float = 0.0,
         ahead: int = 0,
-    ) -> tuple[DraftResult, CacheRef]:
-        """Asks ``draft`` for k tokens, prefilling it first if it lacks the session's cache."""
+    ) -> tuple[DraftResult, CacheRef, bool]:
+        """Asks ``draft`` for k tokens, prefilling it first if it lacks the session's cache; also returns
+        whether the call was a round's routine one: no prefill, and no more tokens to take in first
+        than one round commits."""
         if ref is not None and ref.address == draft.address:
             try:
                 result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden,
                                              min_confidence, ahead)
-                return result, replace(ref, committed=result.committed)
+                return result, replace(ref, committed=result.committed), len(committed) - ref.committed <= self._costs.k_max + 1
             except CacheLost:
                 pass
         ref = await draft.prefill(committed, remaining_s(), fence)
         result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden, min_confidence,
                                      ahead)
-        return result, replace(ref, committed=result.committed)
+        return result, replace(ref, committed=result.committed), False
 
     async def _place_target(
         self, committed: list[int], remaining_s: Callable[[], float | None], span: trace.Span, fence: int,

@@ -344,6 +344,30 @@ def test_a_resting_lone_target_is_tried_rather_than_failing_every_stream(tiny_ta
         s.close()
 
 
+def test_a_draft_call_that_took_in_a_prompt_is_not_priced_as_a_draft(tiny_target, tiny_draft, tiny_dir, redis_url):
+    """A session's first draft call first prefills the draft with the whole prompt. Priced as a draft
+    of its k, that one slow call kept that k (and, through the per-token average, longer ones) from
+    being chosen again; only the rounds' own calls may price drafting."""
+
+    class SlowPrefill(ModelDrafter):
+        def prefill(self, *args, **kwargs):
+            time.sleep(0.5)
+            return super().prefill(*args, **kwargs)
+
+    s = InProcessStack(TargetEngine(tiny_target, 8), SlowPrefill(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
+    s.start()
+    try:
+        costs = s.round_loops[0]._costs
+        with Client(s.address) as c:
+            result = c.complete("w1 w2 w3", max_new_tokens=12, k=2, timeout=20)
+        assert result.token_ids == hf_greedy(tiny_target, "w1 w2 w3", 12)
+        calls = result.stats.drafted_at_position[0]
+        assert calls >= 3 and sum(costs._draft_counts.values()) == calls - 1  # all but the first
+        assert costs._draft_calls[2] < 250 and costs.draft_ms_per_token < 125
+    finally:
+        s.close()
+
+
 def test_unreachable_draft_costs_speed_not_the_request(tiny_target, tiny_draft, tiny_dir, redis_url):
     s = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
     s.start()
