@@ -222,15 +222,19 @@ class CostModel:
 
     def draft_curve(self) -> list[float]:
         """Cost of a draft call by k (index 0: no call): measured where seen, else the nearest measured
-        k plus the per-token cost for the difference (never below the per-token cost alone)."""
+        k plus a draft step (``draft_step_ms``) for each token of difference.
+
+        The step, not the per-token average: that average carries the call's fixed cost, so a k one
+        longer than any measured looked a whole call's share dearer than it is, and was never tried.
+        """
         out = [0.0]
+        step = self.draft_step_ms()
         for k in range(1, self.k_max + 1):
             if k in self._draft_calls:
                 out.append(self._draft_calls[k])
             elif self._draft_calls:
                 near = min(self._draft_calls, key=lambda m: abs(m - k))
-                out.append(max(self._draft_calls[near] + (k - near) * self.draft_ms_per_token,
-                               k * self.draft_ms_per_token))
+                out.append(max(self._draft_calls[near] + (k - near) * step, 0.0))
             else:
                 out.append(self.draft_call_ms + k * self.draft_ms_per_token)
         return out

@@ -73,9 +73,11 @@ def test_cost_model_learns_and_fills_gaps():
     costs.record_draft(12.0, 2)
     drafts = costs.draft_curve()
     assert drafts[0] == 0.0 and drafts[2] == 12.0
-    # Unmeasured k: the nearest measured call plus the per-token cost for the difference.
-    assert drafts[3] == pytest.approx(12.0 + costs.draft_ms_per_token)
-    assert drafts[1] == pytest.approx(12.0 - costs.draft_ms_per_token)
+    # Unmeasured k: the nearest measured call plus a draft step (the slope of the two calls, 8 ms
+    # over 3 tokens) for the difference, not the per-token average that carries the call's fixed cost.
+    assert costs.draft_step_ms() == pytest.approx(8.0 / 3)
+    assert drafts[3] == pytest.approx(12.0 + 8.0 / 3)
+    assert drafts[1] == pytest.approx(12.0 - 8.0 / 3)
 
 
 def test_a_round_whose_pass_also_fed_the_prompt_is_not_a_rounds_cost():
