@@ -247,6 +247,22 @@ def test_check_sampling_takes_greedy_or_a_temperature_float32_can_divide_by(temp
             check_sampling(wire, 0, 1.0)
 
 
+def test_a_session_record_round_trips_and_serializes_as_asdict_would():
+    """``to_json`` builds its dict by hand (``asdict`` deep-copies the token list every round); the
+    stored form must stay exactly what ``asdict`` gives, nested records included."""
+    from dataclasses import asdict
+    import json
+
+    from coordinator.sessions import TurnState
+
+    turn = TurnState("f" * 64, 3, 7, [{"role": "user", "content": "hi"}], 4, [4, 2], [2, 1], [4, 2])
+    full = SessionRecord("a" * 32, tokens=list(range(40)), messages=[{"role": "user", "content": "hi"}],
+                         draft=CacheRef("d:1", "c1", 40, 2), target=CacheRef("t:1", "c2", 40, 2), turn=turn, fence=2)
+    for record in (full, SessionRecord("b" * 32)):
+        assert record.to_json() == json.dumps(asdict(record), separators=(",", ":"))
+        assert SessionRecord.from_json(record.to_json()) == record
+
+
 def test_checkpoints_report_a_last_record_the_store_did_not_take():
     """A round's checkpoint may be skipped (the next one carries its progress); the turn's last one
     may not, and ``flush(must_write=True)`` says so. A later successful write clears the failure."""
