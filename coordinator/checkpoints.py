@@ -1,14 +1,17 @@
 """Writing a running turn's progress to the session store without holding up its stream.
 
 Each round hands its record over; one background write runs at a time and always carries the latest
-round, so a slow or restarting Redis delays checkpoints, never tokens. A resumed turn may therefore
-start a few rounds back from where its client was; it replays them and streams only what the client
-has not seen.
+round, so a slow or restarting Redis delays checkpoints, never tokens. Writes are also spaced at
+least an interval apart (the turn's first and last go at once): a write costs the coordinator's one
+event loop about as much as the rest of a round's work for that session, and under load the loop
+serves every session's rounds. A resumed turn may therefore start a few rounds back from where its
+client was; it replays them and streams only what the client has not seen.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import replace
 
@@ -21,10 +24,13 @@ log = logging.getLogger(__name__)
 class Checkpoints:
     """Background writer of one turn's session record, latest round wins."""
 
-    def __init__(self, store: SessionStore) -> None:
+    def __init__(self, store: SessionStore, interval_s: float = 0.0) -> None:
         self._store = store
+        self._interval_s = interval_s
         self._pending: SessionRecord | None = None
         self._task: asyncio.Task | None = None
+        self._last_write = float("-inf")  # event-loop time the latest write began
+        self._hurry = asyncio.Event()  # set by flush: the write waiting out the interval goes now
         # Set when a newer turn took the session: the turn that owns these checkpoints must stop.
         self.fenced: Fenced | None = None
         # Set while the latest write failed (the store unreachable); a later successful one clears it.
@@ -40,8 +46,14 @@ class Checkpoints:
             self._task = asyncio.create_task(self._drain())
 
     async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
         while self._pending is not None and self.fenced is None:
+            wait = self._last_write + self._interval_s - loop.time()
+            if wait > 0 and not self._hurry.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._hurry.wait(), wait)
             record, self._pending = self._pending, None
+            self._last_write = loop.time()
             try:
                 await self._store.put(record)
                 self._unwritten = None
@@ -55,6 +67,7 @@ class Checkpoints:
     async def flush(self, must_write: bool = False) -> None:
         """Waits for the write in flight, if any; raises Fenced when a newer turn took the session,
         and with ``must_write`` StoreUnavailable when the latest record could not be written."""
+        self._hurry.set()
         if self._task is not None:
             await asyncio.shield(self._task)
         if self.fenced is not None:

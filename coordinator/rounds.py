@@ -205,8 +205,10 @@ class RoundLoop:
         free_lookup_min: int = 0,
         confidence_cutoff: bool = False,
         draft_ahead: int = 0,
+        checkpoint_interval_s: float = 0.0,
     ) -> None:
         self._tokenizer = tokenizer
+        self._checkpoint_interval_s = checkpoint_interval_s
         self._facts = target_facts
         # A replica that failed rests this long before new work goes to it. Sessions on a resting
         # (or departed) draft replica move to another or run target-only; those on a target move.
@@ -378,7 +380,7 @@ class RoundLoop:
             record.target = target_ref
             holding.update(draft_ref, target_ref)
             await self._store.put(record)
-            checkpoints = Checkpoints(self._store)
+            checkpoints = Checkpoints(self._store, self._checkpoint_interval_s)
 
             text = TextStream(self._tokenizer, list(request.stop))
             if resumed:

@@ -363,7 +363,8 @@ async def start_coordinator(
                          side_layers=first_feature[0].side_layers if first_feature else (), metrics=metrics,
                          draft_colocated=config.draft_colocated, free_lookup_min=config.free_lookup_min,
                          confidence_cutoff=config.confidence_cutoff, draft_ahead=config.draft_ahead,
-                         max_sessions_per_client=config.admission.max_sessions_per_client)
+                         max_sessions_per_client=config.admission.max_sessions_per_client,
+                         checkpoint_interval_s=config.checkpoint_interval_s)
         if config.draft_discovery is not None:
             source = open_source(config.draft_discovery, config.discovery_interval_s, kubernetes_api)
             following = Membership("draft", source, draft_set, make_draft, check_joiner, config.discovery_interval_s,

@@ -267,6 +267,9 @@ class CoordinatorConfig:
     # guess that the whole proposal passes (0: off; see ProposeRequest.ahead). It pays where the
     # draft has cores of its own; on shared cores it takes one from the target's pass.
     draft_ahead: int = 0
+    # Least seconds between two checkpoints of a running turn (its first and last go at once); a
+    # resume after a coordinator's loss replays at most this much (coordinator.checkpoints).
+    checkpoint_interval_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.draft_addresses and self.draft_discovery is not None:
@@ -279,3 +282,5 @@ class CoordinatorConfig:
             raise ValueError("free_lookup_min: must be 0 (off) or a suffix length of at least 1")
         if not 0 <= self.draft_ahead <= MAX_K:
             raise ValueError(f"draft_ahead: must be 0 (off) or a number of tokens up to {MAX_K}")
+        if not 0 <= self.checkpoint_interval_s < 3600:
+            raise ValueError("checkpoint_interval_s: must be 0 (every round) or a number of seconds below an hour")

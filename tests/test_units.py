@@ -290,6 +290,44 @@ def test_checkpoints_report_a_last_record_the_store_did_not_take():
     asyncio.run(scenario())
 
 
+def test_checkpoints_are_spaced_by_the_interval_and_the_last_goes_at_once():
+    """A turn's first checkpoint is written at once, later rounds' wait out the interval (the newest
+    wins, the ones between are never written), and ``flush`` writes the newest without waiting."""
+
+    class CountingStore(MemorySessionStore):
+        def __init__(self, ttl_s: int) -> None:
+            super().__init__(ttl_s)
+            self.writes: list[list[int]] = []
+
+        async def put(self, record):
+            self.writes.append(list(record.tokens))
+            await super().put(record)
+
+    async def scenario():
+        store = CountingStore(60)
+        checkpoints = Checkpoints(store, interval_s=30.0)
+        checkpoints.submit(SessionRecord("s1", tokens=[1]))
+        await asyncio.sleep(0.05)
+        for n in range(2, 6):
+            checkpoints.submit(SessionRecord("s1", tokens=list(range(1, n + 1))))
+            await asyncio.sleep(0.01)
+        assert store.writes == [[1]] and (await store.get("s1")).tokens == [1]
+        started = time.perf_counter()
+        await checkpoints.flush(must_write=True)
+        assert time.perf_counter() - started < 5.0
+        assert store.writes == [[1], [1, 2, 3, 4, 5]]
+
+        every = CountingStore(60)
+        unspaced = Checkpoints(every)  # interval 0: every round's record, as each write ends
+        for n in range(1, 4):
+            unspaced.submit(SessionRecord("s2", tokens=list(range(n))))
+            await asyncio.sleep(0.01)
+        await unspaced.flush()
+        assert every.writes == [[0], [0, 1], [0, 1, 2]]
+
+    asyncio.run(scenario())
+
+
 def test_a_model_computes_on_cpu_or_cuda_and_a_sharded_target_on_cpu():
     assert ModelConfig(device="cuda:1").device == "cuda:1"
     with pytest.raises(ValueError, match="device"):
