@@ -192,30 +192,6 @@ class VerifyResult:
     load: PassLoad | None = None
 
 
-def merge_hidden(pending: common_pb2.HiddenStates | None, new: common_pb2.HiddenStates | None,
-                 max_rows: int = 2048) -> common_pb2.HiddenStates | None:
-    """Hidden states not yet sent to the draft, plus newer ones from the target.
-
-    Rows that continue or overlap the pending ones join them (newer rows win); after a gap only the
-    newer rows are kept, and the draft starts afresh from them. Past ``max_rows`` the oldest rows go,
-    so a long draft outage never grows a message without bound. The bytes are passed on undecoded.
-    """
-    if new is None or not new.fp16:
-        return pending
-    if pending is None or not pending.fp16 or pending.dim != new.dim:
-        return new
-    row = 2 * pending.dim
-    end = pending.start + len(pending.fp16) // row
-    if not pending.start <= new.start <= end:
-        return new
-    data = pending.fp16[: (new.start - pending.start) * row] + new.fp16
-    start = pending.start
-    if len(data) > max_rows * row:
-        start += len(data) // row - max_rows
-        data = data[-max_rows * row:]
-    return common_pb2.HiddenStates(start=start, dim=new.dim, fp16=data)
-
-
 def _translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
     code = error.code()
     if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):

@@ -30,8 +30,8 @@ from coordinator.backends import (
     VerifyResult,
     REST_S,
     ReplicaSet,
-    merge_hidden,
 )
+from coordinator.hidden_backlog import HiddenBacklog
 from coordinator.prompts import build_turn
 from coordinator.checkpoints import Checkpoints
 from coordinator.sessions import (
@@ -369,13 +369,14 @@ class RoundLoop:
                 _request_attributes(self._facts, request, record.session_id, turn.prompt_len, fixed_k, resumed)
             )
 
-            hidden = None  # target hidden states the draft has not been sent yet
+            hidden = HiddenBacklog()  # target hidden states the draft has not been sent yet
             if target_ref is None or not self._targets.stays(target_ref.address):
                 t0 = time.perf_counter()
                 # A seeded sampled request's draws follow its rounds' k; a deferred prompt would leave a
                 # feature draft without features in round 1, and so make the tokens depend on load.
                 feed_now = request.seed is not None and not sampling.greedy
-                target_ref, hidden = await self._place_target(committed, remaining_s, span, record.fence, feed_now)
+                target_ref, fed = await self._place_target(committed, remaining_s, span, record.fence, feed_now)
+                hidden.add(fed)
                 stats.prefill_ms = (time.perf_counter() - t0) * 1000
             record.target = target_ref
             holding.update(draft_ref, target_ref)
@@ -399,7 +400,7 @@ class RoundLoop:
                 # Sampled requests read the fixed prior costs here too: their proposals never depend on timing.
                 cutoff = costs.min_confidence() if self._confidence_cutoff and fixed_k is None and k_round else 0.0
                 ahead = self._ahead(k_round, sampling, target_ref.address)
-                draft, verdict, draft_ref, target_ref, hidden = await self._round(
+                draft, verdict, draft_ref, target_ref = await self._round(
                     turn.round, k_round, committed, sampling, draft_ref, target_ref, hidden, stats, remaining_s,
                     record.fence, looked_up, cutoff, ahead,
                 )
@@ -540,18 +541,19 @@ class RoundLoop:
         sampling: Sampling,
         draft_ref: CacheRef | None,
         target_ref: CacheRef,
-        hidden: HiddenStates | None,
+        hidden: HiddenBacklog,
         stats: Stats,
         remaining_s: Callable[[], float | None],
         fence: int,
         looked_up: DraftResult | None = None,
         min_confidence: float = 0.0,
         ahead: int = 0,
-    ) -> tuple[DraftResult | None, VerifyResult, CacheRef | None, CacheRef, HiddenStates | None]:
+    ) -> tuple[DraftResult | None, VerifyResult, CacheRef | None, CacheRef]:
         """One round in its own span: draft k tokens (if k > 0), verify, and time both.
 
-        ``hidden`` holds target hidden states the draft has not been sent; the round returns what is
-        still unsent afterwards. A draft that fails costs this round its speculation, never the request.
+        ``hidden`` holds target hidden states the draft has not been sent; the round sends them with
+        its draft call and adds the ones its verify fed. A draft that fails costs this round its
+        speculation, never the request.
         ``looked_up`` is the coordinator's own proposal for a round with k = 0: verified as drafted.
         ``ahead``: tokens the draft drafts ahead while this round is verified.
         """
@@ -565,10 +567,10 @@ class RoundLoop:
                 t0 = time.perf_counter()
                 try:
                     draft, draft_ref, routine = await self._propose(
-                        replica, draft_ref, committed, k, sampling, round_index, remaining_s, hidden, fence,
-                        min_confidence, ahead,
+                        replica, draft_ref, committed, k, sampling, round_index, remaining_s, hidden.message(),
+                        fence, min_confidence, ahead,
                     )
-                    hidden = None
+                    hidden.clear()
                 except (BackendUnavailable, BackendRejected) as error:
                     if not _out_of_time(remaining_s):
                         self._failed(self._drafts, error, span, "draft", "draft failed, this round runs target-only")
@@ -587,7 +589,7 @@ class RoundLoop:
             verdict, target_ref, fed = await self._verify(
                 target_ref, committed, draft, sampling, round_index, remaining_s, span
             )
-            hidden = merge_hidden(hidden, fed)
+            hidden.add(fed)
             verify_ms = (time.perf_counter() - t0) * 1000
             drafted = len(draft.tokens) if draft else 0
             self._costs.record_verify(verify_ms, drafted + 1, verdict.load)
@@ -616,7 +618,7 @@ class RoundLoop:
                     "specdec.verify_ms": verify_ms,
                 }
             )
-        return draft, verdict, draft_ref, target_ref, hidden
+        return draft, verdict, draft_ref, target_ref
 
     def _note_load(self, address: str, load: PassLoad) -> None:
         """Keeps the replica's latest pass; forgets stale ones once replicas that left (discovered pods
@@ -727,7 +729,11 @@ class RoundLoop:
                     ref, fed = await target.prefill_with_hidden(committed, remaining_s(), want, ref.fence,
                                                                 side_layers=self._side_layers)
                     result = await target.verify(ref, committed, draft, sampling, round_index, remaining_s(), *asks)
-                return result, replace(ref, committed=result.committed), merge_hidden(fed, result.hidden)
+                if fed is not None:  # the cache was placed anew: its prompt's rows come first
+                    backlog = HiddenBacklog(fed)
+                    backlog.add(result.hidden)
+                    return result, replace(ref, committed=result.committed), backlog.message()
+                return result, replace(ref, committed=result.committed), result.hidden
             except BackendUnavailable as exc:
                 if _out_of_time(remaining_s):
                     raise

@@ -186,19 +186,38 @@ def test_target_returns_hidden_states_of_committed_positions(tiny_target):
     assert torch.allclose(torch.cat(rows), expected, atol=2e-2)  # fp16 storage on one side
 
 
-def test_merge_hidden_joins_overlaps_and_restarts_after_gaps():
-    from coordinator.backends import merge_hidden
+def test_hidden_backlog_joins_overlaps_and_restarts_after_gaps():
+    from coordinator.hidden_backlog import HiddenBacklog
     from specdec.v1.common_pb2 import HiddenStates
 
     def h(start, rows):
         return HiddenStates(start=start, dim=1, fp16=bytes(range(start * 2, (start + rows) * 2)))
 
-    assert merge_hidden(None, h(0, 3)) == h(0, 3)
-    assert merge_hidden(h(0, 3), None) == h(0, 3)
-    assert merge_hidden(h(0, 3), h(3, 2)) == h(0, 5)  # contiguous
-    assert merge_hidden(h(0, 3), h(2, 2)) == h(0, 4)  # overlapping: newer rows win
-    assert merge_hidden(h(0, 3), h(5, 1)) == h(5, 1)  # a gap keeps only the newer rows
-    assert merge_hidden(h(0, 3), h(3, 2), max_rows=4) == h(1, 4)  # the oldest rows go past the cap
+    def merged(*parts, max_rows=2048):
+        backlog = HiddenBacklog(max_rows=max_rows)
+        for part in parts:
+            backlog.add(part)
+        return backlog.message()
+
+    assert merged(None) is None and merged(h(0, 0)) is None
+    assert merged(None, h(0, 3)) == h(0, 3)
+    assert merged(h(0, 3), None) == h(0, 3)
+    assert merged(h(0, 3), h(3, 2)) == h(0, 5)  # contiguous
+    assert merged(h(0, 3), h(2, 2)) == h(0, 4)  # overlapping: newer rows win
+    assert merged(h(0, 3), h(5, 1)) == h(5, 1)  # a gap keeps only the newer rows
+    assert merged(h(0, 3), h(3, 2), max_rows=4) == h(1, 4)  # the oldest rows go past the cap
+    # Round by round, as a session running target-only gathers them: a cut and a drop may each
+    # cross several of the chunks the rows arrived in.
+    assert merged(h(0, 2), h(2, 1), h(3, 1), h(4, 1), h(1, 2)) == h(0, 3)
+    assert merged(h(0, 2), h(2, 1), h(3, 1), h(4, 1), max_rows=2) == h(3, 2)
+    assert merged(h(0, 2), h(2, 1), h(3, 1), h(4, 3), max_rows=3) == h(4, 3)
+    backlog = HiddenBacklog(h(0, 2))
+    backlog.add(h(2, 1))
+    assert len(backlog) == 3 and backlog.message() == h(0, 3)
+    backlog.clear()
+    assert len(backlog) == 0 and backlog.message() is None
+    backlog.add(h(7, 1))  # after the draft took them, the next round's rows start a new backlog
+    assert backlog.message() == h(7, 1)
 
 
 SHIPPED = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-feature"
