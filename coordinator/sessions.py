@@ -3,7 +3,7 @@
 A record says which draft and target replica hold the session's caches, under which ids and at
 which committed length, plus the committed tokens themselves, so any coordinator can continue the
 session or rebuild a lost cache. While a turn runs, the record also holds that turn's progress,
-checkpointed every round, so another coordinator can resume a stream its client lost.
+checkpointed as it goes (coordinator.checkpoints), so another coordinator can resume a stream its client lost.
 
 Records are written whole (one SET inside a script), so none is ever half written. Each turn takes a
 fencing token (an INCR per session): a write carrying an older token than the session's latest is
