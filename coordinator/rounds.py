@@ -663,7 +663,8 @@ class RoundLoop:
             try:
                 result = await draft.propose(ref, committed, k, sampling, round_index, remaining_s(), hidden,
                                              min_confidence, ahead)
-                return result, replace(ref, committed=result.committed), len(committed) - ref.committed <= self._costs.k_max + 1
+                routine = len(committed) - ref.committed <= self._costs.k_max + 1
+                return result, replace(ref, committed=result.committed), routine
             except CacheLost:
                 pass
         ref = await draft.prefill(committed, remaining_s(), fence)
