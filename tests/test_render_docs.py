@@ -1,0 +1,147 @@
+"""bench/render_docs.py: tables from reports, and the committed pages fresh against the committed reports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("render_docs", ROOT / "bench" / "render_docs.py")
+render_docs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render_docs)
+
+BENCH = {
+    "config": {"n": 2, "max_new_tokens": 8, "temperature": 0.0, "k": "auto", "draft_kinds": ["feature"]},
+    "modes": {
+        "hf-target": {"tokens": 16, "seconds": 1.6, "tokens_per_s": 10.0, "speedup_vs_hf_target": 1.0},
+        "hf-assisted": {"tokens": 16, "seconds": 2.0, "tokens_per_s": 8.0, "exact": "2/2"},
+        "specdec-k0": {"tokens": 16, "seconds": 1.0, "tokens_per_s": 16.0, "rounds": 16,
+                       "per_round_ms": {"draft": 0.0, "verify": 50.0, "other": 0.5, "prefill_per_request": 200.0,
+                                        "median_other": 0.4},
+                       "exact": "2/2"},
+        "specdec": {"tokens": 16, "seconds": 0.8, "tokens_per_s": 20.0, "rounds": 8,
+                    "per_round_ms": {"draft": 10.0, "verify": 60.0, "other": 0.6, "prefill_per_request": 210.0,
+                                     "median_other": 0.5},
+                    "acceptance_rate": 0.5, "mean_k": 2.0, "mean_accepted_length": 2.0,
+                    "acceptance_by_position": [0.75, 0.25], "per_token_acceptance": 0.6,
+                    "predicted_speedup_vs_k0": 1.3, "measured_speedup_vs_k0": 1.25, "efficiency": 0.962,
+                    "exact": "2/2"},
+    },
+    "created": "2030-01-02T03:04:05Z",
+    "host": {"cpu": "Test CPU", "cores": 2},
+}
+
+
+def _level(tps: float, **extra) -> dict:
+    return {"tokens": 10, "seconds": 1.0, "tokens_per_s": tps, "ttft_ms": {"p50": 100.0, "p95": 200.0},
+            "per_token_ms": {"p50": 40.0, "p95": 50.0}, **extra}
+
+
+LOAD = {
+    "config": {"n": 4, "max_new_tokens": 8, "requests_per_level": {"1": 4, "16": 16}, "repeats": 2},
+    # Levels out of order in the file: the tables sort them by number.
+    "modes": {
+        "hf-batched": {"16": _level(40.0), "1": _level(10.0)},
+        "specdec-k0": {"16": _level(50.0, mean_k=0.0, exact="16/16"), "1": _level(20.0, mean_k=0.0, exact="4/4")},
+        "specdec": {"16": _level(55.0, mean_k=0.2, acceptance_rate=0.5, exact="16/16"),
+                    "1": _level(25.0, mean_k=2.0, acceptance_rate=0.4, exact="4/4")},
+    },
+    "specdec_vs_k0": {"1": 1.25, "16": 1.1},
+    "scaling_vs_single_session": {"specdec": {"1": 1.0, "16": 2.2}},
+}
+
+GRID = {"config": {"threads": 2, "repeats": 3, "accept": 0.5},
+        "pass_ms": {"1": [100.0, 110.0, 120.0], "4": [200.0, 260.0, 300.0]},
+        "ceiling": {"1": {"gain": 1.5, "k": 2}, "4": {"gain": 1.1, "k": 1}}}
+
+LONG = {"config": {"chunks": "128,0", "tokens": 1500},
+        "runs": [{"prefill_chunk": 128,
+                  "trials": [{"long_ttft_s": 6.0, "max_gap_s": 0.5, "median_gap_during_s": 0.3}]},
+                 {"prefill_chunk": 0,
+                  "trials": [{"long_ttft_s": 5.0, "max_gap_s": 5.0, "median_gap_during_s": 0.1}]}]}
+
+CARD = {"kind": "feature", "architecture": {"layers": 1, "side_layers": [2, 15]},
+        "training": {"steps": 10, "seconds": 120.0},
+        "recipe": {"data": {"train_generated_tokens": 12345}},
+        "metrics": {"held_out": {"top1_agreement": 0.6, "acceptance_by_position": [0.5, 0.25],
+                                 "mean_accepted_length": 1.75},
+                    "held_out_with_lookup": {"mean_accepted_length": 2.0},
+                    "extra:prompts.jsonl": {"top1_agreement": 0.45, "mean_accepted_length": 1.5}}}
+
+README = "# demo\n\nintro\n\n<!-- results:begin -->\nold table\n<!-- results:end -->\n\nafter\n"
+
+
+def _tree(tmp_path: Path, reports: dict[str, dict]) -> Path:
+    root = tmp_path / "repo"
+    (root / "reports").mkdir(parents=True)
+    for name, report in reports.items():
+        (root / "reports" / name).write_text(json.dumps(report))
+    (root / "drafts" / "tiny-feature").mkdir(parents=True)
+    (root / "drafts" / "tiny-feature" / "draft_card.json").write_text(json.dumps(CARD))
+    (root / "README.md").write_text(README)
+    return root
+
+
+def test_tables_come_from_the_reports(tmp_path):
+    root = _tree(tmp_path, {"bench.json": BENCH, "bench-load.json": LOAD, "pass-grid.json": GRID,
+                            "long-prompt.json": LONG})
+    assert render_docs.main(["--root", str(root)]) == 0
+    page = (root / "docs" / "benchmarks.md").read_text()
+    # Single stream: ratios side by side, the speculative mode's acceptance and efficiency, the split.
+    assert "| `specdec` | 20.00 | 2.00× | 2.50× | 1.25× | 2/2 |" in page
+    assert "| `hf-target` | 10.00 | 1.00× | 1.25× | 0.62× | — |" in page
+    assert "| `specdec` | 8 | 2.00 | 2.00 | 0.50 | 0.60 | 1.30 | 1.25 | 0.96 |" in page
+    assert "| `specdec` | 0.75 | 0.25 |" in page
+    assert "| `specdec` | 10.00 | 60.00 | 0.60 | 0.50 | 210.0 |" in page
+    # Load: levels in numeric order, the ratio to k0 computed from tokens/s, scaling, latency.
+    assert "| C | 1 | 16 |" in page
+    assert "| requests | 4 | 16 |" in page
+    assert "| **specdec / specdec-k0** | **1.250×** | **1.100×** |" in page
+    assert "| `specdec` scaling vs C = 1 | 1.00× | 2.20× |" in page
+    assert "| `specdec` | 16 | 100 / 200 | 40.0 / 50.0 | 16/16 |" in page
+    # The ceiling, pass costs relative to k = 0.
+    assert "| 4 | 200.0 | 1.30× | 1.50× | **1.10×** (k = 1) |" in page
+    # Long prompts: per setting, and against the unchunked one.
+    assert ("| `--prefill-chunk 128` | 1 | 0.50 (0.50–0.50) | 0.30 (0.30–0.30) | 6.00 (6.00–6.00) "
+            "| 0.10× | 1.20× |") in page
+    # The drafts' cards, and where the reports came from.
+    assert "| `tiny-feature` | feature | 1 layer, reads layers 2, 15 | 0.600 | 0.50, 0.25 | 1.75 | 2.00 |" in page
+    assert "- `reports/bench.json` (created: 2030-01-02T03:04:05Z; host: cpu Test CPU, cores 2)" in page
+
+    readme = (root / "README.md").read_text()
+    assert "old table" not in readme
+    assert readme.startswith("# demo\n\nintro\n\n<!-- results:begin -->\nFrom `reports/bench.json`")
+    assert readme.endswith("<!-- results:end -->\n\nafter\n")
+    assert "| `specdec` | 20.00 | 2.00× | 1.25× | 2.00 | 2/2 |" in readme
+
+
+def test_same_reports_same_pages_and_missing_reports_say_how_to_make_them(tmp_path):
+    root = _tree(tmp_path, {"bench.json": BENCH})
+    assert render_docs.main(["--root", str(root)]) == 0
+    first = (root / "docs" / "benchmarks.md").read_text(), (root / "README.md").read_text()
+    assert render_docs.main(["--root", str(root), "--check"]) == 0
+    assert render_docs.main(["--root", str(root)]) == 0
+    assert ((root / "docs" / "benchmarks.md").read_text(), (root / "README.md").read_text()) == first
+    page = first[0]
+    assert "No `reports/bench-load.json` yet: run `make bench-load`." in page
+    assert "No `reports/pass-grid.json` yet: run `make pass-grid`." in page
+    assert "No `reports/long-prompt.json` yet: run `make bench-long-prompt`." in page
+
+    # A changed report makes the pages stale, and --check says so without writing.
+    changed = json.loads(json.dumps(BENCH))
+    changed["modes"]["specdec"]["tokens_per_s"] = 30.0
+    (root / "reports" / "bench.json").write_text(json.dumps(changed))
+    assert render_docs.main(["--root", str(root), "--check"]) == 1
+    assert (root / "docs" / "benchmarks.md").read_text() == page
+
+
+def test_committed_pages_are_fresh_against_the_committed_reports(tmp_path):
+    readme = tmp_path / "README.md"
+    shutil.copy(ROOT / "README.md", readme)
+    out = tmp_path / "benchmarks.md"
+    assert render_docs.main(["--root", str(ROOT), "--out", str(out), "--readme", str(readme)]) == 0
+    stale = "is stale against reports/*.json: run `make docs` (python bench/render_docs.py)"
+    assert out.read_text() == (ROOT / "docs" / "benchmarks.md").read_text(), f"docs/benchmarks.md {stale}"
+    assert readme.read_text() == (ROOT / "README.md").read_text(), f"README.md's results table {stale}"
