@@ -16,7 +16,7 @@ import contextlib
 import logging
 from dataclasses import replace
 
-from coordinator.backends import Fenced
+from coordinator.replicas import Fenced
 from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable
 
 log = logging.getLogger(__name__)

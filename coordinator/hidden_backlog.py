@@ -2,14 +2,14 @@
 
 Every verify reply carries the hidden rows of the positions it committed; they wait here until the
 next draft call takes them all. While a session runs target-only (k = 0 under load, a draft outage)
-nothing takes them, and the backlog grows a row or so a round: joining the bytes on every round, as
-``merge_hidden`` did, copied the whole backlog each time, so the copying grew with the square of
-the stretch. Here a round appends its rows as they came, and they are joined once, when sent.
+nothing takes them, and the backlog grows a row or so a round. Joining the bytes on every round
+would copy the whole backlog each time, so the copying would grow with the square of the stretch:
+a round appends its rows as they came, and they are joined once, when sent.
 """
 
 from __future__ import annotations
 
-from specdec.v1 import common_pb2
+from coordinator.replicas import HiddenChunk
 
 
 class HiddenBacklog:
@@ -20,20 +20,20 @@ class HiddenBacklog:
     long draft outage never grows a message without bound. The bytes are passed on undecoded.
     """
 
-    def __init__(self, first: common_pb2.HiddenStates | None = None, max_rows: int = 2048) -> None:
+    def __init__(self, first: HiddenChunk | None = None, max_rows: int = 2048) -> None:
         self._max_rows = max_rows
         self._chunks: list[bytes] = []
         self._start = 0
         self._dim = 0
         self._rows = 0
-        self._joined: common_pb2.HiddenStates | None = None
+        self._joined: HiddenChunk | None = None
         self.add(first)
 
     def __len__(self) -> int:
         """Rows held."""
         return self._rows
 
-    def add(self, new: common_pb2.HiddenStates | None) -> None:
+    def add(self, new: HiddenChunk | None) -> None:
         """Takes in a reply's rows (None or empty: nothing)."""
         if new is None or not new.fp16:
             return
@@ -49,12 +49,12 @@ class HiddenBacklog:
             self._drop_front(self._rows - self._max_rows)
         self._joined = None
 
-    def message(self) -> common_pb2.HiddenStates | None:
+    def message(self) -> HiddenChunk | None:
         """Every held row as one message (None when none is held); joined once until the next add."""
         if not self._rows:
             return None
         if self._joined is None:
-            self._joined = common_pb2.HiddenStates(start=self._start, dim=self._dim, fp16=b"".join(self._chunks))
+            self._joined = HiddenChunk(self._start, self._dim, b"".join(self._chunks))
         return self._joined
 
     def clear(self) -> None:

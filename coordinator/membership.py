@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic
 
-from coordinator.backends import R, ReplicaSet
+from coordinator.replicas import R, ReplicaSet
 from coordinator.discovery import Source
 from specdec.vocab import ModelFacts
 

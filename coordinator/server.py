@@ -14,25 +14,21 @@ from opentelemetry import trace
 
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor
-from coordinator.backends import (
-    REST_S,
-    BackendRejected,
-    BackendUnavailable,
-    DraftReplica,
-    Fenced,
-    ReplicaSet,
-    TargetReplica,
-)
+from coordinator.backends import DraftReplica, TargetReplica
 from coordinator.discovery import open_source
 from coordinator.membership import Membership, Refused
-from coordinator.rounds import (
+from coordinator.policy import SpeculationConfig, SpeculationPolicy
+from coordinator.replicas import REST_S, BackendRejected, BackendUnavailable, Fenced, ReplicaSet
+from coordinator.rounds import RoundLoop
+from coordinator.routing import Router
+from coordinator.turns import (
     Chunk,
     GenerationRequest,
     Resume,
-    RoundLoop,
     SessionNotFound,
     Stats,
     TooManySessions,
+    Turns,
     TurnMismatch,
 )
 from coordinator.sessions import SessionStore, StoreUnavailable, open_store
@@ -168,7 +164,7 @@ _STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 
 def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, BackendRejected):
-        return exc.code, str(exc)
+        return grpc.StatusCode[exc.status], str(exc)
     code = status_of(exc, _STATUS_OF)
     if code is not None:
         return code, str(exc)
@@ -358,17 +354,16 @@ async def start_coordinator(
             target_facts = [await following.first_facts(config.startup_timeout_s)]
         store = store or open_store(config.redis_url, config.session_ttl_s, config.redis_password, config.redis_ca)
         await store.ping()
-        loop = RoundLoop(tokenizer, target_facts[0], draft_set, target_set, store, tracer, config.default_k,
-                         config.max_auto_k, want_hidden=bool(first_feature),
-                         side_layers=first_feature[0].side_layers if first_feature else (), metrics=metrics,
-                         draft_colocated=config.draft_colocated, free_lookup_min=config.free_lookup_min,
-                         confidence_cutoff=config.confidence_cutoff, draft_ahead=config.draft_ahead,
-                         max_sessions_per_client=config.admission.max_sessions_per_client,
-                         checkpoint_interval_s=config.checkpoint_interval_s)
+        router = Router(draft_set, target_set, want_hidden=bool(first_feature),
+                        side_layers=first_feature[0].side_layers if first_feature else ())
+        policy = SpeculationPolicy(speculation_config(config), live_targets=lambda: len(target_set))
+        turns = Turns(tokenizer, target_facts[0], store, config.admission.max_sessions_per_client)
+        loop = RoundLoop(tokenizer, target_facts[0], router, policy, turns, tracer, metrics,
+                         config.checkpoint_interval_s)
         if config.draft_discovery is not None:
             source = open_source(config.draft_discovery, config.discovery_interval_s, kubernetes_api)
             following = Membership("draft", source, draft_set, make_draft, check_joiner, config.discovery_interval_s,
-                                   on_join=lambda _, f: loop.draft_joined(f))
+                                   on_join=lambda _, f: router.draft_joined(f))
             memberships.append(following)
             following.start()
             # The drafts listed now join before serving; none listed is fine (target-only until one joins).
@@ -380,12 +375,18 @@ async def start_coordinator(
         await asyncio.gather(*(r.close() for r in [*draft_set.everyone(), *target_set.everyone()]))
         raise
     for following in memberships:
-        loop.stop_on_close(following.stop)
+        router.stop_on_close(following.stop)
     servicer = CoordinatorServicer(loop, target_facts[0].max_context, Admission(config.admission))
     interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []
     running = await start_server(config.server, register(servicer), (SERVICE_NAME,), interceptors)
     await running.set_serving()
     return running, loop
+
+
+def speculation_config(config: CoordinatorConfig) -> SpeculationConfig:
+    """The speculation policy's part of the coordinator's configuration."""
+    return SpeculationConfig(config.default_k, config.max_auto_k, config.draft_colocated, config.free_lookup_min,
+                             config.confidence_cutoff, config.draft_ahead)
 
 
 def main(config: CoordinatorConfig) -> None:

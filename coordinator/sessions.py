@@ -26,7 +26,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from coordinator.backends import CacheRef, Fenced
+from coordinator.replicas import CacheRef, Fenced
 
 
 def new_session_id() -> str:

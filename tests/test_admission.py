@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from coordinator.admission import Admission, Overloaded
-from coordinator.rounds import Chunk, Stats
+from coordinator.turns import Chunk, Stats
 from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
 from coordinator.sessions import MemorySessionStore, RedisSessionStore
 from draft_service.engine import ModelDrafter

@@ -613,8 +613,9 @@ def test_the_load_table_forgets_targets_that_left(tiny_target, tiny_draft, tiny_
         loop = stack.round_loops[0]
         load = PassLoad(1, 1, 0, 1.0, [1.0], [1.0])
         stale = time.monotonic() - 60
-        loop._target_load.update({f"gone-{i}:1": (stale, load) for i in range(10)})
-        loop._note_load("fresh:1", load)
-        assert set(loop._target_load) == {"fresh:1"} and loop._fresh_load("fresh:1") is load
+        loads = loop.policy.loads
+        loads.seen.update({f"gone-{i}:1": (stale, load) for i in range(10)})
+        loads.note("fresh:1", load)
+        assert set(loads.seen) == {"fresh:1"} and loads.fresh("fresh:1") is load
     finally:
         stack.close()

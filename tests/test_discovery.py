@@ -15,7 +15,7 @@ import torch
 from fake_kubernetes import FakeKubernetesApi, endpoint_slice
 from harness import InProcessStack
 
-from coordinator.backends import CacheRef, ReplicaSet
+from coordinator.replicas import CacheRef, ReplicaSet
 from coordinator.discovery import DnsSource, KubernetesSource, join_host_port, parse_replicas, parse_spec
 from coordinator.membership import Membership, Refused
 from coordinator.sessions import SessionRecord
@@ -425,7 +425,7 @@ def test_coordinator_moves_sessions_when_replicas_leave(tiny_target, tiny_dir, r
             kube.put(endpoint_slice("target-b", "spec-target", [("127.0.0.1", True, False)], _port(target_b)))
             kube.put(endpoint_slice("draft-b", "spec-draft", [("127.0.0.1", True, False)], _port(draft_b)))
             deadline = time.monotonic() + 10
-            while loop.members() != ({draft_b}, {target_b}):
+            while loop.router.members() != ({draft_b}, {target_b}):
                 assert time.monotonic() < deadline, loop.members()
                 time.sleep(0.02)
             second = client.complete("w4 w5", max_new_tokens=6, k=2, session_id=first.session_id)

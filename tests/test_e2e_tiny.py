@@ -12,7 +12,7 @@ import redis
 import torch
 from opentelemetry import trace
 
-from coordinator.backends import BackendUnavailable
+from coordinator.replicas import BackendUnavailable
 from coordinator.sessions import SessionRecord
 from draft_service.engine import ModelDrafter, NgramDrafter
 from harness import InProcessStack
@@ -317,8 +317,8 @@ def test_a_clients_spent_deadline_rests_no_replica(tiny_target, tiny_draft, tiny
     try:
         loop = s.round_loops[0]
         with pytest.raises(BackendUnavailable, match="DEADLINE_EXCEEDED"):
-            s.run(loop._place_target([3, 4, 5], lambda: 0.0, trace.INVALID_SPAN, 0))
-        assert loop.members()[1] == {s.target_address} and loop._targets.usable(s.target_address)
+            s.run(loop.router.place_target([3, 4, 5], lambda: 0.0, trace.INVALID_SPAN, 0))
+        assert loop.router.members()[1] == {s.target_address} and loop.router.targets.usable(s.target_address)
         with Client(s.address) as c:
             assert c.complete("w1 w2", max_new_tokens=5, timeout=20).token_ids == hf_greedy(tiny_target, "w1 w2", 5)
     finally:
@@ -335,10 +335,10 @@ def test_a_resting_lone_target_is_tried_rather_than_failing_every_stream(tiny_ta
         loop = s.round_loops[0]
         with Client(s.address) as c:
             first = c.complete("w1 w2", max_new_tokens=3)
-            loop._targets.failed(s.target_address)  # another session's call failed once
-            assert not loop._targets.usable(s.target_address)
+            loop.router.targets.failed(s.target_address)  # another session's call failed once
+            assert not loop.router.targets.usable(s.target_address)
             assert c.complete("w1 w2", max_new_tokens=5).token_ids == hf_greedy(tiny_target, "w1 w2", 5)
-            loop._targets.failed(s.target_address)
+            loop.router.targets.failed(s.target_address)
             assert c.complete("w3", max_new_tokens=3, session_id=first.session_id).session_id == first.session_id
     finally:
         s.close()
@@ -357,7 +357,7 @@ def test_a_draft_call_that_took_in_a_prompt_is_not_priced_as_a_draft(tiny_target
     s = InProcessStack(TargetEngine(tiny_target, 8), SlowPrefill(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
     s.start()
     try:
-        costs = s.round_loops[0]._costs
+        costs = s.round_loops[0].policy.costs
         with Client(s.address) as c:
             result = c.complete("w1 w2 w3", max_new_tokens=12, k=2, timeout=20)
         assert result.token_ids == hf_greedy(tiny_target, "w1 w2 w3", 12)

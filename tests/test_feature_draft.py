@@ -14,11 +14,11 @@ from safetensors import safe_open
 from draft_service.feature_draft import (FeatureDraftArch, FeatureSession, build_feature_draft, load_feature_draft,
                                          save_feature_draft, source_head_ids, warm_start)
 from draft_service.token_draft import CARD_FILE, WEIGHTS_FILE, target_weights_hash
-from specdec.distill.collect import Sample
-from specdec.distill.evaluate import evaluate_feature
-from specdec.distill.feature_train import feature_batcher, feature_loss, make_feature_examples, two_steps
-from specdec.distill.features import extract_features, sample_features
-from specdec.distill.train import TrainConfig, train
+from draft_service.distill.collect import Sample
+from draft_service.distill.evaluate import evaluate_feature
+from draft_service.distill.feature_train import feature_batcher, feature_loss, make_feature_examples, two_steps
+from draft_service.distill.features import extract_features, sample_features
+from draft_service.distill.train import TrainConfig, train
 from specdec.kvcache import HiddenRows
 from specdec.sampling import Sampling
 
@@ -188,10 +188,10 @@ def test_target_returns_hidden_states_of_committed_positions(tiny_target):
 
 def test_hidden_backlog_joins_overlaps_and_restarts_after_gaps():
     from coordinator.hidden_backlog import HiddenBacklog
-    from specdec.v1.common_pb2 import HiddenStates
+    from coordinator.replicas import HiddenChunk
 
     def h(start, rows):
-        return HiddenStates(start=start, dim=1, fp16=bytes(range(start * 2, (start + rows) * 2)))
+        return HiddenChunk(start, 1, bytes(range(start * 2, (start + rows) * 2)))
 
     def merged(*parts, max_rows=2048):
         backlog = HiddenBacklog(max_rows=max_rows)

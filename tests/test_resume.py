@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from coordinator.backends import CacheRef, Fenced
+from coordinator.replicas import CacheRef, Fenced
 from coordinator.sessions import MemorySessionStore, RedisSessionStore, SessionRecord, TurnState
 from coordinator.textstream import TextStream
 from draft_service.engine import ModelDrafter

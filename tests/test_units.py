@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.backends import CacheRef, ReplicaSet
+from coordinator.replicas import CacheRef, ReplicaSet
 from coordinator.prompts import build_turn
 from coordinator.checkpoints import Checkpoints
 from coordinator.sessions import MemorySessionStore, SessionRecord, StoreUnavailable

@@ -1,0 +1,225 @@
+"""Routing a turn's calls to draft and target replicas: placement, cache rebuilds and failover.
+
+A cache a replica lost is rebuilt from the committed tokens, so a lost cache costs time, never
+correctness. A target that is unreachable hands the session to another, which verifies the same
+round with the same draft. A draft that fails costs its round the speculation, never the request.
+A replica that failed rests a while before new work goes to it, unless the call failed only because
+the request's own deadline had passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+
+from opentelemetry import trace
+
+from coordinator.policy import RoundPlan
+from coordinator.replicas import (
+    BackendRejected,
+    BackendUnavailable,
+    CacheLost,
+    CacheRef,
+    DraftBackend,
+    DraftResult,
+    HiddenChunk,
+    ReplicaSet,
+    TargetBackend,
+    VerifyResult,
+    REST_S,
+)
+from coordinator.turns import Turn
+from specdec.config import FEATURE_KIND
+from specdec.vocab import ModelFacts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftCall:
+    """A draft call's result (None: it failed, and the round runs target-only), and how many committed
+    tokens the replica's cache took in before drafting (None: it prefilled the session's cache)."""
+
+    result: DraftResult | None
+    caught_up: int | None = None
+
+
+class Router:
+    """One coordinator's draft and target replicas, and the calls a turn makes to them."""
+
+    def __init__(
+        self,
+        drafts: Sequence[DraftBackend] | ReplicaSet[DraftBackend],
+        targets: Sequence[TargetBackend] | ReplicaSet[TargetBackend],
+        want_hidden: bool = False,
+        side_layers: tuple[int, ...] = (),
+        rest_s: float = REST_S,
+    ) -> None:
+        # Sets given as such may change while the loop runs (discovery); lists stay fixed.
+        self.drafts = drafts if isinstance(drafts, ReplicaSet) else ReplicaSet(drafts, rest_s)
+        self.targets = targets if isinstance(targets, ReplicaSet) else ReplicaSet(targets, rest_s)
+        # A feature draft reads the target's hidden states: ask the target for them, carry them over.
+        self.want_hidden = want_hidden
+        self.side_layers = side_layers  # target layers whose outputs the feature draft reads too
+        # Stopped on close, before the channels: the discovery that changes the sets.
+        self._stoppers: list[Callable[[], Awaitable[None]]] = []
+
+    def draft_joined(self, facts: ModelFacts) -> None:
+        """A draft replica joined while running: a feature draft needs the target's hidden states
+        from now on."""
+        if facts.kind == FEATURE_KIND:
+            self.want_hidden = True
+            self.side_layers = facts.side_layers
+
+    def members(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The addresses of the draft and of the target replicas that take work now."""
+        return frozenset(self.drafts.by_address), frozenset(self.targets.by_address)
+
+    def stop_on_close(self, stop: Callable[[], Awaitable[None]]) -> None:
+        """``close`` awaits ``stop()`` first (a discovery task that adds and retires replicas)."""
+        self._stoppers.append(stop)
+
+    async def close(self) -> None:
+        """Stops discovery, then closes every replica."""
+        for stop in self._stoppers:
+            await stop()
+        await asyncio.gather(*(r.close() for r in [*self.drafts.everyone(), *self.targets.everyone()]))
+
+    def holding(self) -> Holding:
+        """Counts a running turn's caches in the replica sets while it runs (``Holding.update``)."""
+        return Holding(self.drafts, self.targets)
+
+    async def place(self, turn: Turn, span: trace.Span, feed_now: bool = False) -> bool:
+        """Gives the turn a target cache over its committed tokens unless its cache stays where it is;
+        whether it placed one. ``feed_now`` forbids a busy target to defer the prompt."""
+        if turn.target is not None and self.targets.stays(turn.target.address):
+            return False
+        turn.target, fed = await self.place_target(turn.committed, turn.remaining_s, span, turn.fence, feed_now)
+        turn.hidden.add(fed)
+        return True
+
+    async def place_target(
+        self, committed: list[int], remaining_s: Callable[[], float | None], span: trace.Span, fence: int,
+        feed_now: bool = False,
+    ) -> tuple[CacheRef, HiddenChunk | None]:
+        """Builds a target cache over ``committed`` on a healthy replica, trying the others when one is
+        unreachable; also returns the fed hidden states (when the draft wants them)."""
+        error: BackendUnavailable | None = None
+        for _ in range(len(self.targets)):
+            target = self.targets.pick(None, probe=True)
+            if target is None:
+                break
+            try:
+                return await target.prefill_with_hidden(
+                    committed, remaining_s(), self.want_hidden, fence, feed_now and self.want_hidden,
+                    self.side_layers,
+                )
+            except BackendUnavailable as exc:
+                if _spent(remaining_s):
+                    raise
+                error = exc
+                self._failed(self.targets, exc, span, "target", "target unreachable, trying another")
+        raise error or BackendUnavailable("target", "*", "no target replica is available (all resting or none known)")
+
+    async def draft(self, turn: Turn, plan: RoundPlan, span: trace.Span) -> DraftCall | None:
+        """Asks a draft replica for the plan's tokens (None: no replica is available), handing over the
+        hidden states it has not seen; moves ``turn.draft`` to where its cache now is."""
+        replica = self.drafts.pick(turn.draft)
+        if replica is None:
+            return None
+        ref = turn.draft
+        caught_up = None
+        try:
+            if ref is not None and ref.address == replica.address:
+                try:
+                    caught_up = len(turn.committed) - ref.committed
+                    result = await self._propose(replica, ref, turn, plan)
+                except CacheLost:
+                    caught_up = None
+            if caught_up is None:
+                ref = await replica.prefill(turn.committed, turn.remaining_s(), turn.fence)
+                result = await self._propose(replica, ref, turn, plan)
+        except (BackendUnavailable, BackendRejected) as error:
+            if not turn.out_of_time():
+                self._failed(self.drafts, error, span, "draft", "draft failed, this round runs target-only")
+            return DraftCall(None)
+        turn.draft = replace(ref, committed=result.committed)
+        turn.hidden.clear()
+        return DraftCall(result, caught_up)
+
+    @staticmethod
+    async def _propose(replica: DraftBackend, ref: CacheRef, turn: Turn, plan: RoundPlan) -> DraftResult:
+        return await replica.propose(ref, turn.committed, plan.k, turn.sampling, turn.state.round,
+                                     turn.remaining_s(), turn.hidden.message(), plan.min_confidence, plan.ahead)
+
+    async def verify(self, turn: Turn, draft: DraftResult | None, span: trace.Span) -> VerifyResult:
+        """Verifies on the turn's target replica, moving ``turn.target`` along and adding the hidden
+        states the target fed to ``turn.hidden``.
+
+        A replica that lost the cache gets it again from the committed tokens. A replica that is
+        unreachable hands the session to another: the same round, with the same draft and round
+        index, is verified there, so the stream goes on as if nothing happened.
+        """
+        assert turn.target is not None
+        ref, committed, want, fed = turn.target, turn.committed, self.want_hidden, None
+        asks = (want, self.side_layers)
+        for _ in range(len(self.targets) + 1):
+            if not self.targets.stays(ref.address):
+                ref, fed = await self.place_target(committed, turn.remaining_s, span, ref.fence)
+            # The replica may have left while the cache was placed: the call then fails over below.
+            target = self.targets.find(ref.address)
+            try:
+                if target is None:
+                    raise BackendUnavailable("target", ref.address, "the replica left")
+                try:
+                    result = await target.verify(ref, committed, draft, turn.sampling, turn.state.round,
+                                                 turn.remaining_s(), *asks)
+                except CacheLost:
+                    ref, fed = await target.prefill_with_hidden(committed, turn.remaining_s(), want, ref.fence,
+                                                                side_layers=self.side_layers)
+                    result = await target.verify(ref, committed, draft, turn.sampling, turn.state.round,
+                                                 turn.remaining_s(), *asks)
+                turn.target = replace(ref, committed=result.committed)
+                turn.hidden.add(fed)  # a cache placed anew: its prompt's rows come first
+                turn.hidden.add(result.hidden)
+                return result
+            except BackendUnavailable as exc:
+                if turn.out_of_time():
+                    raise
+                self._failed(self.targets, exc, span, "target", "target unreachable, moving the session")
+        raise BackendUnavailable("target", ref.address, "no target replica could verify this round")
+
+    def _failed(self, replicas: ReplicaSet, error: BackendUnavailable | BackendRejected, span: trace.Span,
+                service: str, what: str) -> None:
+        """Notes a failed call (a ``specdec.<service>_failed`` span event): the replica rests a while."""
+        replicas.failed(error.address)
+        span.add_event(f"specdec.{service}_failed", {"error": str(error)})
+        log.warning("%s: %s", what, error)
+
+
+class Holding:
+    """The replicas one running turn keeps caches on, counted in their replica sets while it runs."""
+
+    def __init__(self, drafts: ReplicaSet, targets: ReplicaSet) -> None:
+        self._sets = (drafts, targets)
+        self._held: list[str | None] = [None, None]
+
+    def update(self, draft: CacheRef | None, target: CacheRef | None) -> None:
+        """The turn's caches are now at ``draft`` and ``target``."""
+        for i, ref in enumerate((draft, target)):
+            address = None if ref is None else ref.address
+            self._sets[i].hold(self._held[i], address)
+            self._held[i] = address
+
+    def __enter__(self) -> Holding:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.update(None, None)
+
+
+def _spent(remaining_s: Callable[[], float | None]) -> bool:
+    left = remaining_s()
+    return left is not None and left <= 0

@@ -1,0 +1,261 @@
+"""A request's turn: what a client asks for, what it gets back, and the state one running turn keeps.
+
+``Turns.open`` loads (or creates) the session, starts or resumes the turn, counts the session
+against its client's limit and takes the session's lease. ``Turn`` then carries everything the round
+loop and the speculation policy read and update from round to round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from coordinator.adaptive import AcceptanceTracker, add_counts
+from coordinator.hidden_backlog import HiddenBacklog
+from coordinator.prompts import build_turn
+from coordinator.replicas import CacheRef
+from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable, TurnState, is_session_id
+from specdec.sampling_params import Sampling
+from specdec.token_lists import common_prefix_len
+from specdec.vocab import ModelFacts
+
+log = logging.getLogger(__name__)
+
+
+class SessionNotFound(LookupError):
+    """The request named a session that does not exist or has expired."""
+
+
+class TooManySessions(RuntimeError):
+    """The client already keeps as many live sessions as it may."""
+
+
+class TurnMismatch(RuntimeError):
+    """A resume named a session that is not running the resumed request."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What the client of a lost stream already received of this turn."""
+
+    tokens: int
+    text_chars: int
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request; exactly one of ``text`` and ``messages`` is set."""
+
+    text: str | None
+    messages: list[dict[str, str]] | None
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    session_id: str | None = None
+    # None: the coordinator's default; 0: target-only.
+    k: int | None = None
+    # Set when a client resumes a stream it lost.
+    resume: Resume | None = None
+    # Digest of the request minus its session and resume fields: names the turn a resume continues.
+    fingerprint: str = ""
+    # Who sent it (see coordinator.server.client_of); counts against its session limit.
+    client: str = ""
+
+
+@dataclass
+class Stats:
+    """Counters of one request. Mean accepted length counts the target's own token each round."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_ms: float = 0.0
+    verify_ms: float = 0.0
+    prefill_ms: float = 0.0
+    total_ms: float = 0.0
+    time_to_first_token_ms: float = 0.0
+    # Committed tokens per round, summed: accepted + 1 before any truncation at a stop.
+    committed_in_rounds: int = 0
+    # Rounds whose proposal the draft had drafted ahead, during the round before.
+    ahead_rounds: int = 0
+    # Acceptance by draft position of the draft service's proposals; it steers the adaptive choice of k.
+    positions: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    # The same for the coordinator's own prompt lookup. Its hits follow long repeats, so they start
+    # from a higher prior than the draft's.
+    lookup: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(prior=0.7))
+
+    def add_round(self, drafted: int, accepted: int, committed: int, looked_up: bool = False) -> None:
+        """Counts one finished round; ``looked_up``: the coordinator's prompt lookup drafted it."""
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.committed_in_rounds += committed
+        (self.lookup if looked_up else self.positions).record(drafted, accepted)
+
+    def by_position(self) -> tuple[list[int], list[int]]:
+        """Drafted and accepted counts by draft position, over every source of proposals."""
+        drafted, accepted = list(self.positions.drafted), list(self.positions.accepted)
+        add_counts(drafted, self.lookup.drafted)
+        add_counts(accepted, self.lookup.accepted)
+        return drafted, accepted
+
+    @property
+    def judged_tokens(self) -> int:
+        """Draft tokens the target judged (each round's up to its first rejection), every source."""
+        return sum(self.positions.tried) + sum(self.lookup.tried)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted draft tokens over drafted tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens committed per round, the bonus or recovered token included."""
+        return self.committed_in_rounds / self.rounds if self.rounds else 0.0
+
+    @property
+    def other_ms(self) -> float:
+        """Time not spent waiting on draft or target: the coordinator's own overhead."""
+        return max(0.0, self.total_ms - self.draft_ms - self.verify_ms - self.prefill_ms)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Streamed output; the last chunk has ``finish_reason`` and ``stats``."""
+
+    session_id: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stats: Stats | None = None
+
+
+@dataclass
+class Turn:
+    """One running turn: the request, its session record, and where its caches are.
+
+    ``record.tokens`` are the committed tokens (prompt and output so far); ``record.turn`` the state a
+    resume on another coordinator continues from. ``draft`` and ``target`` are the caches this turn
+    uses now; they reach the record at each checkpoint.
+    """
+
+    request: GenerationRequest
+    record: SessionRecord
+    resumed: bool
+    sampling: Sampling
+    stats: Stats
+    remaining_s: Callable[[], float | None]
+    draft: CacheRef | None = None
+    target: CacheRef | None = None
+    # Target hidden states the draft has not been sent yet.
+    hidden: HiddenBacklog = field(default_factory=HiddenBacklog)
+
+    @property
+    def committed(self) -> list[int]:
+        """The session's committed tokens (extended in place as rounds commit)."""
+        return self.record.tokens
+
+    @property
+    def state(self) -> TurnState:
+        """The turn's resumable state."""
+        assert self.record.turn is not None
+        return self.record.turn
+
+    @property
+    def fence(self) -> int:
+        """The turn's fencing token: services and the store refuse older turns' calls."""
+        return self.record.fence
+
+    def out_of_time(self) -> bool:
+        """Whether the request's own deadline has passed. A call that failed then failed on the client's
+        clock, not the replica's: resting the replica would fail every other session on it."""
+        left = self.remaining_s()
+        return left is not None and left <= 0
+
+
+class Turns:
+    """Opens turns on sessions kept in a store: new, continued or resumed."""
+
+    def __init__(self, tokenizer, facts: ModelFacts, store: SessionStore, max_sessions_per_client: int = 0) -> None:
+        self._tokenizer = tokenizer
+        self._facts = facts
+        self.store = store
+        self._max_sessions_per_client = max_sessions_per_client
+
+    async def open(self, request: GenerationRequest, new_id: str) -> tuple[SessionRecord, bool]:
+        """The session's record with this request's turn in ``record.turn``, and whether the turn is
+        resumed (it ran before, on this or another coordinator). The turn takes the session's lease."""
+        record = await self._load(request.session_id, new_id)
+        if request.resume is not None:
+            if record.turn is not None and record.turn.fingerprint == request.fingerprint:
+                await self._claim(request, record)
+                await self._take_lease(record)
+                return record, True
+            if request.resume.tokens or request.resume.text_chars:
+                raise TurnMismatch(
+                    f"resume: session {record.session_id!r} is not running this request (it expired or a "
+                    "later turn replaced it)"
+                )
+            # Nothing was received and the turn never started: start it now.
+        turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
+        limit = self._facts.max_context
+        if len(turn.tokens) >= limit:
+            raise ValueError(f"prompt: {len(turn.tokens)} tokens leave no room in the context of {limit}")
+        # The caches keep the prefix this turn shares with what the session committed before.
+        shared = common_prefix_len(record.tokens, turn.tokens)
+        record.draft, record.target = clip(record.draft, shared), clip(record.target, shared)
+        record.tokens = list(turn.tokens)
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        record.turn = TurnState(request.fingerprint, len(turn.tokens), seed, turn.messages)
+        await self._claim(request, record)
+        await self._take_lease(record)
+        return record, False
+
+    async def unclaim(self, request: GenerationRequest, session_id: str) -> None:
+        """Stops counting a session that never reached its client against the client's limit."""
+        if not (self._max_sessions_per_client and request.client):
+            return
+        try:
+            await asyncio.shield(self.store.unclaim(request.client, session_id))
+        except StoreUnavailable as exc:  # the claim expires with the session's TTL instead
+            log.warning("session %s still counts for its client until it expires: %s", session_id, exc)
+
+    async def _load(self, session_id: str | None, new_id: str) -> SessionRecord:
+        if not session_id:
+            return SessionRecord(session_id=new_id)
+        record = await self.store.get(session_id) if is_session_id(session_id) else None
+        if record is None:
+            raise SessionNotFound(f"session_id: no session {session_id!r} (unknown or expired)")
+        return record
+
+    async def _claim(self, request: GenerationRequest, record: SessionRecord) -> None:
+        """Counts the session among its client's live ones, refusing one past the client's limit."""
+        limit = self._max_sessions_per_client
+        if limit and request.client and not await self.store.claim(request.client, record.session_id, limit):
+            raise TooManySessions(
+                f"session_id: this client already keeps {limit} live sessions; continue one of them or wait "
+                "for one to expire"
+            )
+
+    async def _take_lease(self, record: SessionRecord) -> None:
+        """Takes a fencing token newer than any earlier turn's, for the record and its caches: from
+        now on the services and the store refuse the older turns' calls and writes."""
+        record.fence = await self.store.take_fence(record.session_id)
+        if record.draft is not None:
+            record.draft = replace(record.draft, fence=record.fence)
+        if record.target is not None:
+            record.target = replace(record.target, fence=record.fence)
+
+
+def clip(ref: CacheRef | None, committed: int) -> CacheRef | None:
+    """A cache reference that claims no more committed tokens than ``committed``."""
+    return None if ref is None else replace(ref, committed=min(ref.committed, committed))
