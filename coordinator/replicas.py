@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 from specdec.batching import PassLoad
+from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
 from specdec.sampling_params import Sampling
 from specdec.vocab import ModelFacts
 
@@ -256,3 +257,17 @@ class TargetBackend(Replica, Protocol):
         remaining_s: float | None, with_hidden: bool = False, side_layers: tuple[int, ...] = (),
     ) -> VerifyResult:
         """Syncs the cache to ``committed``, verifies the draft's tokens and commits accepted + 1."""
+
+
+def core_error(service: str, address: str, exc: Exception) -> Exception:
+    """The round loop's view of an error a service's engine raised in this process: what the gRPC
+    client makes of the status ``specdec.rpc`` would have sent for it."""
+    if isinstance(exc, (CacheNotFound, CacheBehind)):
+        return CacheLost(f"{service} at {address}: {exc}")
+    if isinstance(exc, StaleFence):
+        return Fenced(f"{service} at {address}: {exc}")
+    if isinstance(exc, CacheBudgetExceeded):
+        return BackendRejected("RESOURCE_EXHAUSTED", f"{service} at {address}: {exc}", address)
+    if isinstance(exc, ValueError):
+        return BackendRejected("INVALID_ARGUMENT", f"{service} at {address}: {exc}", address)
+    return exc

@@ -1,0 +1,90 @@
+"""The target engine as a coordinator backend in the same process, with no gRPC in between.
+
+``InProcessTarget`` implements ``coordinator.replicas.TargetBackend`` over a ``TargetEngine``, so
+the round loop and the speculation policy run against a real model in tests without a network.
+Each call runs the engine inline: one session's rounds at a time, as the gRPC servicer would feed
+them one by one. Engine errors become the errors the gRPC client raises for the same statuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from coordinator.replicas import CacheRef, DraftResult, HiddenChunk, VerifyResult, core_error
+from specdec.hidden_wire import hidden_to_fp16
+from specdec.kvcache import HiddenRows
+from specdec.sampling_params import Sampling
+from specdec.vocab import ModelFacts
+from target_service.engine import SparseQ, TargetEngine, VerifyCall
+
+T = TypeVar("T")
+
+
+def hidden_chunk(hidden: HiddenRows | None) -> HiddenChunk | None:
+    """Hidden rows in the form the coordinator passes on (fp16 bytes, as on the wire)."""
+    return None if hidden is None else HiddenChunk(*hidden_to_fp16(hidden))
+
+
+class InProcessTarget:
+    """A target replica in this process."""
+
+    service = "target"
+
+    def __init__(self, engine: TargetEngine, address: str = "inprocess:target") -> None:
+        self.address = address
+        self._engine = engine
+        self.busy = False  # calls finish before they return: none is ever cut off
+
+    def _run(self, call: Callable[[], T]) -> T:
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - translated as the gRPC client would
+            raise core_error(self.service, self.address, exc) from exc
+
+    async def prefill(self, tokens: list[int], remaining_s: float | None = None, fence: int = 0) -> CacheRef:
+        """Creates a cache over the committed ``tokens``."""
+        ref, _ = await self.prefill_with_hidden(tokens, remaining_s, False, fence)
+        return ref
+
+    async def prefill_with_hidden(
+        self, tokens: list[int], remaining_s: float | None, with_hidden: bool, fence: int = 0, feed_now: bool = False,
+        side_layers: tuple[int, ...] = (),
+    ) -> tuple[CacheRef, HiddenChunk | None]:
+        """``prefill``, also returning the fed positions' hidden states when ``with_hidden``. The
+        prompt is always fed now: in process there is no busy pass to fold it into."""
+        cache_id, committed, hidden = self._run(
+            lambda: self._engine.prefill(list(tokens), with_hidden, fence, side_layers=side_layers)
+        )
+        return CacheRef(self.address, cache_id, committed, fence), hidden_chunk(hidden) if with_hidden else None
+
+    async def verify(
+        self, ref: CacheRef, committed: list[int], draft: DraftResult | None, sampling: Sampling, round_index: int,
+        remaining_s: float | None, with_hidden: bool = False, side_layers: tuple[int, ...] = (),
+    ) -> VerifyResult:
+        """Syncs the cache to ``committed``, verifies the draft's tokens and commits accepted + 1."""
+        start = min(ref.committed, len(committed))
+        tokens, q = (list(draft.tokens), [SparseQ(ids, probs) for ids, probs in draft.q]) if draft else ([], [])
+        call = VerifyCall(ref.cache_id, start, committed[start:], tokens, q, sampling, round_index, with_hidden,
+                          ref.fence, side_layers=side_layers)
+
+        def verify_one():
+            outcome = self._engine.verify_batch([call])[0]
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+
+        outcome = self._run(verify_one)
+        hidden = hidden_chunk(outcome.hidden) if with_hidden else None
+        return VerifyResult(outcome.accepted, list(outcome.tokens), outcome.committed, hidden, outcome.load)
+
+    async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
+        """Drops a cache."""
+        self._engine.release(cache_id)
+
+    async def facts(self, remaining_s: float | None = None) -> ModelFacts:
+        """The target's model facts."""
+        return self._engine.facts
+
+    async def close(self) -> None:
+        """Nothing to release: the engine belongs to the caller."""

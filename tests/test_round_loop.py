@@ -1,0 +1,159 @@
+"""The round loop and the speculation policy in one process: real tiny models, no gRPC, no Redis.
+
+The backends are the engines' in-process adapters and the store is the in-memory one, so these tests
+pin the loop's own behaviour: exact greedy output, seeded repeats, failover and the policy's plans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+import torch
+from opentelemetry import trace
+
+from coordinator.policy import RoundPlan, SpeculationConfig, SpeculationPolicy
+from coordinator.replicas import BackendUnavailable, CacheRef
+from coordinator.rounds import RoundLoop
+from coordinator.routing import Router
+from coordinator.sessions import MemorySessionStore, SessionRecord, TurnState
+from coordinator.turns import GenerationRequest, Stats, Turn, Turns
+from draft_service.engine import ModelDrafter
+from draft_service.inprocess import InProcessDraft
+from specdec.batching import PassLoad
+from specdec.sampling_params import Sampling
+from target_service.engine import TargetEngine
+from target_service.inprocess import InProcessTarget
+
+
+def hf_greedy(loaded, prompt: str, max_new_tokens: int) -> list[int]:
+    """Target-only greedy decoding with HF generate: the reference."""
+    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.inference_mode():
+        out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def make_loop(target_model, draft_model, drafts=None, **speculation) -> RoundLoop:
+    """A loop over in-process backends and an in-memory store."""
+    target = InProcessTarget(TargetEngine(target_model, 8))
+    if drafts is None:
+        drafts = [InProcessDraft(ModelDrafter(draft_model, 8, 64))]
+    router = Router(drafts, [target])
+    policy = SpeculationPolicy(SpeculationConfig(**speculation), live_targets=lambda: 1)
+    facts = target_model.facts("target")
+    turns = Turns(target_model.tokenizer, facts, MemorySessionStore(3600))
+    return RoundLoop(target_model.tokenizer, facts, router, policy, turns, trace.NoOpTracer())
+
+
+def run(loop: RoundLoop, request: GenerationRequest):
+    """Token ids, the final chunk and its stats of one request."""
+
+    async def collect():
+        chunks = [chunk async for chunk in loop.generate(request, lambda: None)]
+        return [t for c in chunks for t in c.token_ids], chunks[-1]
+
+    return asyncio.run(collect())
+
+
+def request(prompt="w1 w2 w3", max_new_tokens=16, **fields) -> GenerationRequest:
+    return GenerationRequest(prompt, None, max_new_tokens, **fields)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, None])
+def test_greedy_output_equals_target_only(tiny_target, tiny_draft, k):
+    loop = make_loop(tiny_target, tiny_draft, free_lookup_min=3, confidence_cutoff=True)
+    tokens, last = run(loop, request(k=k))
+    assert tokens == hf_greedy(tiny_target, "w1 w2 w3", 16)
+    assert last.finish_reason == "length" and last.stats.generated_tokens == 16
+    if k:
+        assert last.stats.drafted_tokens > 0
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted(tiny_target):
+    tokens, last = run(make_loop(tiny_target, tiny_target), request(k=3, max_new_tokens=16))
+    assert tokens == hf_greedy(tiny_target, "w1 w2 w3", 16)
+    assert last.stats.acceptance_rate == 1.0 and last.stats.mean_accepted_length == 4.0
+
+
+def test_seeded_sampling_repeats_on_a_fresh_loop(tiny_target, tiny_draft):
+    sampled = request(k=2, temperature=1.0, top_p=0.9, seed=7, max_new_tokens=20)
+    first, _ = run(make_loop(tiny_target, tiny_draft), sampled)
+    again, _ = run(make_loop(tiny_target, tiny_draft), sampled)
+    other, _ = run(make_loop(tiny_target, tiny_draft), replace(sampled, seed=8))
+    assert first == again and len(first) == 20
+    assert other != first
+
+
+class FailingDraft(InProcessDraft):
+    """A draft replica that is unreachable."""
+
+    def __init__(self, engine):
+        super().__init__(engine, "inprocess:failing-draft")
+        self.calls = 0
+
+    async def prefill(self, *args, **kwargs):
+        self.calls += 1
+        raise BackendUnavailable("draft", self.address, "UNAVAILABLE: gone")
+
+
+def test_a_failing_draft_costs_speed_not_the_answer(tiny_target, tiny_draft):
+    failing = FailingDraft(ModelDrafter(tiny_draft, 8, 64))
+    loop = make_loop(tiny_target, tiny_draft, drafts=[failing])
+    tokens, last = run(loop, request(k=2))
+    assert tokens == hf_greedy(tiny_target, "w1 w2 w3", 16)
+    assert failing.calls == 1  # the replica then rests: later rounds run target-only without calling it
+    assert not loop.router.drafts.usable(failing.address) and last.stats.drafted_tokens == 0
+
+
+def test_a_continued_session_reuses_its_caches_and_a_lost_one_is_rebuilt(tiny_target, tiny_draft):
+    loop = make_loop(tiny_target, tiny_draft)
+    _, first = run(loop, request(k=2, max_new_tokens=6))
+    record = asyncio.run(loop._turns.store.get(first.session_id))
+    engine = loop.router.targets.by_address["inprocess:target"]._engine
+    engine.release(record.target.cache_id)  # evicted between turns
+    tokens, second = run(loop, request("w4 w5", k=2, max_new_tokens=6, session_id=first.session_id))
+    history = record.tokens + tiny_target.tokenizer.encode(" w4 w5", add_special_tokens=False)
+    assert second.session_id == first.session_id
+    with torch.inference_mode():
+        out = tiny_target.model.generate(torch.tensor([history]), max_new_tokens=6, do_sample=False)
+    assert tokens == out[0, len(history):].tolist()
+
+
+def make_turn(sampling=Sampling(), k=None, committed=(3, 4, 5, 3, 4)) -> Turn:
+    record = SessionRecord("s" * 32, tokens=list(committed), turn=TurnState("", 2, 0))
+    target = CacheRef("t:1", "c", len(committed))
+    return Turn(GenerationRequest("", None, 32, k=k), record, False, sampling, Stats(), lambda: None, None, target)
+
+
+def test_the_policy_measures_an_unknown_load_before_drafting():
+    policy = SpeculationPolicy(SpeculationConfig(max_auto_k=4, draft_ahead=2), live_targets=lambda: 1)
+    turn = make_turn()
+    policy.start(turn)
+    assert policy.plan(turn, room=32) == RoundPlan(0)  # no pass seen on the target yet
+    policy.loads.note("t:1", PassLoad(1, 1, 0, 50.0, [50.0 + n for n in range(6)], [50.0 + n for n in range(6)]))
+    plan = policy.plan(turn, room=32)
+    assert plan.k > 0 and plan.ahead == 2  # alone on the target, the draft drafts ahead
+    assert policy.plan(turn, room=2).k <= 1  # never more than the room after the target's own token
+
+
+def test_sampled_plans_follow_fixed_priors_and_never_draft_ahead():
+    policy = SpeculationPolicy(SpeculationConfig(max_auto_k=4, draft_ahead=2), live_targets=lambda: 1)
+    turn = make_turn(Sampling(temperature=1.0, seed=1))
+    policy.start(turn)
+    before = policy.plan(turn, room=32)
+    for _ in range(20):  # measured costs that would change a greedy plan
+        policy.costs.record_verify(500.0, 2)
+    assert policy.plan(turn, room=32) == before and before.ahead == 0 and before.k > 0
+
+
+def test_a_fixed_k_is_planned_as_asked_and_lookup_only_when_adaptive():
+    policy = SpeculationPolicy(SpeculationConfig(free_lookup_min=2), live_targets=lambda: 1)
+    policy.batching_targets = False  # a target that reports no load: costs are measured call by call
+    repeating = (3, 4, 5, 6, 3, 4, 5, 6, 3, 4)
+    assert policy.plan(make_turn(k=3, committed=repeating), room=32) == RoundPlan(3)
+    adaptive = make_turn(committed=repeating)
+    policy.start(adaptive)
+    plan = policy.plan(adaptive, room=32)
+    assert plan.k == 0 and plan.lookup and plan.lookup[0] == 5  # the repeat continues with 5
