@@ -126,14 +126,12 @@ class FleetAcceptance:
     """The draft's acceptance by position over every greedy session a coordinator ran: the prior each
     new session's own estimate starts from.
 
-    A session alone knows nothing of its draft at first, and two or three early rejections pulled a
-    weak prior (0.5, weight 2) to 0.2, which switched drafting off for eight rounds until a probe,
-    in sessions whose draft went on to pass half its tokens: on the benchmark, k = 0 in 42% and 57%
-    of the rounds of two logged runs of ``--k auto`` (26.7 and 25.8 tokens/s; a fixed k = 3, in an
-    earlier run, 27.1; with this prior, 27.6 and 27.1). Starting from what the draft achieves
-    across sessions, with the weight of a few rounds, a session's own evidence still moves it, but
-    early noise does not. Sampled sessions keep the fixed prior: their draws must not depend on
-    other sessions.
+    A session alone knows nothing of its draft at first, and two or three early rejections pull a
+    weak prior (0.5, weight 2) far enough down to switch drafting off until the next probe, even in
+    sessions whose draft goes on to pass half its tokens. Starting from what the draft achieves across
+    sessions, with the weight of a few rounds, a session's own evidence still moves it, but early
+    noise does not. Sampled sessions keep the fixed prior: their draws must not depend on other
+    sessions.
     """
 
     weight: float = 6.0
@@ -273,8 +271,8 @@ class CostModel:
         if self.colocated and load is not None and load.curve_ms and load.sessions > 1:
             # The draft computes on the cores the shared pass needs, and a session that drafts falls
             # out of step with the batch, so the others' next pass runs without it. Neither shows in
-            # the cost curve; measured on 2 shared cores at 2 sessions, even a draft costed twice
-            # (mean k 0.36) ran 0.91x target-only. So a shared pass gets no draft from shared cores.
+            # the cost curve, and on shared cores even a draft priced at twice its cost lost to
+            # target-only: a shared pass gets no draft from shared cores.
             return 0
         return self._best(tracker.rates(self.k_max), self.draft_curve(), load, self.k_max)
 
@@ -333,10 +331,9 @@ class CostModel:
 
         with the row's cost averaged over the k_max rows a proposal may add (a CPU pass's cost jumps
         at the second row and then barely grows). Pricing every token at a whole call's per-token
-        average and the first row's jump, as this did before, gave about 0.3 on the 2-core
-        development CPU and cut proposals after about one token; over 1,289 logged rounds of the
-        rule here the median was 0.073 (10% below 0.04, 10% above 0.165).
-        Where verify rows are nearly free (an accelerator) it falls towards the draft's own share.
+        average and the first row's jump would overstate the cut-off several times over and cut
+        proposals after about one token. Where verify rows are nearly free (an accelerator) it falls
+        towards the draft's own share.
         """
         curve = self.curve()
         row_ms = max(0.0, (curve[self.k_max + 1] - curve[1]) / self.k_max)

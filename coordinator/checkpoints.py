@@ -2,9 +2,9 @@
 
 Each round hands its record over; one background write runs at a time and always carries the latest
 round, so a slow or restarting Redis delays checkpoints, never tokens. Writes are also spaced at
-least an interval apart (the turn's first and last go at once): a write cost the coordinator's one
-event loop 241 us of CPU on the 2-core development machine, an eighth to a fifth of a round's work for its
-session, and under load that loop serves every session's rounds. A resumed turn may therefore
+least an interval apart (the turn's first and last go at once): a write costs the coordinator's one
+event loop a noticeable share of a round's work for its session, and under load that loop serves
+every session's rounds. A resumed turn may therefore
 start a few rounds back from where its client was; it replays them and streams only what the client
 has not seen.
 """

@@ -89,8 +89,8 @@ class SessionRecord:
         """Serialized form stored under the session's key.
 
         Built field by field rather than with ``dataclasses.asdict``, which deep-copies every list
-        first: for a record of 300 tokens that took 384 us, and a coordinator writes one a round
-        for each of its sessions.
+        first, several times slower for a record of a few hundred tokens; a coordinator writes one a
+        round for each of its sessions.
         """
         data = {**vars(self), "draft": _fields(self.draft), "target": _fields(self.target), "turn": _fields(self.turn)}
         return json.dumps(data, separators=(",", ":"))
