@@ -44,11 +44,6 @@ class CacheServicer:
         self._executor = executor or model_executor(name)
         self._sweeper: asyncio.Task | None = None
 
-    async def _on_model_thread(self, fn, *args):
-        """``fn(*args)`` on the model's thread: tensor work too large for one thread stays off the event
-        loop's (see ``specdec.model_thread``)."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
     def sweep_idle_caches(self, idle_s: float) -> None:
         """Drops caches idle for ``idle_s`` even when no call arrives to notice (0: never), so an
         expired session's memory comes back on every replica."""
@@ -62,14 +57,17 @@ class CacheServicer:
             await loop.run_in_executor(self._executor, self._engine.caches.expire_idle)
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
+        """Creates a session cache over the request's tokens."""
         with server_span(self._tracer, f"{self._name}/Prefill", context) as span:
             span.set_attribute("specdec.tokens", len(request.tokens))
             cache_id, committed = await call_core(context, self._executor, lambda: self._engine.prefill(list(request.tokens), request.fence))
             return common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseReply:
+        """Drops a session cache."""
         released = await call_core(context, self._executor, lambda: self._engine.release(request.cache_id))
         return common_pb2.ReleaseReply(released=released)
 
     async def GetModelInfo(self, request: common_pb2.ModelInfoRequest, context) -> common_pb2.ModelInfo:
+        """The facts of the model this service runs."""
         return facts_to_pb(self._engine.facts)

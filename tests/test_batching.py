@@ -10,7 +10,6 @@ from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-from opentelemetry import trace
 
 import pytest
 import torch
@@ -29,7 +28,6 @@ from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
 from specdec.sampling import Sampling
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.engine import PREFILL_HIDDEN_ROWS, SparseQ, TargetEngine, VerifyCall, feed_call, newest_hidden
-from target_service.server import TargetServicer
 from target_service.pass_costs import PassCosts
 
 
@@ -424,18 +422,6 @@ def test_a_burst_of_prompts_gets_one_prefill_pass_and_defers_the_rest(tiny_targe
         stack.close()
     assert [bool(r.hidden.fp16) for r in replies] == [True, False, False, True]
     assert sorted(_deferred_flags(stack)) == [False, False, True, True]
-
-
-def test_a_deferred_prompt_counts_in_its_pass_row_budget(tiny_target):
-    """The batcher's row budget counts what a pass will feed: a deferred prompt, then one pending token."""
-    engine = TargetEngine(tiny_target, 16)
-    servicer = TargetServicer(engine, trace.get_tracer("test"), max_batch_rows=64)
-    cache_id = engine.prefill(PROMPTS[1], defer=True)[0]
-    call = VerifyCall(cache_id, len(PROMPTS[1]), [], [5, 6], [], Sampling(), 0)
-    assert servicer._rows_of(call) == len(PROMPTS[1]) + 2
-    committed = engine.verify_batch([call])[0].committed
-    assert servicer._rows_of(VerifyCall(cache_id, committed, [], [5, 6], [], Sampling(), 1)) == 1 + 2
-    assert servicer._rows_of(VerifyCall("gone", 0, [], [], [], Sampling(), 0)) == 1
 
 
 def test_a_deferred_prompt_meets_the_kv_budget_once_fed(tiny_target):
