@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from opentelemetry import trace
 
-from draft_service.engine import DraftEngine, FeatureDrafter, ModelDrafter, NgramDrafter, ProposeCall
+from draft_service.engine import DraftEngine, FeatureDrafter, ModelDrafter, NgramDrafter, ProposeCall, Proposal
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import load_feature_draft
+from draft_service.scheduler import DraftScheduler
 from draft_service.token_draft import CARD_FILE, load_token_draft, target_weights_hash
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
@@ -19,7 +19,6 @@ from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.model_thread import model_executor, on_model_thread
 from specdec.models import LoadedModel, load_config, load_model, max_context
 from specdec.packed_linear import pack_linears
-from specdec.batching import PassBatcher
 from specdec.rpc import RunningServer, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
@@ -27,53 +26,41 @@ from specdec.hidden_wire import hidden_from_pb
 from specdec.wire import sampling_from_pb
 from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 
-log = logging.getLogger(__name__)
-
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
 
+def propose_call_from_pb(request: draft_pb2.ProposeRequest, hidden_size: int | None) -> ProposeCall:
+    """The engine's call for a Propose request (hidden states read at ``hidden_size`` wide, when the
+    drafter reads any); raises ValueError for invalid sampling settings or malformed hidden states."""
+    return ProposeCall(
+        request.sync.cache_id,
+        request.sync.start,
+        list(request.sync.tokens),
+        request.k,
+        sampling_from_pb(request.sampling),
+        request.round,
+        hidden_from_pb(request.hidden, hidden_size) if hidden_size else None,
+        request.sync.fence,
+        request.min_confidence,
+        request.ahead,
+    )
+
+
 class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
-    """Thin servicer over a DraftEngine."""
+    """Thin servicer over a DraftScheduler (batching, drafting ahead) and its DraftEngine."""
 
     def __init__(self, engine: DraftEngine, tracer: trace.Tracer, max_batch_rows: int = 256,
                  executor: ThreadPoolExecutor | None = None) -> None:
         super().__init__(engine, tracer, "DraftService", executor)
         self._draft = engine
-        # Proposals that arrive together are drafted together (one ragged pass per draft position).
-        # Sessions reach the draft right after a shared verify pass, a few ms apart: a short window.
-        self._batcher = PassBatcher(engine.propose_batch, self._executor, lambda call: max(1, call.k), max_batch_rows,
-                                    gather_ms=10.0)
+        self._scheduler = DraftScheduler(engine, self._executor, max_batch_rows)
 
-    async def _propose(self, request: draft_pb2.ProposeRequest):
-        """Decodes a request (its hidden states may be malformed) and drafts it in the next batch."""
-        hidden_size = self._draft.hidden_size
-        call = ProposeCall(
-            request.sync.cache_id,
-            request.sync.start,
-            list(request.sync.tokens),
-            request.k,
-            sampling_from_pb(request.sampling),
-            request.round,
-            hidden_from_pb(request.hidden, hidden_size) if hidden_size else None,
-            request.sync.fence,
-            request.min_confidence,
-            request.ahead,
-        )
-        proposal = await self._batcher.submit(call)
-        if call.ahead and not proposal.from_ahead:
-            # Queued on the model's one worker thread before this reply leaves, so it runs before
-            # the session's next proposal can arrive, whatever the timing.
-            asyncio.get_running_loop().run_in_executor(self._executor, self._draft_ahead, call)
-        return proposal
-
-    def _draft_ahead(self, call: ProposeCall) -> None:
-        """Drafts ahead for ``call``; a failure costs only the tokens ahead (the cache may be gone)."""
-        try:
-            self._draft.draft_ahead(call)
-        except Exception:  # noqa: BLE001 - nobody waits on this work
-            log.debug("drafting ahead failed for cache %s", call.cache_id, exc_info=True)
+    async def _propose(self, request: draft_pb2.ProposeRequest) -> Proposal:
+        """Decodes a request inside the guarded call (its hidden states may be malformed) and drafts it."""
+        return await self._scheduler.propose(propose_call_from_pb(request, self._draft.hidden_size))
 
     async def Propose(self, request: draft_pb2.ProposeRequest, context) -> draft_pb2.ProposeReply:
+        """Proposes a round's draft tokens, batched with the proposals that arrive with it."""
         with server_span(self._tracer, "DraftService/Propose", context) as span:
             span.set_attribute("specdec.k", request.k)
             proposal = await guarded(context, self._propose(request), "DraftService/Propose")
