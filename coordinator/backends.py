@@ -7,6 +7,8 @@ implement ``coordinator.replicas.DraftBackend`` and ``TargetBackend``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from coordinator.replicas import (
@@ -42,6 +44,7 @@ class _Replica:
     """One channel to one replica, with the calls draft and target share."""
 
     service = ""
+    _stub: Any  # the service's generated stub, set by each subclass
 
     def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
                  credentials: grpc.ChannelCredentials | None = None, tls_name: str | None = None) -> None:

@@ -10,7 +10,7 @@ and how a lost cache or replica is recovered, the router's (``coordinator.routin
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, nullcontext
 
 from opentelemetry import trace
@@ -76,7 +76,7 @@ class RoundLoop:
 
     async def _generate(
         self, request: GenerationRequest, remaining_s: Callable[[], float | None], new_id: str
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         started = time.perf_counter()
         running = self._metrics.running() if self._metrics is not None else nullcontext()
         with (
@@ -88,7 +88,7 @@ class RoundLoop:
             holding.update(turn.draft, turn.target)
             checkpoints = Checkpoints(self._turns.store, self._checkpoint_interval_s)
             text = TextStream(self._tokenizer, list(request.stop))
-            if turn.resumed:
+            if turn.resumed and request.resume is not None:
                 text.skip(turn.committed[turn.state.prompt_len:], request.resume.tokens, request.resume.text_chars)
             finish = turn.state.finish
             finished_before = finish is not None

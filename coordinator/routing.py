@@ -145,6 +145,7 @@ class Router:
             if not turn.out_of_time():
                 self._failed(self.drafts, error, span, "draft", "draft failed, this round runs target-only")
             return DraftCall(None)
+        assert ref is not None
         turn.draft = replace(ref, committed=result.committed)
         turn.hidden.clear()
         return DraftCall(result, caught_up)

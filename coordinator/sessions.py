@@ -208,12 +208,14 @@ class RedisSessionStore:
     async def take_fence(self, session_id: str) -> int:
         key = self._prefix + session_id + ":fence"
         async with self._redis.pipeline(transaction=True) as pipe:
-            fence, _ = await self._do(pipe.incr(key).expire(key, self._ttl_s).execute())
+            pipe.incr(key)
+            pipe.expire(key, self._ttl_s)
+            fence, _ = await self._do(pipe.execute())
         return int(fence)
 
     async def claim(self, client: str, session_id: str, limit: int) -> bool:
         now = time.time()
-        args = [session_id, now, now + self._ttl_s, limit, self._ttl_s]
+        args: list[str | float | int] = [session_id, now, now + self._ttl_s, limit, self._ttl_s]
         return bool(await self._do(self._claim(keys=[self._client_key(client)], args=args)))
 
     def _client_key(self, client: str) -> str:
