@@ -16,6 +16,7 @@ from contextlib import aclosing, nullcontext
 from opentelemetry import trace
 
 from coordinator.checkpoints import Checkpoints
+from coordinator.identity import span_session
 from coordinator.policy import RoundOutcome, RoundPlan, SpeculationPolicy
 from coordinator.routing import Router
 from coordinator.sessions import new_session_id
@@ -260,6 +261,6 @@ def _request_attributes(
         "gen_ai.request.top_k": request.top_k,
         "gen_ai.request.top_p": request.top_p,
         "gen_ai.usage.input_tokens": prompt_tokens,
-        "specdec.session_id": session_id,
+        "specdec.session": span_session(session_id),
         "specdec.k": "auto" if k is None else k,
     }

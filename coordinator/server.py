@@ -16,6 +16,7 @@ from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor
 from coordinator.backends import DraftReplica, TargetReplica
 from coordinator.discovery import open_source
+from coordinator.identity import Caller, caller_of
 from coordinator.membership import Membership, Refused
 from coordinator.policy import SpeculationConfig, SpeculationPolicy
 from coordinator.replicas import REST_S, BackendRejected, BackendUnavailable, Fenced, ReplicaSet
@@ -47,7 +48,7 @@ from specdec.rpc import (
     wait_ready,
 )
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specdec.metadata import CLIENT_METADATA, RETRY_AFTER_METADATA
+from specdec.metadata import RETRY_AFTER_METADATA
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -172,17 +173,19 @@ def _status(exc: Exception) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}"
 
 
-def client_of(context: grpc.aio.ServicerContext) -> str:
-    """Who a request counts against for fairness and limits: the ``x-specdec-client`` metadata the
-    SDK may send, else a digest of its API key, else its peer host."""
+def caller_from(context: grpc.aio.ServicerContext) -> Caller:
+    """The proven identity of a call: its API key (the interceptor has accepted it), else its client
+    certificate's subject, else its peer host (``coordinator.identity``)."""
     metadata = dict(context.invocation_metadata() or ())
-    if metadata.get(CLIENT_METADATA):
-        return "id:" + str(metadata[CLIENT_METADATA])[:128]
-    auth = metadata.get("authorization")
-    if auth:
-        return "key:" + hashlib.sha256(str(auth).encode()).hexdigest()[:16]
+    bearer = None
+    scheme, _, token = str(metadata.get("authorization", "")).strip().partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        bearer = token.strip()
+    auth = context.auth_context() or {}
+    names = auth.get("x509_subject_alternative_name") or auth.get("x509_common_name") or []
+    certificate = b",".join(names).decode(errors="replace") if names else None
     peer = context.peer() or ""
-    return "peer:" + peer.rsplit(":", 1)[0]
+    return caller_of(bearer, certificate, peer.rsplit(":", 1)[0])
 
 
 class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
@@ -195,9 +198,9 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def _chunks(self, request, context):
         try:
-            client = client_of(context)
-            core_request = replace(validate(request, self._max_context), client=client)
-            async with self._admission.slot(client):
+            caller = caller_from(context)
+            core_request = replace(validate(request, self._max_context), client=caller.client, owner=caller.owner)
+            async with self._admission.slot(caller.client):
                 async for chunk in self._loop.generate(core_request, context.time_remaining):
                     yield chunk
         except Overloaded as exc:

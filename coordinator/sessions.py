@@ -84,6 +84,8 @@ class SessionRecord:
     turn: TurnState | None = None
     # The fencing token of the turn that wrote this record (0: written outside any turn).
     fence: int = 0
+    # The caller that created the session (``coordinator.identity``); only it may continue it.
+    owner: str = ""
 
     def to_json(self) -> str:
         """Serialized form stored under the session's key.
@@ -122,9 +124,10 @@ class SessionStore(Protocol):
         """Writes the whole record and refreshes its expiry; raises Fenced when a turn with a newer
         fencing token than ``record.fence`` holds the session."""
 
-    async def take_fence(self, session_id: str) -> int:
-        """A fencing token newer than every earlier one of this session: the caller's turn now
-        holds the session, and older turns' writes are refused."""
+    async def take_fence(self, session_id: str, at_least: int = 0) -> int:
+        """A fencing token newer than every earlier one of this session and than ``at_least`` (the
+        fence of the record the caller loaded): the caller's turn now holds the session, and older
+        turns' writes are refused. A counter lost with the store's data never makes fences go back."""
 
     async def claim(self, client: str, session_id: str, limit: int) -> bool:
         """Counts ``session_id`` among ``client``'s live sessions (those used within the TTL) unless
@@ -145,12 +148,22 @@ class SessionStore(Protocol):
 
 # KEYS: record, fence counter; ARGV: record JSON, writer's fence, TTL seconds. Returns 0 when a newer
 # turn holds the session. One script, so the check and the write cannot interleave with another's.
+# The counter is written back with the record: one lost on its own (evicted) is restored at once.
 _FENCED_SET = """
 local latest = tonumber(redis.call('GET', KEYS[2]) or '0')
-if latest > tonumber(ARGV[2]) then return 0 end
+local mine = tonumber(ARGV[2])
+if latest > mine then return 0 end
 redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[3])
-if latest > 0 then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
+if mine > 0 then redis.call('SET', KEYS[2], mine, 'EX', ARGV[3]) end
 return 1
+"""
+
+# KEYS: fence counter; ARGV: the loaded record's fence, TTL seconds. The new fence passes both the
+# counter and the record, so a counter that restarted from nothing still moves forward.
+_TAKE_FENCE = """
+local fence = math.max(tonumber(redis.call('GET', KEYS[1]) or '0'), tonumber(ARGV[1])) + 1
+redis.call('SET', KEYS[1], fence, 'EX', ARGV[2])
+return fence
 """
 
 
@@ -188,6 +201,7 @@ class RedisSessionStore:
         self._prefix = prefix
         self._fenced_set = self._redis.register_script(_FENCED_SET)
         self._claim = self._redis.register_script(_CLAIM)
+        self._take_fence = self._redis.register_script(_TAKE_FENCE)
 
     async def _do(self, command):
         try:
@@ -205,13 +219,9 @@ class RedisSessionStore:
         if not await self._do(self._fenced_set(keys=keys, args=[record.to_json(), record.fence, self._ttl_s])):
             raise Fenced(f"session {record.session_id}: a newer turn holds it (this turn's fence {record.fence})")
 
-    async def take_fence(self, session_id: str) -> int:
+    async def take_fence(self, session_id: str, at_least: int = 0) -> int:
         key = self._prefix + session_id + ":fence"
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.incr(key)
-            pipe.expire(key, self._ttl_s)
-            fence, _ = await self._do(pipe.execute())
-        return int(fence)
+        return int(await self._do(self._take_fence(keys=[key], args=[at_least, self._ttl_s])))
 
     async def claim(self, client: str, session_id: str, limit: int) -> bool:
         now = time.time()
@@ -257,9 +267,11 @@ class MemorySessionStore:
             raise Fenced(f"session {record.session_id}: a newer turn holds it (this turn's fence {record.fence})")
         record.updated_at = time.time()
         self._records[record.session_id] = (time.monotonic() + self._ttl_s, record.to_json())
+        if record.fence > 0:
+            self._fences[record.session_id] = record.fence
 
-    async def take_fence(self, session_id: str) -> int:
-        self._fences[session_id] = self._fences.get(session_id, 0) + 1
+    async def take_fence(self, session_id: str, at_least: int = 0) -> int:
+        self._fences[session_id] = max(self._fences.get(session_id, 0), at_least) + 1
         return self._fences[session_id]
 
     async def claim(self, client: str, session_id: str, limit: int) -> bool:

@@ -64,8 +64,9 @@ class GenerationRequest:
     resume: Resume | None = None
     # Digest of the request minus its session and resume fields: names the turn a resume continues.
     fingerprint: str = ""
-    # Who sent it (see coordinator.server.client_of); counts against its session limit.
+    # Who sent it (``coordinator.identity.Caller``): the limits' count and the sessions' owner.
     client: str = ""
+    owner: str = ""
 
 
 @dataclass
@@ -194,7 +195,7 @@ class Turns:
     async def open(self, request: GenerationRequest, new_id: str) -> tuple[SessionRecord, bool]:
         """The session's record with this request's turn in ``record.turn``, and whether the turn is
         resumed (it ran before, on this or another coordinator). The turn takes the session's lease."""
-        record = await self._load(request.session_id, new_id)
+        record = await self._load(request, new_id)
         if request.resume is not None:
             if record.turn is not None and record.turn.fingerprint == request.fingerprint:
                 await self._claim(request, record)
@@ -229,11 +230,14 @@ class Turns:
         except StoreUnavailable as exc:  # the claim expires with the session's TTL instead
             log.warning("session %s still counts for its client until it expires: %s", session_id, exc)
 
-    async def _load(self, session_id: str | None, new_id: str) -> SessionRecord:
+    async def _load(self, request: GenerationRequest, new_id: str) -> SessionRecord:
+        """The session the request continues, or a new one it owns. Another owner's session is not
+        found, exactly like an unknown one: its id alone reveals and grants nothing."""
+        session_id = request.session_id
         if not session_id:
-            return SessionRecord(session_id=new_id)
+            return SessionRecord(session_id=new_id, owner=request.owner)
         record = await self.store.get(session_id) if is_session_id(session_id) else None
-        if record is None:
+        if record is None or record.owner != request.owner:
             raise SessionNotFound(f"session_id: no session {session_id!r} (unknown or expired)")
         return record
 
@@ -249,7 +253,7 @@ class Turns:
     async def _take_lease(self, record: SessionRecord) -> None:
         """Takes a fencing token newer than any earlier turn's, for the record and its caches: from
         now on the services and the store refuse the older turns' calls and writes."""
-        record.fence = await self.store.take_fence(record.session_id)
+        record.fence = await self.store.take_fence(record.session_id, record.fence)
         if record.draft is not None:
             record.draft = replace(record.draft, fence=record.fence)
         if record.target is not None:

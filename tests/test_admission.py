@@ -11,6 +11,8 @@ import pytest
 import redis
 
 from coordinator.admission import Admission, Overloaded
+from coordinator.auth import hash_key
+from coordinator.identity import caller_of
 from coordinator.turns import Chunk, Stats
 from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
 from coordinator.sessions import MemorySessionStore, RedisSessionStore
@@ -157,17 +159,21 @@ def test_a_client_keeps_at_most_its_share_of_live_sessions(kind, redis_url):
 
 
 def test_sessions_per_client_over_grpc(tiny_target, tiny_draft, tiny_dir, redis_url):
+    """The limit counts the sessions of one API key; another key has its own, and a header the client
+    sets itself changes neither."""
+    mine, theirs = f"sessions-{time.time()}", f"someone-else-{time.time()}"
     stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
                            redis_url)
-    stack.start(admission=AdmissionLimits(max_sessions_per_client=2))
+    stack.start(admission=AdmissionLimits(max_sessions_per_client=2), api_key_hashes=(hash_key(mine), hash_key(theirs)))
     try:
-        with Client(stack.address, timeout=30, client_id=f"sessions-{time.time()}") as client:
+        with Client(stack.address, timeout=30, api_key=mine, client_id="a") as client:
             first = client.complete("w1 w2", max_new_tokens=2)
             client.complete("w3 w4", max_new_tokens=2)
+        with Client(stack.address, timeout=30, api_key=mine, client_id="b") as client:
             with pytest.raises(ResourceExhausted, match="live sessions"):
                 client.complete("w5 w6", max_new_tokens=2)
             assert client.complete("w7", max_new_tokens=2, session_id=first.session_id).session_id == first.session_id
-        with Client(stack.address, timeout=30, client_id=f"someone-else-{time.time()}") as other:
+        with Client(stack.address, timeout=30, api_key=theirs) as other:
             assert other.complete("w1 w2", max_new_tokens=2).token_ids
     finally:
         stack.close()
@@ -180,13 +186,14 @@ def test_a_new_session_that_never_streamed_does_not_count_for_its_client(tiny_ta
     limit as it was: the SDK's retries end UNAVAILABLE, not "too many live sessions"."""
     stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
                            redis_url)
-    stack.start(admission=AdmissionLimits(max_sessions_per_client=1))
-    client_id = f"unreached-{time.time()}"
+    key = f"unreached-{time.time()}"
+    stack.start(admission=AdmissionLimits(max_sessions_per_client=1), api_key_hashes=(hash_key(key),))
     try:
         stack.run(stack._servers[0].stop(0))  # the target
-        with Client(stack.address, timeout=30, client_id=client_id, retry=RetryPolicy(attempts=3, backoff_s=0.05)) as c:
+        with Client(stack.address, timeout=30, api_key=key, retry=RetryPolicy(attempts=3, backoff_s=0.05)) as c:
             with pytest.raises(Unavailable, match="target"):
                 c.complete("w1 w2", max_new_tokens=2)
-        assert redis.Redis.from_url(redis_url).zcard(f"specdec:client:id:{client_id}") == 0
+        client = caller_of(key, None, "").client
+        assert redis.Redis.from_url(redis_url).zcard(f"specdec:client:{client}") == 0
     finally:
         stack.close()
