@@ -52,7 +52,7 @@ bench-load: install
 
 # The running sessions' worst wait while a ~1,500-token prompt arrives, its prompt fed in chunks or at once.
 bench-long-prompt: install
-	$(PY) bench/long_prompt.py --cache-dir $(CACHE_DIR) --chunks 128,0,0,128 --out reports/long-prompt.json
+	$(PY) -m bench.long_prompt --cache-dir $(CACHE_DIR) --chunks 128,0,0,128 --out reports/long-prompt.json
 
 # The target's pass cost by sessions and draft length, and the ceiling on speculation's gain it implies.
 pass-grid: install

@@ -12,7 +12,7 @@ report gives, per target ``--prefill-chunk`` setting (one local stack each, in t
 
 ``--running 0`` sends the long prompt alone (after a quiet second), for its first token only.
 
-    python bench/long_prompt.py --chunks 128,0,0,128 --out reports/long-prompt.json   # or: make bench-long-prompt
+    python -m bench.long_prompt --chunks 128,0,0,128 --out reports/long-prompt.json   # or: make bench-long-prompt
 """
 
 from __future__ import annotations

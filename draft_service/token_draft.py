@@ -12,7 +12,7 @@ reduced-vocabulary head (the FR-Spec / EAGLE-3 idea).
   draft's q is exactly zero there and speculative sampling stays exact.
 
 Files of a draft folder: ``draft.safetensors`` (layer weights, final norm, head ids and bias; fp16)
-and ``draft_card.json`` (kind, target identity, recipe, held-out metrics; see ``specdec.distill``).
+and ``draft_card.json`` (kind, target identity, recipe, held-out metrics; see ``draft_service.distill``).
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specdec.channels import aio_channel, channel_credentials, channel_options
 from specdec.config import TlsClientConfig
 from specdec.metadata import CLIENT_METADATA, RETRY_AFTER_METADATA
-from specdec.rpc import aio_channel, channel_credentials, channel_options
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
 Prompt = str | list[dict[str, str]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
 MAX_K = 32
@@ -13,18 +14,19 @@ FEATURE_KIND = "feature"
 # ngram: prompt lookup; model: a causal LM or a distilled token draft; feature: a distilled EAGLE-style draft.
 DRAFT_KINDS = ("ngram", "model", FEATURE_KIND)
 DEFAULT_DRAFT_KIND = FEATURE_KIND
-_DRAFTS = Path(__file__).resolve().parent.parent / "drafts"
-# Drafts shipped in the repository for the default target, by kind (n-gram speaks the target's tokenizer).
-SHIPPED_DRAFTS = {
-    "ngram": "default",
-    "model": str(_DRAFTS / "smollm2-135m-token"),
-    FEATURE_KIND: str(_DRAFTS / "smollm2-135m-feature"),
-}
+# Drafts shipped for the default target, by kind: folders of the ``drafts`` package's data. An n-gram
+# draft has none; it speaks the default target's tokenizer.
+SHIPPED_DRAFTS = {"model": "smollm2-135m-token", FEATURE_KIND: "smollm2-135m-feature"}
+
+
+def shipped_draft(name: str) -> Path:
+    """The folder of a draft shipped with specdec, such as ``smollm2-135m-feature``."""
+    return Path(str(files("drafts") / name))
 
 
 def default_draft_model(kind: str) -> str:
     """The draft a kind uses when none is named: the one shipped for the default target."""
-    return SHIPPED_DRAFTS.get(kind, "default")
+    return str(shipped_draft(SHIPPED_DRAFTS[kind])) if kind in SHIPPED_DRAFTS else "default"
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ def whole_continuation(tokens: list[int], k: int, *, min_n: int, max_n: int = LO
     ``min_n`` to ``max_n`` tokens), or None when no match is followed by a whole k tokens.
 
     A feature draft proposes this before its model (``draft_service.engine.FeatureDrafter``), and the
-    held-out evaluation of such a draft replays the same rule (``specdec.distill.evaluate``).
+    held-out evaluation of such a draft replays the same rule (``draft_service.distill.evaluate``).
     """
     found = propose_ngram(tokens, k, max_n, min_n) if min_n else []
     return found if found and len(found) == k else None

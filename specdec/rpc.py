@@ -19,7 +19,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
-from specdec.config import ServerConfig, TlsClientConfig
+# The client-side channel helpers; the services import them from here too.
+from specdec.channels import (  # noqa: F401
+    RECONNECT_BACKOFF, aio_channel, channel_credentials, channel_options, read_pem,
+)
+from specdec.config import ServerConfig
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
 from specdec.tracing import make_tracer_provider
 
@@ -59,69 +63,17 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-# gRPC's reconnect backoff grows to minutes while a peer is down; a restarted coordinator or replica,
-# or a service that finishes loading its model, must be found within a second, inside any caller's
-# retry budget.
-RECONNECT_BACKOFF = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-)
-
-
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Message-size limits and keepalives for a client channel."""
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        *RECONNECT_BACKOFF,
-    ]
-
-
-def _read(path: Path | str | None) -> bytes | None:
-    """A PEM file's bytes (a plain string path is accepted too), or None when no path is set."""
-    return None if path is None else Path(path).read_bytes()
-
-
 def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
     """TLS credentials from the config's PEM files (demanding client certificates when a client CA
     is set), or None to serve plaintext."""
     if config.tls_cert is None or config.tls_key is None:
         return None
-    client_ca = _read(config.tls_client_ca)
+    client_ca = read_pem(config.tls_client_ca)
     return grpc.ssl_server_credentials(
         [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
         root_certificates=client_ca,
         require_client_auth=client_ca is not None,
     )
-
-
-def channel_credentials(tls: TlsClientConfig | None) -> grpc.ChannelCredentials | None:
-    """Client TLS credentials from PEM files, or None for a plaintext channel."""
-    if tls is None:
-        return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(tls.ca), private_key=_read(tls.key), certificate_chain=_read(tls.cert)
-    )
-
-
-def aio_channel(
-    address: str, options: Sequence[tuple[str, int | str]] = (), credentials: grpc.ChannelCredentials | None = None,
-    tls_name: str | None = None,
-) -> grpc.aio.Channel:
-    """An asyncio channel: TLS when ``credentials`` are given, plaintext otherwise.
-
-    ``tls_name`` is the name the server's certificate must carry when it differs from the address's
-    host (a replica found by discovery is dialled by IP, but its certificate names its Service).
-    """
-    if credentials is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    if tls_name:
-        options = [*options, ("grpc.ssl_target_name_override", tls_name)]
-    return grpc.aio.secure_channel(address, credentials, options=options)
 
 
 async def call_core(context: grpc.aio.ServicerContext, executor: Executor, fn: Callable[[], T]) -> T:

@@ -2,7 +2,7 @@
 
 A feature draft with side layers (``FeatureDraftArch.side_layers``, the EAGLE-3 idea) reads, at each
 committed position, the target's final-norm hidden state followed by the output of each side layer:
-rows ``[n, D * (1 + S)]``. Training (``specdec.distill.features``) and serving (the target service)
+rows ``[n, D * (1 + S)]``. Training (``draft_service.distill.features``) and serving (the target service)
 build those rows with the functions here, so they are laid out alike.
 """
 

@@ -23,12 +23,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from coordinator.auth import ApiKeyInterceptor, hash_key, parse_key_entries, read_api_key_hashes
+from coordinator.cli import coordinator_config
 from coordinator.server import SERVICE_NAME
 from coordinator.sessions import StoreUnavailable, open_store
 from draft_service.engine import ModelDrafter
 from harness import InProcessStack
 from specdec import AsyncClient, Client, SpecdecError, TlsClientConfig, Unauthenticated, Unavailable
-from specdec.cli import _coordinator_config, _parser
+from specdec.cli import _parser
 from specdec.config import DnsDiscovery, ServerConfig
 from specdec.rpc import start_server
 from specdec.stack import Process, free_port, redis_argv
@@ -121,17 +122,17 @@ def test_cli_reads_keys_and_tls_once(tmp_path, monkeypatch):
         "--tls-cert", pem[0], "--tls-key", pem[1], "--tls-ca", pem[2], "--tls-client-cert", pem[3],
         "--tls-client-key", pem[4],
     ])
-    config = _coordinator_config(args)
+    config = coordinator_config(args)
     assert config.api_key_hashes == (hash_key(KEY), hash_key(OTHER_KEY))
     assert config.server.tls_cert == Path(pem[0]) and config.server.tls_client_ca is None
     assert config.backend_tls == TlsClientConfig(ca=Path(pem[2]), cert=Path(pem[3]), key=Path(pem[4]))
     monkeypatch.delenv("SPECDEC_API_KEYS")
-    plain = _coordinator_config(_parser().parse_args(["serve-coordinator"]))
+    plain = coordinator_config(_parser().parse_args(["serve-coordinator"]))
     assert plain.api_key_hashes == () and plain.backend_tls is None and plain.server.tls_cert is None
     with pytest.raises(SystemExit, match="certificate"):
-        _coordinator_config(_parser().parse_args(["serve-coordinator", "--tls-cert", pem[0]]))
+        coordinator_config(_parser().parse_args(["serve-coordinator", "--tls-cert", pem[0]]))
     with pytest.raises(SystemExit, match="client certificate"):
-        _coordinator_config(_parser().parse_args(["serve-coordinator", "--tls-client-cert", pem[3]]))
+        coordinator_config(_parser().parse_args(["serve-coordinator", "--tls-client-cert", pem[3]]))
 
 
 # ---- API keys on a running coordinator ------------------------------------------------------------------
@@ -278,7 +279,7 @@ def test_redis_password_from_the_environment(tmp_path, monkeypatch):
     try:
         wait_for_port(port)
         monkeypatch.setenv("SPECDEC_REDIS_PASSWORD", "s3cret")
-        config = _coordinator_config(_parser().parse_args(
+        config = coordinator_config(_parser().parse_args(
             ["serve-coordinator", "--redis-url", f"redis://127.0.0.1:{port}/0", "--draft", "d:1", "--target", "t:1"]
         ))
         assert "s3cret" not in repr(config)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from bench.single import BenchPrompt, ModeResult, hf_runner, run_interleaved, specdec_runner, summarize
 from draft_service.engine import ModelDrafter
 from harness import InProcessStack
-from specdec.bench import BenchPrompt, ModeResult, hf_runner, run_interleaved, specdec_runner, summarize
 from specdec.client import Client
 from target_service.engine import TargetEngine
 from test_e2e_tiny import hf_greedy

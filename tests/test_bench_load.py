@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from bench.load import LevelResult, level_prompts, run_hf_batched_level, run_specdec_level, summarize_load
+from bench.single import BenchPrompt
 from draft_service.engine import ModelDrafter
 from harness import InProcessStack
-from specdec.bench import BenchPrompt
-from specdec.bench_load import LevelResult, level_prompts, run_hf_batched_level, run_specdec_level, summarize_load
 from target_service.engine import TargetEngine
 from test_e2e_tiny import hf_greedy
 

@@ -16,12 +16,13 @@ from fake_kubernetes import FakeKubernetesApi, endpoint_slice
 from harness import InProcessStack
 
 from coordinator.replicas import CacheRef, ReplicaSet
+from coordinator.cli import coordinator_config
 from coordinator.discovery import DnsSource, KubernetesSource, join_host_port, parse_replicas, parse_spec
 from coordinator.membership import Membership, Refused
 from coordinator.sessions import SessionRecord
 from draft_service.engine import NgramDrafter
 from specdec import Client
-from specdec.cli import _coordinator_config, _parser
+from specdec.cli import _parser
 from specdec.config import CoordinatorConfig, DnsDiscovery, KubernetesDiscovery
 from specdec.vocab import ModelFacts
 from target_service.engine import TargetEngine
@@ -117,17 +118,17 @@ def test_a_service_has_a_list_or_one_discovery_spec():
 
 def test_cli_reads_discovery_specs_and_names_the_bad_flag():
     parser = _parser()
-    config = _coordinator_config(parser.parse_args([
+    config = coordinator_config(parser.parse_args([
         "serve-coordinator", "--draft", "k8s:///serving/spec-draft:grpc",
         "--target", "dns:///spec-target.serving.svc:50052", "--discovery-interval", "2.5",
     ]))
     assert config.draft_discovery == KubernetesDiscovery("serving", "spec-draft", "grpc")
     assert config.target_discovery == DnsDiscovery("spec-target.serving.svc", 50052)
     assert config.draft_addresses == config.target_addresses == () and config.discovery_interval_s == 2.5
-    static = _coordinator_config(parser.parse_args(["serve-coordinator", "--draft", "d:1", "--target", "t:2"]))
+    static = coordinator_config(parser.parse_args(["serve-coordinator", "--draft", "d:1", "--target", "t:2"]))
     assert (static.draft_addresses, static.target_addresses, static.target_discovery) == (("d:1",), ("t:2",), None)
     with pytest.raises(SystemExit, match="--target 'dns:///t'"):
-        _coordinator_config(parser.parse_args(["serve-coordinator", "--target", "dns:///t"]))
+        coordinator_config(parser.parse_args(["serve-coordinator", "--target", "dns:///t"]))
 
 
 # --- replica sets ------------------------------------------------------------------------------

@@ -14,20 +14,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from bench.single import PROMPTS
+from draft_service.distill import cli as distill_cli
+from draft_service.distill import pipeline
+from draft_service.distill.collect import Sample
+from draft_service.distill.evaluate import evaluate, rounds_from_matches
+from draft_service.distill.prompts import Prompt, build_prompts, harvest_stdlib, split_prompts
 from draft_service.engine import ModelDrafter
 from draft_service.token_draft import (CARD_FILE, WEIGHTS_FILE, TokenDraftArch, build_token_draft, load_token_draft,
                                        save_token_draft, target_weights_hash, wrap_token_draft)
-from specdec.distill import cli as distill_cli
-from specdec.distill import pipeline
-from specdec.distill.collect import Sample
-from specdec.distill.evaluate import evaluate, rounds_from_matches
-from specdec.distill.prompts import Prompt, build_prompts, harvest_stdlib, split_prompts
+from specdec.config import shipped_draft
 from specdec.kvcache import SessionCache
 from specdec.models import LoadedModel
 from specdec.sampling import Sampling
 
-REPO = Path(__file__).resolve().parent.parent
-SHIPPED = REPO / "drafts" / "smollm2-135m-token"
+SHIPPED = shipped_draft("smollm2-135m-token")
 MAX_BYTES = 25 * 1024 * 1024
 
 
@@ -229,12 +230,10 @@ def test_prompt_set_is_broad_seeded_and_split():
     assert any(p.text and p.text.startswith("def ") for p in prompts)  # raw stdlib completions
     train, held = split_prompts(prompts, 40, seed=7)
     assert len(held) == 40 and not {p.key for p in train} & {p.key for p in held}
-    bench = REPO / "bench" / "prompts.jsonl"
-    if bench.exists():  # the benchmark never leaks into the training prompts
-        keys = {p.key for p in pipeline.read_prompt_file(bench)}
-        texts = [m for p in pipeline.read_prompt_file(bench) for m in ([p.text] if p.text else [c for _, c in p.messages])]
-        assert not keys & {p.key for p in prompts}
-        assert not any(t in p.key for t in texts if len(t) > 40 for p in prompts)
+    bench = pipeline.read_prompt_file(PROMPTS)  # the benchmark never leaks into the training prompts
+    texts = [m for p in bench for m in ([p.text] if p.text else [c for _, c in p.messages])]
+    assert not {p.key for p in bench} & {p.key for p in prompts}
+    assert not any(t in p.key for t in texts if len(t) > 40 for p in prompts)
 
 
 # The default draft is not trained yet (issue 3 stays open); these run once it ships.

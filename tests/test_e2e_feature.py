@@ -13,7 +13,7 @@ from draft_service.feature_draft import KIND, FeatureDraftArch, build_feature_dr
 from draft_service.token_draft import CARD_FILE, target_weights_hash
 from harness import InProcessStack
 from specdec import Client
-from specdec.distill.features import sample_features
+from draft_service.distill.features import sample_features
 from specdec.sampling import Sampling
 from target_service.engine import TargetEngine
 from test_e2e_tiny import PROMPTS, chi_square_passes, hf_greedy

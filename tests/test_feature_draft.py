@@ -19,6 +19,7 @@ from draft_service.distill.evaluate import evaluate_feature
 from draft_service.distill.feature_train import feature_batcher, feature_loss, make_feature_examples, two_steps
 from draft_service.distill.features import extract_features, sample_features
 from draft_service.distill.train import TrainConfig, train
+from specdec.config import shipped_draft
 from specdec.kvcache import HiddenRows
 from specdec.sampling import Sampling
 
@@ -220,7 +221,7 @@ def test_hidden_backlog_joins_overlaps_and_restarts_after_gaps():
     assert backlog.message() == h(7, 1)
 
 
-SHIPPED = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-feature"
+SHIPPED = shipped_draft("smollm2-135m-feature")
 MAX_BYTES = 25 * 1024 * 1024
 
 

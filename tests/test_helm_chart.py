@@ -610,9 +610,9 @@ def test_dockerfile_passes_hadolint(dockerfile_path):
 
 
 def _cli_env_names() -> set[str]:
-    """Every SPECDEC_* variable the CLI reads, found in its source."""
-    source = (Path(__file__).resolve().parent.parent / "specdec" / "cli.py").read_text()
-    names = {f"SPECDEC_{n}" for n in re.findall(r'_(?:path_)?env\("([A-Z_]+)"', source)}
+    """Every SPECDEC_* variable the CLI reads, found in its source (specdec/cli.py and each package's cli.py)."""
+    source = "".join(path.read_text() for path in ROOT.glob("*/cli.py"))
+    names = {f"SPECDEC_{n}" for n in re.findall(r'\b(?:path_)?env\("([A-Z_]+)"', source)}
     return names | set(re.findall(r'"(SPECDEC_[A-Z_]+)"', source))
 
 

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from draft_service.engine import ModelDrafter, NgramDrafter
 from harness import InProcessStack
 from specdec import Client
-from specdec.cli import _parser, _server
+from specdec.cli import _parser, server_config
 from specdec.client import build_request
 from specdec.metrics import CacheServiceMetrics, CoordinatorMetrics, start_metrics_server
 from specdec.v1 import coordinator_pb2_grpc
@@ -161,10 +161,10 @@ def test_evictions_count_caches_beyond_max_sessions(stack):
 def test_metrics_port_flag_reaches_the_server_config(monkeypatch):
     monkeypatch.delenv("SPECDEC_METRICS_PORT", raising=False)
     for command in ("serve-target", "serve-draft", "serve-coordinator"):
-        assert _server(_parser().parse_args([command])).metrics_port is None
-        assert _server(_parser().parse_args([command, "--metrics-port", "9400"])).metrics_port == 9400
+        assert server_config(_parser().parse_args([command])).metrics_port is None
+        assert server_config(_parser().parse_args([command, "--metrics-port", "9400"])).metrics_port == 9400
     monkeypatch.setenv("SPECDEC_METRICS_PORT", "9401")
-    assert _server(_parser().parse_args(["serve-target"])).metrics_port == 9401
+    assert server_config(_parser().parse_args(["serve-target"])).metrics_port == 9401
 
 
 def test_resuming_a_finished_turn_counts_the_request_once(stack):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from bench.pass_grid import measure_pass_grid
 from coordinator.adaptive import speculation_ceiling
 from target_service.engine import TargetEngine
-from target_service.pass_grid import measure_pass_grid
 
 
 def test_grid_times_every_level_and_draft_length_and_releases_its_caches(tiny_target):

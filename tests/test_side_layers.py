@@ -9,8 +9,8 @@ import torch
 
 from coordinator.server import IncompatibleReplicas, check_same_side_layers
 from draft_service.feature_draft import FeatureDraftArch, build_feature_draft
-from specdec.distill.feature_train import FeatureExample, _pad, feature_loss
-from specdec.distill.features import sample_features
+from draft_service.distill.feature_train import FeatureExample, _pad, feature_loss
+from draft_service.distill.features import sample_features
 from specdec.kvcache import SessionCache
 from specdec.ragged import RaggedItem, ragged_forward
 from specdec.side_layers import check_side_layers

@@ -34,10 +34,11 @@ def test_split_is_contiguous_and_balanced():
 
 
 def test_cli_reads_the_group_from_torchrun_only_with_tp(monkeypatch):
-    from specdec.cli import _parser, _tensor_parallel
+    from specdec.cli import _parser
+    from target_service.cli import tensor_parallel
 
     def place(*flags):
-        return _tensor_parallel(_parser().parse_args(["serve-target", *flags]))
+        return tensor_parallel(_parser().parse_args(["serve-target", *flags]))
 
     monkeypatch.delenv("SPECDEC_TENSOR_PARALLEL", raising=False)
     monkeypatch.setenv("WORLD_SIZE", "8")  # left behind by some other job

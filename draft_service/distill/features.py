@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specdec.distill.collect import Sample
+from draft_service.distill.collect import Sample
 from specdec.side_layers import layer_outputs, with_sides
 
 FEATURE_DTYPE = torch.float16

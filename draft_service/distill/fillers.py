@@ -1,4 +1,4 @@
-"""Word lists that fill the prompt templates of ``specdec.distill.prompts``: plain data, no logic.
+"""Word lists that fill the prompt templates of ``draft_service.distill.prompts``: plain data, no logic.
 
 Everything here is written for specdec; none of it comes from a published evaluation set.
 """

@@ -2,7 +2,7 @@
 
 Categories: code (instructions, explanations, bug fixes, raw completions of stdlib signatures and
 docstrings), chat (single and multi-turn), summarisation, QA, maths and translation. Every prompt is
-made here from templates × fillers (``specdec.distill.fillers``) or harvested from the standard
+made here from templates × fillers (``draft_service.distill.fillers``) or harvested from the standard
 library's own sources with ``ast``; no published evaluation set and not ``bench/prompts.jsonl``.
 """
 
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.distill import fillers as F
+from draft_service.distill import fillers as F
 
 
 @dataclass(frozen=True)

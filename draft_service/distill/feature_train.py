@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from draft_service.distill.collect import Sample
+from draft_service.distill.train import IGNORE, head_labels
 from draft_service.feature_draft import FeatureDraft
-from specdec.distill.collect import Sample
-from specdec.distill.train import IGNORE, head_labels
 
 
 @dataclass(frozen=True)

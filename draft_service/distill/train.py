@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from draft_service.distill.collect import Sample
 from draft_service.token_draft import TokenDraft
-from specdec.distill.collect import Sample
 
 IGNORE = -100
 

@@ -1,4 +1,5 @@
-"""``specdec bench``: tokens/s of specdec against what a user would otherwise run, side by side.
+"""The single-stream benchmark (``specdec bench``): tokens/s of specdec against what a user would
+otherwise run, side by side.
 
 Modes take turns prompt by prompt (see ``run_interleaved``):
 
@@ -21,9 +22,12 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 
 MODES = ("hf-target", "hf-assisted", "specdec-k0", "specdec")
+# The shipped prompt set (package data of ``bench``): one JSON object a line, see ``load_prompts``.
+PROMPTS = Path(str(files("bench") / "prompts.jsonl"))
 
 
 @dataclass(frozen=True)

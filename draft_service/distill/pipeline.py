@@ -9,19 +9,19 @@ from pathlib import Path
 
 import torch
 
+from draft_service.distill.collect import CollectPlan, collect, load_shards
+from draft_service.distill.config import DistillConfig
+from draft_service.distill.evaluate import evaluate, evaluate_feature, ms_per_step
+from draft_service.distill.feature_train import feature_batcher, feature_loss, make_feature_examples
+from draft_service.distill.features import extract_features
+from draft_service.distill.prompts import Prompt, build_prompts, harvest_stdlib, split_prompts
+from draft_service.distill.train import TrainConfig, make_examples, token_batcher, token_loss, top_tokens, train
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import (FeatureDraftArch, build_feature_draft, save_feature_draft, source_head_ids,
                                          warm_start)
 from draft_service.token_draft import (CARD_FILE, KIND, TokenDraftArch, build_token_draft, save_token_draft,
                                        target_weights_hash)
 from specdec.config import DraftConfig
-from specdec.distill.collect import CollectPlan, collect, load_shards
-from specdec.distill.config import DistillConfig
-from specdec.distill.evaluate import evaluate, evaluate_feature, ms_per_step
-from specdec.distill.feature_train import feature_batcher, feature_loss, make_feature_examples
-from specdec.distill.features import extract_features
-from specdec.distill.prompts import Prompt, build_prompts, harvest_stdlib, split_prompts
-from specdec.distill.train import TrainConfig, make_examples, token_batcher, token_loss, top_tokens, train
 from specdec.models import LoadedModel, load_model
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def run(config: DistillConfig) -> dict | None:
     used = train_prompts[: len(samples)]
     data = {
         "prompts": "templated instructions (code, chat, summarisation, QA, maths, translation) and Python "
-                   "standard-library signatures/docstrings/sources, built by specdec.distill.prompts with the seed",
+                   "standard-library signatures/docstrings/sources, built by draft_service.distill.prompts with the seed",
         "continuations": f"target's own, batch {config.batch_size}, left padding, up to {config.max_new} new tokens, "
                          f"temperatures cycled per batch {list(config.temperatures)} (0 = greedy); labels are the "
                          "target's argmax (and top-16 logits) at every generated position, and its argmax over the prompt",

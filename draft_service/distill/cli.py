@@ -16,7 +16,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from specdec.distill.config import DistillConfig
+from draft_service.distill.config import DistillConfig
+from specdec.cli import extra_installed
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -27,10 +28,28 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
 
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``specdec distill`` to the ``specdec`` command (entry point group ``specdec.commands``), with
+    the server and train extras installed."""
+    if not extra_installed("server", "train"):
+        return
+    p = subparsers.add_parser("distill", help="train a draft for a target (specdec distill --help)",
+                              description=__doc__.splitlines()[0])
+    add_arguments(p)
+    # The recipe on the card records the flags as given, after the subcommand's name.
+    p.set_defaults(run=lambda args: _run(_config(args, args.argv[1:])))
+
+
 def parser() -> argparse.ArgumentParser:
-    """The ``specdec distill`` argument parser."""
-    d = DistillConfig(target="", out=Path(), work=Path(), cache_dir=Path(), command="")
+    """The ``specdec distill`` argument parser, on its own."""
     p = argparse.ArgumentParser(prog="specdec distill", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``specdec distill``, with the defaults of ``DistillConfig``."""
+    d = DistillConfig(target="", out=Path(), work=Path(), cache_dir=Path(), command="")
     p.add_argument("--target", required=True, help="'default', a HF folder or a .gguf file")
     p.add_argument("--out", type=Path, required=True, help="folder to write the draft and its card to")
     p.add_argument("--kind", choices=["token", "feature"], default=d.kind,
@@ -73,12 +92,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-len", type=int, default=d.max_len, help="training sequence length cap")
     g.add_argument("--soft-weight", type=float, default=d.soft_weight, help="weight of top-16 distribution distillation")
     g.add_argument("--prompt-weight", type=float, default=d.prompt_weight, help="loss weight of prompt positions")
-    return p
 
 
 def config_from_args(argv: list[str]) -> DistillConfig:
     """Parses ``argv`` (without the program and subcommand names) into a config."""
-    args = parser().parse_args(argv)
+    return _config(parser().parse_args(argv), argv)
+
+
+def _config(args: argparse.Namespace, argv: list[str]) -> DistillConfig:
+    """The config of parsed flags; ``argv``, the flags as given, goes into the card's recipe."""
     if len(args.init_from) != args.layers:
         raise SystemExit(f"--init-from names {len(args.init_from)} layers, --layers is {args.layers}")
     if args.side_layers and args.kind != "feature":
@@ -105,8 +127,12 @@ def config_from_args(argv: list[str]) -> DistillConfig:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``specdec distill``; returns the exit status."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(list(sys.argv[1:] if argv is None else argv))
-    from specdec.distill.pipeline import run  # torch and transformers load only once the flags parse
+    return _run(config_from_args(list(sys.argv[1:] if argv is None else argv)))
+
+
+def _run(config: DistillConfig) -> int:
+    """Runs one distillation; returns the exit status."""
+    from draft_service.distill.pipeline import run  # torch and transformers load only once the flags parse
 
     card = run(config)
     if card is None:

@@ -1,4 +1,4 @@
-"""``specdec bench --concurrency``: throughput and latency as the number of concurrent sessions grows.
+"""The load benchmark (``specdec bench --concurrency``): throughput and latency as concurrent sessions grow.
 
 Closed loop: at level C, C clients each send their next request as soon as the previous one ends,
 until the level's prompts are done. A level takes the first N prompts rounded up to a multiple of C
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.bench import BenchPrompt
+from bench.single import BenchPrompt
 
 LOAD_MODES = ("hf-batched", "specdec-k0", "specdec")
 

@@ -20,9 +20,9 @@ import time
 
 import torch
 
+from draft_service.distill.collect import Sample
 from draft_service.feature_draft import FeatureDraft, FeatureSession
 from draft_service.token_draft import TokenDraft
-from specdec.distill.collect import Sample
 from specdec.kvcache import SessionCache
 from specdec.ngram import whole_continuation
 

@@ -1,0 +1,243 @@
+"""``specdec bench`` and ``specdec pass-grid``: their flags, and the runs that fill their reports.
+
+Registered with the ``specdec`` command through the ``specdec.commands`` entry point group. The
+parts each run is made of live beside it: ``bench.single`` (one stream, ``specdec bench``),
+``bench.load`` (concurrent sessions, ``specdec bench --concurrency``) and ``bench.pass_grid``
+(``specdec pass-grid``). Each run writes a JSON report (``--out``), and ``--plot`` a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from bench.single import PROMPTS
+from specdec.cli import add_cache_dir, add_stack, env, extra_installed, k_arg, stack_config
+from specdec.config import DRAFT_KINDS, default_draft_model
+
+
+def levels_arg(value: str) -> list[int]:
+    """A comma-separated list of concurrency levels, such as 1,2,4,8,16."""
+    levels = [int(v) for v in value.split(",") if v]
+    if not levels or min(levels) < 1:
+        raise argparse.ArgumentTypeError("--concurrency takes positive integers, for example 1,2,4,8,16")
+    return levels
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``bench`` and ``pass-grid`` (with the server extra installed)."""
+    if not extra_installed("server"):
+        return
+    p = subparsers.add_parser("bench", help="tokens/s of hf-target, hf-assisted, specdec-k0 and specdec, side by side")
+    p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL prompt file")
+    p.add_argument("--n", type=int, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--k", type=k_arg, default=None, help="draft length of the specdec mode: N or auto (default)")
+    p.add_argument("--modes", help="comma-separated modes (default: hf-target,hf-assisted,specdec-k0,specdec; "
+                                    "with --concurrency: hf-batched,specdec-k0,specdec)")
+    p.add_argument("--concurrency", type=levels_arg,
+                   help="closed-loop load levels, for example 1,2,4,8,16: throughput and latency per level")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --concurrency: runs of each specdec mode per level, in A B B A order, summed")
+    p.add_argument("--address", help="use a running coordinator instead of starting a local stack")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process HF modes")
+    p.add_argument("--out", type=Path, default=Path("reports/bench.json"))
+    p.add_argument("--plot", type=Path, help="write a PNG of the report")
+    add_stack(p)
+    p.set_defaults(run=run_bench)
+
+    p = subparsers.add_parser("pass-grid", help="the target's pass cost by sessions and draft length, in process, "
+                                                "and the most speculation could gain from it")
+    add_cache_dir(p)
+    p.add_argument("--target-model", default=env("TARGET_MODEL", "default"),
+                   help="target model (env SPECDEC_TARGET_MODEL)")
+    p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL prompt file")
+    p.add_argument("--levels", type=levels_arg, default=[1, 2, 4, 8, 16], help="sessions per pass, e.g. 1,2,4")
+    p.add_argument("--k-max", type=int, default=4)
+    p.add_argument("--accept", type=float, default=0.48,
+                   help="the draft's conditional acceptance per position, for the ceiling")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per cell (median)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the target")
+    p.add_argument("--out", type=Path, default=Path("reports/pass-grid.json"))
+    p.set_defaults(run=run_pass_grid)
+
+
+def _write(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+
+
+def run_bench(args: argparse.Namespace) -> None:
+    """``specdec bench``: the modes side by side on one stream, or, with ``--concurrency``, under load."""
+    import torch
+
+    from bench.single import MODES, hf_runner, load_prompts, plot, run_interleaved, specdec_runner, summarize
+    from specdec.client import Client
+    from specdec.models import load_model
+    from specdec.stack import LocalStack
+    from specdec.vocab import resolve_model_path
+
+    if args.concurrency:
+        run_load(args)
+        return
+    modes = [m for m in (args.modes or "hf-target,hf-assisted,specdec-k0,specdec").split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    k = args.k
+    prompts = load_prompts(args.prompts, args.n)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.target_model, args.cache_dir)
+    kinds = [kind for kind in args.draft_kind.split(",") if kind]
+    if set(kinds) - set(DRAFT_KINDS) or not kinds:
+        raise SystemExit(f"--draft-kind takes a comma-separated list of {DRAFT_KINDS}")
+    if args.draft_model and len(kinds) > 1:
+        raise SystemExit("--draft-model names one draft: give one --draft-kind with it")
+    # Assisted generation is the nearest in-process peer: with a plain causal LM draft it drives that
+    # model; distilled drafts are no transformers models, so it falls back to prompt lookup.
+    draft = None
+    if kinds[0] == "model":
+        from draft_service.token_draft import CARD_FILE
+
+        path = resolve_model_path(args.draft_model or default_draft_model("model"), args.cache_dir)
+        if not (path / CARD_FILE).is_file():
+            draft = load_model(str(path), args.cache_dir).model
+    if args.address is not None and len(kinds) > 1:
+        raise SystemExit("--address reaches one running stack: give one --draft-kind with it")
+    runners = {
+        mode: hf_runner(mode, loaded, draft, args.max_new_tokens, args.temperature, k)
+        for mode in modes if mode.startswith("hf")
+    }
+    spec_modes = [m for m in modes if m.startswith("specdec")]
+    stacks, clients = [], []
+    try:
+        # Every stack is up before the first prompt, so the modes can take turns prompt by prompt.
+        for i, kind in enumerate(kinds if spec_modes else []):
+            address = args.address
+            if address is None:
+                stacks.append(LocalStack(stack_config(args, 0, kind)).start())
+                address = stacks[-1].address
+            clients.append(Client(address, timeout=600))
+            # specdec-k0 does not draft: it runs on the first stack only.
+            for mode in (m for m in spec_modes if m == "specdec" or (m == "specdec-k0" and i == 0)):
+                name = mode if mode == "specdec-k0" or len(kinds) == 1 else f"specdec:{kind}"
+                runners[name] = specdec_runner(name, clients[-1], args.max_new_tokens, args.temperature, k)
+        results = run_interleaved(runners, prompts)
+    finally:
+        for client in clients:
+            client.close()
+        for stack in stacks:
+            stack.close()
+    report = {
+        "config": {"prompts": str(args.prompts), "n": len(prompts), "max_new_tokens": args.max_new_tokens,
+                   "temperature": args.temperature, "k": "auto" if k is None else k, "draft_kinds": kinds,
+                   "hf_assisted": "assistant_model" if draft is not None else "prompt_lookup_num_tokens",
+                   "target_threads": args.target_threads, "draft_threads": args.draft_threads},
+        "modes": summarize(results, greedy=args.temperature == 0),
+    }
+    _write(report, args.out)
+    print(json.dumps(report, indent=2))
+    if args.plot:
+        plot(report["modes"], args.plot)
+
+
+def run_load(args: argparse.Namespace) -> None:
+    """``specdec bench --concurrency``: throughput and latency at each level of concurrent sessions."""
+    import torch
+
+    from bench.load import LOAD_MODES, level_prompts, plot_load, run_hf_batched_level, run_specdec_level, summarize_load
+    from bench.single import load_prompts
+    from specdec.models import load_model
+    from specdec.stack import LocalStack
+
+    modes = [m for m in (args.modes or ",".join(LOAD_MODES)).split(",") if m]
+    if set(modes) - set(LOAD_MODES):
+        raise SystemExit(f"with --concurrency the modes are {LOAD_MODES}")
+    if args.temperature != 0:
+        raise SystemExit("--concurrency runs greedy (its exactness check compares with target-only output)")
+    if args.repeats < 1:
+        raise SystemExit("--repeats: at least 1")
+    every = load_prompts(args.prompts, None)
+    n = min(args.n or len(every), len(every))
+    prompts = {level: level_prompts(every, n, level) for level in args.concurrency}
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.target_model, args.cache_dir)
+    results: dict = {}
+    # Target-only reference: HF generate one prompt at a time (hf-batched at level 1 is exactly that),
+    # then the prompts only the levels rounded up reach, for their exactness check.
+    reference_level = run_hf_batched_level(loaded, every[:n], 1, args.max_new_tokens)
+    longest = max(len(p) for p in prompts.values())
+    reference = dict(reference_level.outputs)
+    if longest > n:
+        reference.update(run_hf_batched_level(loaded, every[n:longest], 1, args.max_new_tokens).outputs)
+    if "hf-batched" in modes:
+        results["hf-batched"] = {1: reference_level} if 1 in args.concurrency else {}
+        for level in args.concurrency:
+            if level != 1:
+                results["hf-batched"][level] = run_hf_batched_level(loaded, prompts[level], level, args.max_new_tokens)
+    del loaded  # the stack needs the cores and the memory now
+    spec_modes = [m for m in modes if m.startswith("specdec")]
+    if spec_modes:
+        stack = None
+        address = args.address
+        if address is None:
+            stack = LocalStack(stack_config(args, 0, args.draft_kind.split(",")[0])).start()
+            address = stack.address
+        try:
+            for level in args.concurrency:
+                # The modes take turns at each level, in mirrored order on every second repeat (A B B A):
+                # a shared machine's speed drifts by tens of percent over minutes, and a drift that is
+                # steady across the level then falls on both modes alike.
+                for repeat in range(args.repeats):
+                    for mode in spec_modes if repeat % 2 == 0 else spec_modes[::-1]:
+                        run = run_specdec_level(mode, address, prompts[level], level, args.max_new_tokens, args.k)
+                        if repeat == 0:
+                            results.setdefault(mode, {})[level] = run
+                        else:
+                            results[mode][level].absorb(run)
+        finally:
+            if stack is not None:
+                stack.close()
+    report = {
+        "config": {"prompts": str(args.prompts), "n": n, "max_new_tokens": args.max_new_tokens,
+                   "requests_per_level": {str(level): len(p) for level, p in prompts.items()},
+                   "concurrency": args.concurrency, "k": "auto" if args.k is None else args.k,
+                   "draft_kind": args.draft_kind.split(",")[0], "target_threads": args.target_threads,
+                   "draft_threads": args.draft_threads, "hf_threads": args.threads, "repeats": args.repeats},
+        **summarize_load(results, reference),
+    }
+    _write(report, args.out)
+    print(json.dumps(report, indent=2))
+    if args.plot:
+        plot_load(report, args.plot)
+
+
+def run_pass_grid(args: argparse.Namespace) -> None:
+    """``specdec pass-grid``: the target's pass cost by sessions and draft length, and its ceiling."""
+    import torch
+
+    from bench.pass_grid import measure_pass_grid
+    from bench.single import load_prompts
+    from coordinator.adaptive import speculation_ceiling
+    from specdec.models import load_model
+    from specdec.packed_linear import pack_linears
+    from target_service.engine import TargetEngine
+
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.target_model, args.cache_dir)
+    pack_linears(loaded.model)  # as the target service runs it
+    prompts = [p.token_ids(loaded.tokenizer) for p in load_prompts(args.prompts, None)]
+    grid = measure_pass_grid(TargetEngine(loaded, max(args.levels)), prompts, args.levels, args.k_max, args.repeats)
+    ceiling = speculation_ceiling(grid, args.accept)
+    for sessions, row in grid.items():
+        gain, k = ceiling[sessions]
+        relative = " ".join(f"k{k}={ms / row[0]:.2f}x" for k, ms in enumerate(row))
+        print(f"C={sessions:<3} pass {row[0]:6.1f} ms  {relative}  ceiling {gain:.2f}x at k={k}")
+    report = {"config": {"target_model": args.target_model, "prompts": str(args.prompts), "threads": args.threads,
+                         "repeats": args.repeats, "accept": args.accept},
+              "pass_ms": {str(c): [round(ms, 1) for ms in row] for c, row in grid.items()},
+              "ceiling": {str(c): {"gain": round(g, 3), "k": k} for c, (g, k) in ceiling.items()}}
+    _write(report, args.out)
+
