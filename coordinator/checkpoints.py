@@ -65,6 +65,20 @@ class Checkpoints:
                 self._unwritten = exc
                 log.warning("checkpoint of session %s skipped: %s", record.session_id, exc)
 
+    async def write_late(self, record: SessionRecord, delays_s: tuple[float, ...] = (1.0, 5.0, 25.0)) -> None:
+        """Keeps trying to write a turn's last record after its stream has ended (the store was
+        unreachable at the end), so the session's next turn finds it; gives up quietly after the
+        last delay, leaving the last record that was written."""
+        for delay in delays_s:
+            await asyncio.sleep(delay)
+            try:
+                await self._store.put(record)
+                return
+            except Fenced:
+                return  # a newer turn holds the session: its own records supersede this one
+            except StoreUnavailable as exc:
+                log.warning("late write of session %s's last record failed: %s", record.session_id, exc)
+
     async def flush(self, must_write: bool = False) -> None:
         """Waits for the write in flight, if any; raises Fenced when a newer turn took the session,
         and with ``must_write`` StoreUnavailable when the latest record could not be written."""

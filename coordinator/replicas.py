@@ -51,16 +51,22 @@ class BackendRejected(RuntimeError):
 
 
 R = TypeVar("R", bound="Replica")
-# Seconds a replica that failed a call rests before it gets work again.
+# Seconds a replica that failed a call rests before it is probed.
 REST_S = 5.0
+# The longest rest, in multiples of the first: reached after four failures in a row.
+MAX_REST_FACTOR = 8
 
 
 class ReplicaSet(Generic[R]):
     """One service's replicas: which failed lately, and how many of this coordinator's requests each
     holds a cache for right now.
 
-    A replica that failed rests ``rest_s``, then gets work again (its next call is the probe). A new
-    cache goes to the healthy replica holding the fewest running requests, ties taken in turn.
+    A replica that failed rests, ``rest_s`` after its first failure and twice as long after each
+    further one in a row (up to ``MAX_REST_FACTOR`` times), so a hung replica draws a stall now and
+    then, not every few seconds. When its rest ends it is on probation: no new or running session's
+    call goes to it (unless no member is healthy) until a probe (``probes_due``, a cheap call with a
+    short deadline) or any other call succeeds. A new cache goes to the healthy replica holding the
+    fewest running requests, ties taken in turn.
 
     Members may join and leave (discovery). One that left is retired: never usable or picked again,
     so its sessions move, but its channel stays open until no call is in flight on it.
@@ -70,6 +76,8 @@ class ReplicaSet(Generic[R]):
         self.by_address: dict[str, R] = {r.address: r for r in replicas}
         self._rest_s = rest_s
         self._down_until: dict[str, float] = {}
+        self._failures: Counter[str] = Counter()  # failed calls in a row, until one succeeds
+        self._probing: set[str] = set()
         self._running: Counter[str] = Counter()
         self._turn = 0
         self._retired: list[R] = []
@@ -83,6 +91,7 @@ class ReplicaSet(Generic[R]):
             raise ValueError(f"{replica.address} is already a member")
         self.by_address[replica.address] = replica
         self._down_until.pop(replica.address, None)
+        self._failures.pop(replica.address, None)
 
     def retire(self, address: str) -> R | None:
         """The replica at ``address`` leaves (None when it is no member)."""
@@ -90,6 +99,7 @@ class ReplicaSet(Generic[R]):
         if replica is not None:
             self._retired.append(replica)
             self._down_until.pop(address, None)
+            self._failures.pop(address, None)
             if not self._running[address]:
                 # Kept while requests still hold it: their release must balance the count.
                 del self._running[address]
@@ -114,13 +124,43 @@ class ReplicaSet(Generic[R]):
         return [*self.by_address.values(), *self._retired]
 
     def failed(self, address: str) -> None:
-        """Rests ``address`` from now (a replica that already left needs no rest)."""
+        """Rests ``address`` from now, longer for each failure in a row (a replica that already left
+        needs no rest)."""
         if address in self.by_address:
-            self._down_until[address] = time.monotonic() + self._rest_s
+            self._failures[address] += 1
+            factor = min(2 ** (self._failures[address] - 1), MAX_REST_FACTOR)
+            self._down_until[address] = time.monotonic() + self._rest_s * factor
+
+    def succeeded(self, address: str) -> None:
+        """A call to ``address`` succeeded: it is healthy again."""
+        if address in self._failures:
+            del self._failures[address]
+            self._down_until.pop(address, None)
+
+    def rest_s(self, address: str) -> float:
+        """Seconds left of the replica's rest (0 when it takes work or awaits its probe)."""
+        return max(0.0, self._down_until.get(address, 0.0) - time.monotonic())
+
+    def probes_due(self) -> list[R]:
+        """Members whose rest has ended and that await a probe; each is marked as being probed until
+        ``probed`` reports the outcome."""
+        now = time.monotonic()
+        due = [a for a in self._failures if a in self.by_address and a not in self._probing
+               and now >= self._down_until.get(a, 0.0)]
+        self._probing.update(due)
+        return [self.by_address[a] for a in due]
+
+    def probed(self, address: str, ok: bool) -> None:
+        """A probe of ``address`` ended: it is healthy again, or rests longer."""
+        self._probing.discard(address)
+        if ok:
+            self.succeeded(address)
+        else:
+            self.failed(address)
 
     def usable(self, address: str) -> bool:
-        """True for a known replica that is not resting."""
-        return address in self.by_address and time.monotonic() >= self._down_until.get(address, 0.0)
+        """True for a known replica that neither rests nor awaits its probe."""
+        return address in self.by_address and not self._failures.get(address)
 
     def stays(self, address: str) -> bool:
         """Whether a session keeps its cache on ``address``: the replica is healthy, or it rests while

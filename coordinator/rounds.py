@@ -9,9 +9,12 @@ and how a lost cache or replica is recovered, the router's (``coordinator.routin
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing, nullcontext
+from dataclasses import replace
 
 from opentelemetry import trace
 
@@ -19,12 +22,14 @@ from coordinator.checkpoints import Checkpoints
 from coordinator.identity import span_session
 from coordinator.policy import RoundOutcome, RoundPlan, SpeculationPolicy
 from coordinator.routing import Router
-from coordinator.sessions import new_session_id
+from coordinator.sessions import StoreUnavailable, new_session_id
 from coordinator.textstream import Release, TextStream
 from coordinator.turns import Chunk, GenerationRequest, Stats, Turn, Turns, clip
 from specdec.metrics import CoordinatorMetrics
 from specdec.sampling_params import Sampling
 from specdec.vocab import ModelFacts
+
+log = logging.getLogger(__name__)
 
 
 class RoundLoop:
@@ -49,10 +54,19 @@ class RoundLoop:
         self._tracer = tracer
         self._metrics = metrics  # None records nothing
         self._checkpoint_interval_s = checkpoint_interval_s
+        self._background: set[asyncio.Task] = set()  # late writes of last records
 
     async def close(self) -> None:
-        """Stops discovery, then closes every replica."""
+        """Stops late record writes and discovery, then closes every replica."""
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await self.router.close()
+
+    def _in_background(self, work) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def generate(self, request: GenerationRequest, remaining_s: Callable[[], float | None]) -> AsyncIterator[Chunk]:
         """Runs one request to completion, yielding chunks as rounds commit tokens.
@@ -225,9 +239,16 @@ class RoundLoop:
             turn.record.messages = [*state.messages, {"role": "assistant", "content": text.text}]
         state.finish = finish
         self._checkpoint(checkpoints, turn)
-        # No later round would repair a lost last record, and the session's next turn starts
-        # from it: a store that stays unreachable fails the request, whose client resumes it.
-        await checkpoints.flush(must_write=True)
+        try:
+            await checkpoints.flush(must_write=True)
+        except StoreUnavailable as exc:
+            # Every token has reached the client: failing now would only make it retry what it has.
+            # The last record is written later if the store comes back; until then the session's
+            # next turn starts from the last record that was written.
+            log.warning("session %s: its last record could not be written, retrying later: %s",
+                        turn.record.session_id, exc)
+            span.add_event("specdec.last_checkpoint_failed", {"error": str(exc)})
+            self._in_background(checkpoints.write_late(replace(turn.record, tokens=list(turn.record.tokens))))
         stats.total_ms = (time.perf_counter() - started) * 1000
         # A turn that had finished before this call (a resume that only sends what its client
         # missed) was counted when it finished.

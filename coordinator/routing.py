@@ -3,8 +3,10 @@
 A cache a replica lost is rebuilt from the committed tokens, so a lost cache costs time, never
 correctness. A target that is unreachable hands the session to another, which verifies the same
 round with the same draft. A draft that fails costs its round the speculation, never the request.
-A replica that failed rests a while before new work goes to it, unless the call failed only because
-the request's own deadline had passed.
+A replica that failed rests a while, then is probed before work goes to it again, unless the call
+failed only because the request's own deadline had passed. A replica that refuses one session's
+call (a bad field, a full KV budget) is not resting for that: the session alone stops drafting for
+a while. A session that moves releases the cache it leaves behind.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
 
+# Deadline of a probe (a model-info call) of a replica whose rest has ended, and of a best-effort
+# release of a cache left behind: a healthy replica answers in milliseconds.
+PROBE_TIMEOUT_S = 1.0
+# Rounds a session drafts no more after a draft replica refused its call.
+REFUSED_ROUNDS = 8
+
 
 @dataclass(frozen=True)
 class DraftCall:
@@ -65,6 +73,7 @@ class Router:
         self.side_layers = side_layers  # target layers whose outputs the feature draft reads too
         # Stopped on close, before the channels: the discovery that changes the sets.
         self._stoppers: list[Callable[[], Awaitable[None]]] = []
+        self._background: set[asyncio.Task] = set()  # probes and releases
 
     def draft_joined(self, facts: ModelFacts) -> None:
         """A draft replica joined while running: a feature draft needs the target's hidden states
@@ -85,6 +94,9 @@ class Router:
         """Stops discovery, then closes every replica."""
         for stop in self._stoppers:
             await stop()
+        for task in self._background:
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         await asyncio.gather(*(r.close() for r in [*self.drafts.everyone(), *self.targets.everyone()]))
 
     def holding(self) -> Holding:
@@ -96,8 +108,10 @@ class Router:
         whether it placed one. ``feed_now`` forbids a busy target to defer the prompt."""
         if turn.target is not None and self.targets.stays(turn.target.address):
             return False
+        left = turn.target
         turn.target, fed = await self.place_target(turn.committed, turn.remaining_s, span, turn.fence, feed_now)
         turn.hidden.add(fed)
+        self._release_left(self.targets, left, turn.target)
         return True
 
     async def place_target(
@@ -106,16 +120,19 @@ class Router:
     ) -> tuple[CacheRef, HiddenChunk | None]:
         """Builds a target cache over ``committed`` on a healthy replica, trying the others when one is
         unreachable; also returns the fed hidden states (when the draft wants them)."""
+        self._probe_due(self.targets)
         error: BackendUnavailable | None = None
         for _ in range(len(self.targets)):
             target = self.targets.pick(None, probe=True)
             if target is None:
                 break
             try:
-                return await target.prefill_with_hidden(
+                placed = await target.prefill_with_hidden(
                     committed, remaining_s(), self.want_hidden, fence, feed_now and self.want_hidden,
                     self.side_layers,
                 )
+                self.targets.succeeded(target.address)
+                return placed
             except BackendUnavailable as exc:
                 if _spent(remaining_s):
                     raise
@@ -126,10 +143,13 @@ class Router:
     async def draft(self, turn: Turn, plan: RoundPlan, span: trace.Span) -> DraftCall | None:
         """Asks a draft replica for the plan's tokens (None: no replica is available), handing over the
         hidden states it has not seen; moves ``turn.draft`` to where its cache now is."""
+        if turn.state.round < turn.draft_refused_until:
+            return None
+        self._probe_due(self.drafts)
         replica = self.drafts.pick(turn.draft)
         if replica is None:
             return None
-        ref = turn.draft
+        ref = left = turn.draft
         caught_up = None
         try:
             if ref is not None and ref.address == replica.address:
@@ -141,13 +161,22 @@ class Router:
             if caught_up is None:
                 ref = await replica.prefill(turn.committed, turn.remaining_s(), turn.fence)
                 result = await self._propose(replica, ref, turn, plan)
-        except (BackendUnavailable, BackendRejected) as error:
+        except BackendUnavailable as error:
             if not turn.out_of_time():
                 self._failed(self.drafts, error, span, "draft", "draft failed, this round runs target-only")
             return DraftCall(None)
+        except BackendRejected as error:
+            # The refusal is this session's (its field, or the replica's KV budget while it is full):
+            # the replica serves everyone else on, and this session runs target-only a while.
+            turn.draft_refused_until = turn.state.round + REFUSED_ROUNDS
+            span.add_event("specdec.draft_refused", {"error": str(error)})
+            log.info("draft refused a session's call, it runs target-only for %d rounds: %s", REFUSED_ROUNDS, error)
+            return DraftCall(None)
         assert ref is not None
+        self.drafts.succeeded(replica.address)
         turn.draft = replace(ref, committed=result.committed)
         turn.hidden.clear()
+        self._release_left(self.drafts, left, turn.draft)
         return DraftCall(result, caught_up)
 
     @staticmethod
@@ -166,6 +195,7 @@ class Router:
         assert turn.target is not None
         ref, committed, want, fed = turn.target, turn.committed, self.want_hidden, None
         asks = (want, self.side_layers)
+        left = ref
         for _ in range(len(self.targets) + 1):
             if not self.targets.stays(ref.address):
                 ref, fed = await self.place_target(committed, turn.remaining_s, span, ref.fence)
@@ -182,7 +212,9 @@ class Router:
                                                                 side_layers=self.side_layers)
                     result = await target.verify(ref, committed, draft, turn.sampling, turn.state.round,
                                                  turn.remaining_s(), *asks)
+                self.targets.succeeded(target.address)
                 turn.target = replace(ref, committed=result.committed)
+                self._release_left(self.targets, left, turn.target)
                 turn.hidden.add(fed)  # a cache placed anew: its prompt's rows come first
                 turn.hidden.add(result.hidden)
                 return result
@@ -191,6 +223,36 @@ class Router:
                     raise
                 self._failed(self.targets, exc, span, "target", "target unreachable, moving the session")
         raise BackendUnavailable("target", ref.address, "no target replica could verify this round")
+
+    def _probe_due(self, replicas: ReplicaSet) -> None:
+        """Starts a probe of every replica whose rest has ended (``ReplicaSet.probes_due``)."""
+        for replica in replicas.probes_due():
+            self._in_background(self._probe(replicas, replica))
+
+    @staticmethod
+    async def _probe(replicas: ReplicaSet, replica) -> None:
+        ok = False
+        try:
+            await replica.facts(PROBE_TIMEOUT_S)
+            ok = True
+        except Exception as exc:  # noqa: BLE001 - any failure keeps the replica resting
+            log.info("probe of %s failed, it rests longer: %s", replica.address, exc)
+        finally:
+            replicas.probed(replica.address, ok)
+
+    def _release_left(self, replicas: ReplicaSet, left: CacheRef | None, now: CacheRef | None) -> None:
+        """Releases, in the background and best effort, the cache a session left on another replica:
+        otherwise it would hold memory there until it idled out."""
+        if left is None or now is None or left.address == now.address:
+            return
+        replica = replicas.find(left.address)
+        if replica is not None:
+            self._in_background(_release(replica, left.cache_id))
+
+    def _in_background(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _failed(self, replicas: ReplicaSet, error: BackendUnavailable | BackendRejected, span: trace.Span,
                 service: str, what: str) -> None:
@@ -219,6 +281,13 @@ class Holding:
 
     def __exit__(self, *exc) -> None:
         self.update(None, None)
+
+
+async def _release(replica, cache_id: str) -> None:
+    try:
+        await replica.release(cache_id, PROBE_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - the cache idles out in the end
+        log.info("could not release cache %s on %s: %s", cache_id, replica.address, exc)
 
 
 def _spent(remaining_s: Callable[[], float | None]) -> bool:

@@ -304,7 +304,8 @@ async def start_coordinator(
     target_tls_name = config.target_discovery.tls_name if config.target_discovery is not None else None
 
     def make_draft(address: str) -> DraftReplica:
-        return DraftReplica(address, config.rpc_timeout_s, max_bytes, credentials, draft_tls_name)
+        # A draft call that takes long is worth less than the round it holds up: its own, short deadline.
+        return DraftReplica(address, config.draft_timeout_s, max_bytes, credentials, draft_tls_name)
 
     def make_target(address: str) -> TargetReplica:
         return TargetReplica(address, config.rpc_timeout_s, max_bytes, credentials, target_tls_name)

@@ -24,6 +24,11 @@ from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
 
+# Characters a prompt may carry per token of context. No tokenizer of a served model packs more
+# than a few characters of ordinary text into a token, so a prompt past this cannot fit, and is
+# refused before tokenizing it (which would take the event loop that serves everyone).
+MAX_PROMPT_CHARS_PER_TOKEN = 32
+
 
 class SessionNotFound(LookupError):
     """The request named a session that does not exist or has expired."""
@@ -159,6 +164,8 @@ class Turn:
     target: CacheRef | None = None
     # Target hidden states the draft has not been sent yet.
     hidden: HiddenBacklog = field(default_factory=HiddenBacklog)
+    # The round before which the session drafts no more, after a draft replica refused its call.
+    draft_refused_until: int = 0
 
     @property
     def committed(self) -> list[int]:
@@ -207,8 +214,11 @@ class Turns:
                     "later turn replaced it)"
                 )
             # Nothing was received and the turn never started: start it now.
-        turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
         limit = self._facts.max_context
+        chars = len(request.text or "") + sum(len(m["content"]) for m in request.messages or ())
+        if chars > limit * MAX_PROMPT_CHARS_PER_TOKEN:
+            raise ValueError(f"prompt: {chars} characters cannot fit in the context of {limit} tokens")
+        turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
         if len(turn.tokens) >= limit:
             raise ValueError(f"prompt: {len(turn.tokens)} tokens leave no room in the context of {limit}")
         # The caches keep the prefix this turn shares with what the session committed before.

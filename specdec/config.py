@@ -243,8 +243,11 @@ class CoordinatorConfig:
     default_k: int | None = None
     # Largest k the adaptive choice considers.
     max_auto_k: int = 8
-    # Deadline of each call to a draft or target service.
+    # Deadline of each call to a target service.
     rpc_timeout_s: float = 30.0
+    # Deadline of each call to a draft service: short, since a late draft only costs its round the
+    # speculation, while waiting for it holds the round up.
+    draft_timeout_s: float = 5.0
     # Seconds to wait at start-up for the listed replicas to report ready, or for discovery to find a
     # ready target.
     startup_timeout_s: float = 300.0

@@ -7,6 +7,7 @@ pin the loop's own behaviour: exact greedy output, seeded repeats, failover and 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,10 +15,10 @@ import torch
 from opentelemetry import trace
 
 from coordinator.policy import RoundPlan, SpeculationConfig, SpeculationPolicy
-from coordinator.replicas import BackendUnavailable, CacheRef
+from coordinator.replicas import BackendRejected, BackendUnavailable, CacheRef, ReplicaSet
 from coordinator.rounds import RoundLoop
 from coordinator.routing import Router
-from coordinator.sessions import MemorySessionStore, SessionRecord, TurnState
+from coordinator.sessions import MemorySessionStore, SessionRecord, StoreUnavailable, TurnState
 from coordinator.turns import GenerationRequest, Stats, Turn, Turns
 from draft_service.engine import ModelDrafter
 from draft_service.inprocess import InProcessDraft
@@ -157,3 +158,97 @@ def test_a_fixed_k_is_planned_as_asked_and_lookup_only_when_adaptive():
     policy.start(adaptive)
     plan = policy.plan(adaptive, room=32)
     assert plan.k == 0 and plan.lookup and plan.lookup[0] == 5  # the repeat continues with 5
+
+
+class RefusingDraft(InProcessDraft):
+    """A draft replica that refuses every call of one session's (a bad field, a full KV budget)."""
+
+    def __init__(self, engine):
+        super().__init__(engine, "inprocess:refusing-draft")
+        self.calls = 0
+
+    async def prefill(self, *args, **kwargs):
+        self.calls += 1
+        raise BackendRejected("RESOURCE_EXHAUSTED", "draft: KV budget full")
+
+
+def test_a_refusal_of_one_sessions_call_rests_no_replica(tiny_target, tiny_draft):
+    refusing = RefusingDraft(ModelDrafter(tiny_draft, 8, 64))
+    loop = make_loop(tiny_target, tiny_draft, drafts=[refusing])
+    tokens, last = run(loop, request(k=1, max_new_tokens=12))
+    assert tokens == hf_greedy(tiny_target, "w1 w2 w3", 12)
+    assert loop.router.drafts.usable(refusing.address)  # everyone else's calls still go to it
+    assert refusing.calls == 2  # the session itself stops asking for REFUSED_ROUNDS rounds
+
+
+def test_rest_grows_with_failures_in_a_row_and_a_probe_ends_it():
+    replicas = ReplicaSet([InProcessDraft(None, "a"), InProcessDraft(None, "b")], rest_s=0.05)
+    replicas.failed("a")
+    first = replicas.rest_s("a")
+    replicas.probed("a", ok=False)  # the probe failed: a longer rest
+    assert replicas.rest_s("a") > 1.5 * first
+    time.sleep(replicas.rest_s("a") + 0.01)
+    assert not replicas.usable("a") and replicas.pick(None).address == "b"  # rested, not yet probed
+    assert [r.address for r in replicas.probes_due()] == ["a"] and replicas.probes_due() == []
+    replicas.probed("a", ok=True)
+    assert replicas.usable("a") and replicas.rest_s("a") == 0.0
+
+
+def test_a_replica_is_probed_once_its_rest_ends_and_then_takes_work(tiny_target, tiny_draft):
+    draft = InProcessDraft(ModelDrafter(tiny_draft, 8, 64))
+    loop = make_loop(tiny_target, tiny_draft, drafts=[draft])
+    loop.router.drafts._rest_s = 0.01
+    loop.router.drafts.failed(draft.address)
+    time.sleep(0.02)
+    _, first = run(loop, request(k=2, max_new_tokens=4))  # starts the probe; this turn runs target-only
+    assert first.stats.drafted_tokens == 0 and loop.router.drafts.usable(draft.address)
+    _, second = run(loop, request(k=2, max_new_tokens=8))
+    assert second.stats.drafted_tokens > 0
+
+
+def test_a_session_that_moves_releases_the_cache_it_left(tiny_target, tiny_draft):
+    engines = [TargetEngine(tiny_target, 8), TargetEngine(tiny_target, 8)]
+    targets = [InProcessTarget(e, f"inprocess:target-{i}") for i, e in enumerate(engines)]
+    router = Router([InProcessDraft(ModelDrafter(tiny_draft, 8, 64))], targets)
+    facts = tiny_target.facts("target")
+    loop = RoundLoop(tiny_target.tokenizer, facts, router, SpeculationPolicy(SpeculationConfig()),
+                     Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600)), trace.NoOpTracer())
+
+    async def turns():
+        first = [c async for c in loop.generate(request(k=2, max_new_tokens=4), lambda: None)][-1]
+        held = next(i for i, e in enumerate(engines) if len(e.caches))
+        router.targets.failed(targets[held].address)
+        follow_up = request("w4", k=2, max_new_tokens=4, session_id=first.session_id)
+        [c async for c in loop.generate(follow_up, lambda: None)]
+        await asyncio.sleep(0)  # the release runs in the background
+        await asyncio.sleep(0)
+        return held
+
+    held = asyncio.run(turns())
+    assert len(engines[held].caches) == 0 and len(engines[1 - held].caches) == 1
+
+
+class LastWriteFails(MemorySessionStore):
+    """A store that is unreachable for the last record of a turn."""
+
+    async def put(self, record):
+        if record.turn is not None and record.turn.finish is not None:
+            raise StoreUnavailable("session store unreachable: connection refused")
+        await super().put(record)
+
+
+def test_a_fully_streamed_turn_completes_when_its_last_record_fails(tiny_target, tiny_draft):
+    loop = make_loop(tiny_target, tiny_draft)
+    loop._turns.store = LastWriteFails(3600)
+    tokens, last = run(loop, request(k=2, max_new_tokens=10))
+    assert last.finish_reason == "length" and tokens == hf_greedy(tiny_target, "w1 w2 w3", 10)
+    # The next turn starts from the last record that was written (a checkpoint of the first turn).
+    follow_up, again = run(loop, request("w4", k=2, max_new_tokens=4, session_id=last.session_id))
+    assert again.session_id == last.session_id and len(follow_up) == 4
+
+
+def test_a_prompt_too_long_for_any_context_is_refused_before_tokenizing(tiny_target, tiny_draft):
+    loop = make_loop(tiny_target, tiny_draft)
+    loop._tokenizer = loop._turns._tokenizer = None  # tokenizing would fail loudly
+    with pytest.raises(ValueError, match="cannot fit"):
+        run(loop, request("w1 " * 10_000))
