@@ -65,14 +65,17 @@ def read_api_key_hashes(keys_file: Path | None, env_keys: str | None) -> tuple[s
     return tuple(dict.fromkeys(hashes))
 
 
+def bearer_token(authorization: str) -> str | None:
+    """The token of an ``authorization`` value ``Bearer <token>`` (gRPC metadata or HTTP header), or None."""
+    scheme, _, token = authorization.strip().partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
 def _bearer(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
     """The token of the first ``authorization: Bearer`` entry, or None."""
     for key, value in metadata or ():
         if key == "authorization" and isinstance(value, str):
-            scheme, _, token = value.strip().partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-            return None
+            return bearer_token(value)
     return None
 
 

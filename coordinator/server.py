@@ -13,7 +13,7 @@ import grpc
 from opentelemetry import trace
 
 from coordinator.admission import Admission, Overloaded
-from coordinator.auth import ApiKeyInterceptor
+from coordinator.auth import ApiKeyInterceptor, bearer_token
 from coordinator.backends import DraftReplica, TargetReplica
 from coordinator.discovery import open_source
 from coordinator.identity import Caller, caller_of
@@ -177,10 +177,7 @@ def caller_from(context: grpc.aio.ServicerContext) -> Caller:
     """The proven identity of a call: its API key (the interceptor has accepted it), else its client
     certificate's subject, else its peer host (``coordinator.identity``)."""
     metadata = dict(context.invocation_metadata() or ())
-    bearer = None
-    scheme, _, token = str(metadata.get("authorization", "")).strip().partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        bearer = token.strip()
+    bearer = bearer_token(str(metadata.get("authorization", "")))
     auth = context.auth_context() or {}
     names = auth.get("x509_subject_alternative_name") or auth.get("x509_common_name") or []
     certificate = b",".join(names).decode(errors="replace") if names else None
@@ -380,10 +377,22 @@ async def start_coordinator(
         raise
     for following in memberships:
         router.stop_on_close(following.stop)
-    servicer = CoordinatorServicer(loop, target_facts[0].max_context, Admission(config.admission))
+    admission = Admission(config.admission)  # one for gRPC and HTTP: a slot is a slot
+    servicer = CoordinatorServicer(loop, target_facts[0].max_context, admission)
     interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []
     running = await start_server(config.server, register(servicer), (SERVICE_NAME,), interceptors)
     await running.set_serving()
+    if config.http_port is not None:
+        # Imported here: it builds on this module, and only a coordinator serving HTTP needs aiohttp.
+        from coordinator.openai_api import CoordinatorServers, start_http
+
+        try:
+            http = await start_http(loop, config, target_facts[0], admission, tracer)
+        except BaseException:
+            await running.stop(0)
+            await loop.close()
+            raise
+        running = CoordinatorServers.beside(running, http)
     return running, loop
 
 

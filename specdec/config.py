@@ -275,6 +275,9 @@ class CoordinatorConfig:
     # Least seconds between two checkpoints of a running turn (its first and last go at once); a
     # resume after a coordinator's loss replays at most this much (coordinator.checkpoints).
     checkpoint_interval_s: float = 0.25
+    # Port of the OpenAI-compatible HTTP API (coordinator.openai_api) on ``server.host``, with the
+    # gRPC port's TLS and API keys; 0 picks a free port, None serves none.
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.draft_addresses and self.draft_discovery is not None:

@@ -1,0 +1,384 @@
+"""The coordinator's OpenAI-compatible HTTP face: /v1/models, /v1/completions, /v1/chat/completions.
+
+An aiohttp app over the same round loop, admission and API keys as the gRPC servicer: a request is
+parsed (``coordinator.openai_schema``), admitted under the caller's identity, run by
+``RoundLoop.generate`` and answered as one JSON body or as server-sent events ending in
+``data: [DONE]``. Failures before the first token get their HTTP status (400, 401, 404, 429 with
+Retry-After, 503) in OpenAI's error shape; a failure later in a stream is sent as an ``error`` event.
+A client that disconnects cancels its handler, which closes the round loop's generator and so frees
+its admission slot and its session's lease at once.
+
+Chat requests are stateless, but a request whose messages extend a conversation this coordinator
+served continues that conversation's session (``coordinator.openai_sessions``), so its caches
+keep the shared prefix. docs/openai.md documents the endpoints, the statuses and the ``specdec``
+field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import ssl
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, fields, replace
+from typing import cast
+
+import grpc
+from aiohttp import web
+from opentelemetry import propagate, trace
+
+from coordinator.admission import Admission, Overloaded
+from coordinator.auth import ApiKeyInterceptor, bearer_token
+from coordinator.identity import Caller, caller_of
+from coordinator.openai_schema import ApiError, ApiRequest, Shaper, parse_request
+from coordinator.openai_sessions import Conversations
+from coordinator.rounds import RoundLoop
+from coordinator.server import _BACKEND_RETRY_MS, _status
+from coordinator.turns import Chunk, GenerationRequest, SessionNotFound
+from specdec.config import CoordinatorConfig, ServerConfig
+from specdec.rpc import RunningServer
+from specdec.vocab import DEFAULT_MODEL, ModelFacts
+
+log = logging.getLogger(__name__)
+
+# The id /v1/models lists for the embedded default target, as clients know it from Hugging Face.
+DEFAULT_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# HTTP status, OpenAI error type and code of each gRPC status the core's failures map to.
+_HTTP_OF = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", "not_found"),
+    grpc.StatusCode.FAILED_PRECONDITION: (409, "invalid_request_error", "conflict"),
+    grpc.StatusCode.ABORTED: (409, "invalid_request_error", "conflict"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "backend_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
+}
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"}
+
+
+def model_id(facts: ModelFacts) -> str:
+    """The id the served model goes by: the target's model spec, the default one by its HF name."""
+    return DEFAULT_MODEL_ID if facts.name == DEFAULT_MODEL else facts.name
+
+
+def api_error(exc: Exception) -> ApiError:
+    """The OpenAI error a failure of a request maps to (statuses as the gRPC servicer's)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, Overloaded):
+        return ApiError(429, str(exc), "rate_limit_error", code="rate_limit_exceeded", retry_after_s=exc.retry_after_s)
+    code, detail = _status(exc)  # logs what it does not know
+    status, kind, name = _HTTP_OF.get(code, (500, "server_error", "internal_error"))
+    retry = _BACKEND_RETRY_MS / 1000 if status == 429 else None
+    return ApiError(status, detail, kind, code=name, retry_after_s=retry)
+
+
+def error_response(error: ApiError) -> web.Response:
+    """An error as OpenAI answers it, with Retry-After (whole seconds) on a 429."""
+    headers = {}
+    if error.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
+    if error.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    return web.json_response(error.body(), status=error.status, headers=headers)
+
+
+def _no_deadline() -> None:
+    return None
+
+
+def _sse(data: dict | str) -> bytes:
+    return b"data: " + (data if isinstance(data, str) else json.dumps(data)).encode() + b"\n\n"
+
+
+class OpenAiApi:
+    """The handlers, over one coordinator's round loop and admission."""
+
+    def __init__(self, loop: RoundLoop, facts: ModelFacts, admission: Admission, tracer: trace.Tracer,
+                 api_key_hashes: tuple[str, ...] = (), session_ttl_s: float = 3600.0) -> None:
+        self._loop = loop
+        self.model_id = model_id(facts)
+        self._max_context = facts.max_context
+        self._admission = admission
+        self._tracer = tracer
+        self._keys = ApiKeyInterceptor(api_key_hashes) if api_key_hashes else None
+        self.conversations = Conversations(session_ttl_s)
+        # Set when the server drains: health answers 503 and new requests are refused.
+        self.draining = False
+
+    def app(self, max_body_bytes: int) -> web.Application:
+        """The aiohttp application."""
+        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._traced, _errors, self._auth])
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        return app
+
+    # --- middlewares -------------------------------------------------------------------------
+
+    @web.middleware
+    async def _traced(self, request: web.Request, handler) -> web.StreamResponse:
+        """A SERVER span per request, parented on the caller's traceparent; the round loop's
+        ``specdec.generate`` span is its child."""
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else ""  # "": no route matched
+        attributes = {
+            "http.request.method": request.method,
+            "http.route": route,
+            "url.path": request.path,
+            "url.scheme": request.scheme,
+            "client.address": request.remote or "",
+            "user_agent.original": request.headers.get("User-Agent", ""),
+        }
+        with self._tracer.start_as_current_span(f"{request.method} {route}".strip(), context=propagate.extract(request.headers),
+                                                kind=trace.SpanKind.SERVER, attributes=attributes) as span:
+            response = await handler(request)
+            span.set_attribute("http.response.status_code", response.status)
+            if response.status >= 500:
+                span.set_status(trace.StatusCode.ERROR)
+            return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
+        """The API's endpoints take ``Authorization: Bearer <key>`` when keys are configured; health is open."""
+        if self._keys is not None and request.path.startswith("/v1/"):
+            token = bearer_token(request.headers.get("Authorization", ""))
+            if token is None:
+                raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
+                               code="missing_api_key")
+            if not self._keys.allows(token):
+                raise ApiError(401, "invalid API key", code="invalid_api_key")
+        if self.draining and request.path != "/health":
+            raise ApiError(503, "the coordinator is shutting down", "server_error", code="unavailable")
+        return await handler(request)
+
+    # --- endpoints ---------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while serving, 503 while draining (readiness probes)."""
+        if self.draining:
+            return web.json_response({"status": "draining"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "specdec"}
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The one model this coordinator serves."""
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model by id, or 404."""
+        if request.match_info["model"] != self.model_id:
+            raise ApiError(404, f"The model '{request.match_info['model']}' does not exist", param="model",
+                           code="model_not_found")
+        return web.json_response(self._model_card())
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions: plain text, no chat template."""
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions: messages rendered with the tokenizer's chat template."""
+        return await self._generate(request, chat=True)
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        api = parse_request(body, chat, self.model_id, self._max_context)
+        caller = _caller(request)
+        core = replace(api.core, client=caller.client, owner=caller.owner)
+        shaper = Shaper(api)
+        async with aclosing(self._chunks(core, caller)) as chunks:
+            first = await _next(chunks)
+            if api.stream:
+                return await self._stream(request, api, shaper, core, caller, first, chunks)
+            text, last = [first.text], first
+            while last.finish_reason is None:
+                last = await _next(chunks)
+                text.append(last.text)
+        assert last.stats is not None and last.finish_reason is not None
+        self._remember(core, caller, "".join(text), last)
+        return web.json_response(shaper.response("".join(text), last.finish_reason, last.stats))
+
+    async def _stream(self, request: web.Request, api: ApiRequest, shaper: Shaper, core: GenerationRequest,
+                      caller: Caller, first: Chunk, chunks: AsyncIterator[Chunk]) -> web.StreamResponse:
+        """Server-sent events: one chunk per release of text, the finish chunk with the ``specdec``
+        stats, the usage chunk when asked for, then ``[DONE]``."""
+        response = web.StreamResponse(headers=_SSE_HEADERS)
+        await response.prepare(request)
+        chunk, text = first, []
+        try:
+            while True:
+                text.append(chunk.text)
+                if chunk.finish_reason is not None:
+                    assert chunk.stats is not None
+                    await response.write(_sse(shaper.chunk(chunk.text, chunk.finish_reason, chunk.stats)))
+                    if api.include_usage:
+                        await response.write(_sse(shaper.usage_chunk(chunk.stats)))
+                    break
+                if chunk.text:
+                    await response.write(_sse(shaper.chunk(chunk.text)))
+                chunk = await _next(chunks)
+        except ApiError as error:
+            # Headers went out with 200: the failure travels as an event, as OpenAI's servers send it.
+            trace.get_current_span().set_status(trace.StatusCode.ERROR, error.message)
+            await response.write(_sse(error.body()))
+        else:
+            self._remember(core, caller, "".join(text), chunk)
+        await response.write(_sse("[DONE]"))
+        await response.write_eof()
+        return response
+
+    def _run(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
+        # RoundLoop.generate is an async generator (typed as an iterator): closed, it ends its turn at once.
+        return cast(AsyncGenerator[Chunk, None], self._loop.generate(request, _no_deadline))
+
+    async def _chunks(self, core: GenerationRequest, caller: Caller) -> AsyncGenerator[Chunk, None]:
+        """The request's chunks under an admission slot, continuing the session of the conversation
+        it extends when there is one; a session gone from the store is started afresh."""
+        async with self._admission.slot(caller.client):
+            request = core
+            if core.messages is not None:
+                found = self.conversations.take(caller.client, core.messages)
+                if found is not None:
+                    session_id, shared = found
+                    request = replace(core, messages=core.messages[shared:], session_id=session_id)
+            streamed = False
+            try:
+                async with aclosing(self._run(request)) as chunks:
+                    async for chunk in chunks:
+                        streamed = True
+                        yield chunk
+                return
+            except SessionNotFound:
+                if request is core or streamed:
+                    raise
+                log.info("session of a continued conversation is gone; starting a new one")
+            async with aclosing(self._run(core)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+
+    def _remember(self, core: GenerationRequest, caller: Caller, text: str, last: Chunk) -> None:
+        """Notes which session now holds a served chat conversation, answer included."""
+        if core.messages is not None:
+            conversation = [*core.messages, {"role": "assistant", "content": text}]
+            self.conversations.put(caller.client, conversation, last.session_id)
+
+
+async def _next(chunks: AsyncIterator[Chunk]) -> Chunk:
+    """The next chunk; a failure becomes the ApiError it maps to."""
+    try:
+        return await anext(chunks)
+    except StopAsyncIteration:
+        raise ApiError(500, "the stream ended without a finish reason", "server_error", code="internal_error") from None
+    except Exception as exc:  # noqa: BLE001 - every failure reaches the client in OpenAI's shape
+        raise api_error(exc) from exc
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every failure as an OpenAI error body with its status, never a traceback."""
+    try:
+        return await handler(request)
+    except ApiError as error:
+        return error_response(error)
+    except web.HTTPException as exc:  # no such route (404), method (405), a body over the limit (413)
+        if exc.status < 400:
+            raise
+        return error_response(ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")))
+    except Exception as exc:  # noqa: BLE001
+        return error_response(api_error(exc))
+
+
+def _caller(request: web.Request) -> Caller:
+    """The proven identity of a request (as ``coordinator.server.caller_from`` for gRPC): its API key,
+    else its client certificate's names, else its peer host."""
+    bearer = bearer_token(request.headers.get("Authorization", ""))
+    certificate = None
+    peer_cert = request.transport.get_extra_info("peercert") if request.transport is not None else None
+    if peer_cert:
+        names = [value for _, value in peer_cert.get("subjectAltName", ())]
+        if not names:
+            names = [value for rdn in peer_cert.get("subject", ()) for key, value in rdn if key == "commonName"]
+        certificate = ",".join(names) or None
+    return caller_of(bearer, certificate, request.remote or "")
+
+
+def server_ssl_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """TLS as the gRPC port serves it (demanding a client certificate when a client CA is set), or None."""
+    if config.tls_cert is None or config.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(config.tls_cert, config.tls_key)
+    if config.tls_client_ca is not None:
+        context.load_verify_locations(cafile=str(config.tls_client_ca))
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+@dataclass
+class HttpServer:
+    """A started HTTP server: its API, runner and bound port."""
+
+    api: OpenAiApi
+    runner: web.AppRunner
+    port: int
+    tls: bool
+
+    async def stop(self) -> None:
+        """Refuses new requests and gives running ones the grace period (the runner's shutdown timeout)."""
+        self.api.draining = True
+        await self.runner.cleanup()
+
+
+async def start_http(loop: RoundLoop, config: CoordinatorConfig, facts: ModelFacts, admission: Admission,
+                     tracer: trace.Tracer) -> HttpServer:
+    """Serves the OpenAI API on ``config.server.host``:``config.http_port`` (0: a free port), over TLS
+    when the gRPC port has it, with the same admission and API keys."""
+    if config.http_port is None:
+        raise ValueError("start_http needs config.http_port")
+    api = OpenAiApi(loop, facts, admission, tracer, config.api_key_hashes, config.session_ttl_s)
+    # handler_cancellation: a client that disconnects cancels its handler, which frees its slot at once.
+    runner = web.AppRunner(api.app(config.server.max_message_bytes), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=config.server.grace_s)
+    await runner.setup()
+    context = server_ssl_context(config.server)
+    site = web.TCPSite(runner, config.server.host, config.http_port, ssl_context=context)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    port = runner.addresses[0][1]
+    log.info("OpenAI API on %s://%s:%d", "https" if context else "http", config.server.host, port)
+    return HttpServer(api, runner, port, context is not None)
+
+
+@dataclass
+class CoordinatorServers(RunningServer):
+    """The gRPC server with the HTTP one beside it: both drain on stop."""
+
+    http: HttpServer | None = None
+
+    @classmethod
+    def beside(cls, running: RunningServer, http: HttpServer) -> CoordinatorServers:
+        """``running`` with ``http`` beside it."""
+        return cls(**{f.name: getattr(running, f.name) for f in fields(RunningServer)}, http=http)
+
+    async def stop(self, grace_s: float) -> None:
+        """Both servers go unready together; in-flight calls and streams get the grace period."""
+        if self.http is None:
+            await super().stop(grace_s)
+        else:
+            await asyncio.gather(super().stop(grace_s), self.http.stop())

@@ -1,0 +1,503 @@
+"""The OpenAI-compatible HTTP API (coordinator.openai_api), driven by the real ``openai`` package and
+by raw HTTP, over real gRPC services and a real redis-server.
+
+Its output must equal the gRPC SDK's and target-only greedy decoding; bad input must get the
+documented status and leave the server serving. Tiny models (with a word-level chat template) for
+most tests; the real default model for one exactness test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from opentelemetry import trace
+
+from coordinator.admission import Admission
+from coordinator.auth import hash_key
+from coordinator.openai_api import OpenAiApi, model_id
+from coordinator.openai_sessions import Conversations
+from coordinator.prompts import render_chat
+from coordinator.replicas import BackendUnavailable
+from coordinator.turns import Chunk, Stats
+from draft_service.engine import ModelDrafter, NgramDrafter
+from harness import InProcessStack
+from specdec import Client
+from specdec.config import AdmissionLimits, ServerConfig
+from specdec.stack import free_port
+from specdec.vocab import load_tokenizer
+from target_service.engine import TargetEngine
+from test_auth_tls import certs  # noqa: F401 - the throwaway CA and server certificate
+
+KEY = "sk-openai-test-key"
+# A chat template over the tiny vocabulary: w1 opens a user turn, w2 an assistant's, w3 a system's.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ {'user': 'w1', 'assistant': 'w2', 'system': 'w3'}[m['role']] }} "
+    "{{ m['content'] }} <eos> {% endfor %}{% if add_generation_prompt %}w2 {% endif %}"
+)
+CHAT = [{"role": "user", "content": "w7 w7 w8 w9 w10"}]
+PROMPT = "w11 w12 w13 w11 w12"
+NEW_TOKENS = 20
+
+
+def greedy_ids(loaded, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Target-only greedy decoding with HF generate, in process: the reference."""
+    with torch.inference_mode():
+        out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def reference_text(loaded, tokenizer, prompt: str | list[dict], max_new_tokens: int = NEW_TOKENS) -> str:
+    """What target-only greedy decoding answers, as text."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        ids = render_chat(tokenizer, prompt)
+    return tokenizer.decode(greedy_ids(loaded, ids, max_new_tokens), skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer_dir(tiny_dir, tmp_path_factory) -> Path:
+    """The tiny target's tokenizer with a chat template (the template leaves the fingerprint alone)."""
+    folder = tmp_path_factory.mktemp("chat-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_dir / "target" / name).exists():
+            shutil.copy(tiny_dir / "target" / name, folder / name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tokenizer(chat_tokenizer_dir):
+    return load_tokenizer(chat_tokenizer_dir)
+
+
+class Served:
+    """A coordinator's gRPC address and HTTP base URL."""
+
+    def __init__(self, stack: InProcessStack, http_port: int, **overrides) -> None:
+        self.grpc = stack.add_coordinator(http_port=http_port, **overrides)
+        self.url = f"http://127.0.0.1:{http_port}"
+        self.round_loop = stack.round_loops[-1]
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_target, tiny_draft, chat_tokenizer_dir, redis_url):
+    """Tiny target, a different tiny model draft, and coordinators that serve HTTP behind an API key."""
+    s = InProcessStack(TargetEngine(tiny_target, 64), ModelDrafter(tiny_draft, 64, 64), chat_tokenizer_dir, redis_url)
+    s.target_address = s.add_target(s.target_engine)
+    s.draft_address = s.add_draft(s.draft_engine)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def served(stack) -> Served:
+    return Served(stack, free_port(), api_key_hashes=(hash_key(KEY),))
+
+
+@pytest.fixture(scope="module")
+def model(served) -> str:
+    return json.loads(http(served, "GET", "/v1/models")[1])["data"][0]["id"]
+
+
+@pytest.fixture(scope="module")
+def sync_client(served):
+    with openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+def http(served: Served, method: str, path: str, body: bytes | dict | None = None, key: str | None = KEY,
+         headers: dict | None = None) -> tuple[int, bytes, dict]:
+    """One raw HTTP request (urllib): status, body and headers; error statuses are returned, not raised."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    request = urllib.request.Request(served.url + path, data=data, method=method, headers=headers or {})
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, reply.read(), dict(reply.headers)
+    except urllib.error.HTTPError as error:
+        return error.code, error.read(), dict(error.headers)
+
+
+def sse_events(payload: bytes) -> list:
+    """The ``data:`` payloads of a server-sent event stream, JSON-decoded except ``[DONE]``."""
+    events = []
+    for block in payload.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+# --- exactness: openai client (sync, async, streaming), raw HTTP, gRPC SDK, target-only ------------
+
+
+def test_models_lists_the_served_model(served, model, stack):
+    status, body, _ = http(served, "GET", "/v1/models")
+    assert status == 200
+    assert json.loads(body) == {"object": "list", "data": [{"id": model, "object": "model", "created": 0,
+                                                            "owned_by": "specdec"}]}
+    assert model == model_id(served.round_loop._facts)
+    assert http(served, "GET", f"/v1/models/{model}")[0] == 200
+    assert http(served, "GET", "/v1/models/other")[0] == 404
+
+
+def test_chat_equals_grpc_sdk_and_target_only(served, model, sync_client, tiny_target, tokenizer):
+    expected = reference_text(tiny_target, tokenizer, CHAT)
+    with Client(served.grpc, timeout=60, api_key=KEY) as grpc_client:
+        grpc_text = grpc_client.complete(CHAT, max_new_tokens=NEW_TOKENS).text
+    reply = sync_client.chat.completions.create(model=model, messages=CHAT, max_tokens=NEW_TOKENS, temperature=0)
+    assert reply.choices[0].message.content == grpc_text == expected
+    assert reply.choices[0].message.role == "assistant" and reply.object == "chat.completion"
+    assert reply.usage.prompt_tokens == len(render_chat(tokenizer, CHAT))
+    assert reply.usage.completion_tokens + reply.usage.prompt_tokens == reply.usage.total_tokens
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    spec = reply.model_extra["specdec"]
+    assert set(spec) == {"acceptance_rate", "mean_accepted_length", "drafted_tokens", "accepted_tokens", "rounds"}
+    assert spec["rounds"] >= 1 and spec["drafted_tokens"] > 0
+
+
+def test_chat_stream_with_usage(sync_client, model, tiny_target, tokenizer):
+    stream = sync_client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=NEW_TOKENS,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference_text(tiny_target, tokenizer, CHAT)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and "specdec" in finish[0].model_extra
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_async_completions_stream_and_not(served, model, tiny_target, tokenizer):
+    expected = reference_text(tiny_target, tokenizer, PROMPT)
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0) as client:
+            whole = await client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+            stream = await client.completions.create(model=model, prompt=[PROMPT], max_tokens=NEW_TOKENS,
+                                                     temperature=0, stream=True)
+            parts = [c async for c in stream]
+            return whole, parts
+
+    whole, parts = asyncio.run(run())
+    assert whole.choices[0].text == expected and whole.object == "text_completion"
+    assert "".join(p.choices[0].text for p in parts) == expected
+    assert parts[-1].choices[0].finish_reason is not None and "specdec" in parts[-1].model_extra
+
+
+def test_raw_http_stream_ends_with_done(served, model, tiny_target, tokenizer):
+    status, body, headers = http(served, "POST", "/v1/completions",
+                                 {"model": model, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
+                                  "stream": True, "stream_options": {"include_usage": True}},
+                                 headers={"Content-Type": "application/json"})
+    assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(body)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == reference_text(
+        tiny_target, tokenizer, PROMPT)
+    assert events[-2]["usage"]["completion_tokens"] > 0
+
+
+def test_stop_seed_and_sampling_parameters(sync_client, model):
+    base = dict(model=model, messages=CHAT, max_tokens=NEW_TOKENS)
+    sampled = [sync_client.chat.completions.create(**base, temperature=0.8, top_p=0.9, seed=7).choices[0].message.content
+               for _ in range(2)]
+    assert sampled[0] == sampled[1]  # a seed repeats exactly
+    greedy = sync_client.chat.completions.create(**base, temperature=0).choices[0].message.content
+    words = greedy.split()
+    assert len(words) > 2
+    stopped = sync_client.chat.completions.create(**base, temperature=0, stop=[words[2]], user="someone")
+    assert stopped.choices[0].finish_reason == "stop"
+    assert words[2] not in stopped.choices[0].message.content and greedy.startswith(stopped.choices[0].message.content)
+
+
+# --- multi-turn: a conversation that extends one served continues its session ------------------------
+
+
+def _generate_spans(stack) -> list:
+    return [s for s in stack.exporter.get_finished_spans() if s.name == "specdec.generate"]
+
+
+def test_extending_a_conversation_continues_its_session_exactly(stack, served, model, sync_client, tokenizer):
+    first = sync_client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0)
+    history = [*CHAT, {"role": "assistant", "content": first.choices[0].message.content},
+               {"role": "user", "content": "w4 w5 w6"}]
+    before = len(_generate_spans(stack))
+    second = sync_client.chat.completions.create(model=model, messages=history, max_tokens=8, temperature=0)
+    with Client(served.grpc, timeout=60, api_key=KEY) as grpc_client:  # a fresh session renders the same tokens
+        fresh = grpc_client.complete(history, max_new_tokens=8)
+    assert second.choices[0].message.content == fresh.text
+    assert second.usage.prompt_tokens == len(render_chat(tokenizer, history)) == fresh.stats.prompt_tokens
+    spans = _generate_spans(stack)
+    first_span = next(s for s in spans[:before][::-1] if s.attributes["gen_ai.usage.input_tokens"] ==
+                      first.usage.prompt_tokens)
+    second_span = next(s for s in spans[before:] if s.attributes["gen_ai.usage.input_tokens"] ==
+                       second.usage.prompt_tokens)
+    assert second_span.attributes["specdec.session"] == first_span.attributes["specdec.session"]
+    # An edited history is not the served one: a session of its own.
+    edited = [*history[:1], {"role": "assistant", "content": "w9"}, history[2]]
+    sync_client.chat.completions.create(model=model, messages=edited, max_tokens=4, temperature=0)
+    last = _generate_spans(stack)[-1]
+    assert last.attributes["specdec.session"] not in {s.attributes["specdec.session"] for s in spans}
+
+
+def test_conversations_map_is_bounded_and_exact():
+    now = [0.0]
+    conversations = Conversations(ttl_s=10, max_entries=2, clock=lambda: now[0])
+    a = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    conversations.put("key:1", a, "s1")
+    assert conversations.take("key:2", [*a, {"role": "user", "content": "x"}]) is None  # another client
+    assert conversations.take("key:1", [*a[:1], {"role": "assistant", "content": "yo!"}, a[0]]) is None
+    assert conversations.take("key:1", [*a, {"role": "user", "content": "x"}]) == ("s1", 2)
+    assert conversations.take("key:1", [*a, {"role": "user", "content": "x"}]) is None  # taken: owned by one
+    conversations.put("key:1", a, "s1")
+    now[0] = 11
+    assert conversations.take("key:1", [*a, {"role": "user", "content": "x"}]) is None  # expired
+    for i in range(3):
+        conversations.put("key:1", [{"role": "user", "content": str(i)}], f"s{i}")
+    assert len(conversations) == 2
+
+
+# --- bad input: the documented status, and the server keeps serving ----------------------------------
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": CHAT}, 404, "model"),
+    ("/v1/chat/completions", {"messages": CHAT}, 400, "model"),
+    ("/v1/chat/completions", {"model": "M", "messages": "w1"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "robot", "content": "w1"}]}, 400,
+     "messages[0].role"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": True}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "stop": [1]}, 400, "stop"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "n": 3}, 400, "n"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"model": "M", "prompt": [1, 2, 3]}, 400, "prompt"),
+    ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"model": "M", "prompt": "w1 " * 300, "max_tokens": 4}, 400, None),
+])
+def test_bad_requests_get_their_status(served, model, path, body, status, param):
+    if isinstance(body, dict) and body.get("model") == "M":
+        body = {**body, "model": model}
+    code, reply, _ = http(served, "POST", path, body)
+    assert code == status, reply
+    error = json.loads(reply)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert b"Traceback" not in reply
+    code, _, _ = http(served, "POST", "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2})
+    assert code == 200  # still serving
+
+
+def test_missing_or_wrong_key_is_401(served, model):
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 2}
+    for key in (None, "sk-wrong"):
+        status, reply, headers = http(served, "POST", "/v1/completions", body, key=key)
+        assert status == 401 and json.loads(reply)["error"]["code"] in ("missing_api_key", "invalid_api_key")
+        assert headers.get("WWW-Authenticate") == "Bearer"
+    assert http(served, "GET", "/v1/models", key=None)[0] == 401
+    assert http(served, "GET", "/health", key=None)[0] == 200  # probes need no key
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="sk-wrong", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError):
+            client.models.list()
+
+
+def test_unknown_route_and_method_in_openai_shape(served):
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        code, reply, _ = http(served, method, path)
+        assert code == status and "error" in json.loads(reply)
+
+
+# --- admission: 429 with Retry-After, and a disconnect frees the slot ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def narrow(stack) -> Served:
+    """A coordinator that runs one request and queues none (open: no API key)."""
+    return Served(stack, free_port(), admission=AdmissionLimits(max_active=1, max_queued=0))
+
+
+def _stream_in_thread(served: Served, model: str, started: threading.Event, stop: threading.Event):
+    """Streams a long completion and drops the connection once ``stop`` is set."""
+
+    def run():
+        with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+            stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=200, temperature=0,
+                                               stream=True)
+            for _ in stream:
+                started.set()
+                if stop.is_set():
+                    break
+            stream.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_overload_is_429_with_retry_after_and_a_disconnect_frees_the_slot(narrow, model):
+    started, stop = threading.Event(), threading.Event()
+    thread = _stream_in_thread(narrow, model, started, stop)
+    try:
+        assert started.wait(30)
+        status, reply, headers = http(narrow, "POST", "/v1/completions", {"model": model, "prompt": PROMPT,
+                                                                          "max_tokens": 2}, key=None)
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert json.loads(reply)["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        stop.set()
+        thread.join(30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the disconnect closed the round loop's generator: the slot is free
+        status, _, _ = http(narrow, "POST", "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2},
+                            key=None)
+        if status == 200:
+            break
+        time.sleep(0.1)
+    assert status == 200
+
+
+# --- traces: an HTTP server span over the round loop's --------------------------------------------------
+
+
+def test_http_span_is_the_parent_of_the_request_span(stack, served, model):
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    http(served, "POST", "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 3},
+         headers={"traceparent": traceparent})
+    spans = stack.exporter.get_finished_spans()
+    server = [s for s in spans if s.name == "POST /v1/chat/completions"
+              and s.context.trace_id == 0x0af7651916cd43dd8448eb211c80319c]
+    assert len(server) == 1 and server[0].kind == trace.SpanKind.SERVER
+    assert server[0].parent.span_id == 0xb7ad6b7169203331
+    assert server[0].attributes["http.response.status_code"] == 200
+    assert server[0].attributes["http.route"] == "/v1/chat/completions"
+    generate = [s for s in spans if s.name == "specdec.generate" and s.parent is not None
+                and s.parent.span_id == server[0].context.span_id]
+    assert len(generate) == 1 and generate[0].attributes["gen_ai.operation.name"] == "chat"
+
+
+# --- TLS, as the gRPC port has it -----------------------------------------------------------------------
+
+
+def test_https_when_the_coordinator_serves_tls(stack, certs, model):  # noqa: F811
+    port = free_port()
+    stack.add_coordinator(server=ServerConfig(tls_cert=certs.server_cert, tls_key=certs.server_key), http_port=port)
+    import httpx2
+
+    with openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                       http_client=httpx2.Client(verify=ssl.create_default_context(cafile=str(certs.ca_cert)))) as client:
+        reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
+    assert reply.choices[0].text
+    with pytest.raises(urllib.error.URLError):  # plaintext to the TLS port, or an untrusted CA
+        urllib.request.urlopen(f"https://127.0.0.1:{port}/health", timeout=10)
+
+
+# --- failures past the core: 503 and 500, never a traceback, also mid-stream -------------------------
+
+
+class FailingLoop:
+    """A round loop stand-in that yields ``before`` chunks, then raises ``error``."""
+
+    def __init__(self, error: Exception, before: int = 0) -> None:
+        self.error, self.before = error, before
+
+    async def generate(self, request, remaining_s):
+        for _ in range(self.before):
+            yield Chunk("s", "w1 ", [3])
+        raise self.error
+
+
+class Facts:
+    name, max_context = "tiny", 64
+
+
+@pytest.mark.parametrize("error, status", [
+    (BackendUnavailable("target", "127.0.0.1:1", "connection refused"), 503),
+    (RuntimeError("a bug"), 500),
+])
+def test_core_failures_map_to_statuses_and_streams_end_with_an_error_event(error, status):
+    async def run():
+        results = []
+        for before in (0, 2):
+            api = OpenAiApi(FailingLoop(error, before), Facts(), Admission(AdmissionLimits()),
+                            trace.NoOpTracer())
+            async with TestClient(TestServer(api.app(1 << 20))) as client:
+                reply = await client.post("/v1/completions", json={"model": "tiny", "prompt": "w1", "stream": True})
+                results.append((reply.status, await reply.text()))
+        return results
+
+    (first_status, first_body), (stream_status, stream_body) = asyncio.run(run())
+    assert first_status == status and "Traceback" not in first_body
+    assert json.loads(first_body)["error"]["type"] == "server_error"
+    events = sse_events(stream_body.encode())
+    assert stream_status == 200 and events[-1] == "[DONE]" and "error" in events[-2]
+    assert "Traceback" not in stream_body and "a bug" not in first_body
+
+
+def test_stats_shapes():
+    from coordinator.openai_schema import speculation, usage
+
+    stats = Stats(prompt_tokens=5, generated_tokens=7, rounds=3, drafted_tokens=6, accepted_tokens=3,
+                  committed_in_rounds=7)
+    assert usage(stats) == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+    assert speculation(stats) == {"acceptance_rate": 0.5, "mean_accepted_length": 7 / 3, "drafted_tokens": 6,
+                                  "accepted_tokens": 3, "rounds": 3}
+
+
+# --- the real default model ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_model_chat_equals_grpc_sdk_and_target_only(default_model, redis_url):
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
+    new_tokens = 20
+    torch.set_num_threads(2)
+    try:
+        ids = render_chat(default_model.tokenizer, messages)
+        expected = default_model.tokenizer.decode(greedy_ids(default_model, ids, new_tokens), skip_special_tokens=True)
+    finally:
+        torch.set_num_threads(1)
+    # "default" names the embedded model, so the coordinator loads its tokenizer from the same cache.
+    s = InProcessStack(TargetEngine(default_model, 8), NgramDrafter(default_model.facts("ngram"), 8, 3, 1),
+                       Path("default"), redis_url)
+    port = free_port()
+    s.start(default_k=4, http_port=port)
+    try:
+        with Client(s.address, timeout=120) as grpc_client:
+            grpc_text = grpc_client.complete(messages, max_new_tokens=new_tokens).text
+        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
+                           timeout=120) as client:
+            name = client.models.list().data[0].id
+            reply = client.chat.completions.create(model=name, messages=messages, max_tokens=new_tokens, temperature=0)
+            stream = client.chat.completions.create(model=name, messages=messages, max_tokens=new_tokens,
+                                                    temperature=0, stream=True)
+            streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    finally:
+        s.close()
+    assert name == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert reply.choices[0].message.content == streamed == grpc_text == expected
+    assert reply.model_extra["specdec"]["drafted_tokens"] > 0
