@@ -21,35 +21,70 @@ without the generic per-call work around them: mask building, cache objects, out
 copying grouped KV heads once per query head when a pass has a mask. That made a one-token pass of
 the default target 85 instead of 95 ms on the 2-core development CPU.
 
-Only Llama-style decoders (pre-norm, RoPE of any scaling the model's own rotary module computes,
-GQA, gated MLP) are supported; ``supports_ragged`` says whether a model qualifies, and callers fall
-back to one pass per session otherwise.
+The decoder families it runs are those whose layers share Llama's shape: pre-norm, rotary positions,
+grouped-query attention, a gated MLP (``RAGGED_FAMILIES``). What differs between them comes from the
+model's own modules, so the pass computes each family's forward math:
+
+- norms, activations and the MLP are the layer's own modules (Gemma's ``1 + w`` RMSNorm and GELU,
+  Phi-3's fused gate/up), and the embedding module scales its output itself (Gemma: by sqrt(D));
+- projections carry their biases (Qwen2); Phi-3's one fused ``qkv_proj`` is split like its own code
+  splits it; Qwen3's per-head ``q_norm`` / ``k_norm`` run before the rotary embedding;
+- the rotary embedding is the family's own ``apply_rotary_pos_emb`` (Phi-3 rotates part of a head);
+- a sliding attention window (Mistral, Phi-3, Qwen2/3 layers typed ``sliding_attention``) masks keys
+  further back than the window, as transformers' sliding-window mask does. The caches keep every
+  entry, so a window only narrows the mask.
+
+``supports_ragged`` says whether a model qualifies (``ragged_unsupported`` says why not), and callers
+fall back to one pass per session otherwise.
 """
 
 from __future__ import annotations
 
 import itertools
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.side_layers import with_sides
 
-_RAGGED_TYPES = ("llama",)
+RAGGED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
+"""Model types (``config.model_type``) whose decoder layers the ragged pass runs."""
+# Families whose forward picks each layer's mask by ``config.layer_types``; the others apply one
+# window (or none) to every layer, whatever ``layer_types`` a config may carry.
+_TYPED_LAYERS = ("qwen2", "qwen3")
+_ATTENTION_TYPES = {"full_attention", "sliding_attention"}
+
+
+def ragged_unsupported(config) -> str | None:
+    """Why a model with ``config`` cannot run ragged, or None when it can."""
+    family = getattr(config, "model_type", None)
+    if family not in RAGGED_FAMILIES:
+        return f"model family {family!r} has no ragged pass (it has one for {', '.join(RAGGED_FAMILIES)})"
+    types = set(getattr(config, "layer_types", None) or ()) if family in _TYPED_LAYERS else set()
+    if not types <= _ATTENTION_TYPES:
+        return f"layer types {sorted(types - _ATTENTION_TYPES)} have no ragged pass"
+    return None
 
 
 def supports_ragged(model: PreTrainedModel) -> bool:
-    """True when ``model`` is a decoder this module can run ragged (a plain Llama)."""
-    config = model.config
-    return (
-        getattr(config, "model_type", None) in _RAGGED_TYPES
-        and not getattr(config, "attention_bias", False)
-        and not getattr(config, "mlp_bias", False)
-    )
+    """True when ``model`` is a decoder this module can run ragged (see ``RAGGED_FAMILIES``)."""
+    return ragged_unsupported(model.config) is None
+
+
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each decoder layer's sliding attention window (None: full attention), as the family's own
+    forward masks it."""
+    window = getattr(config, "sliding_window", None)
+    layers = int(config.num_hidden_layers)
+    if getattr(config, "model_type", None) in _TYPED_LAYERS and getattr(config, "layer_types", None):
+        return tuple(window if t == "sliding_attention" else None for t in config.layer_types[:layers])
+    return (window,) * layers
 
 
 @dataclass(frozen=True)
@@ -63,13 +98,17 @@ class RaggedItem:
     """Layers whose outputs follow the final-norm hidden states in its rows (``specdec.side_layers``)."""
 
 
-def _causal_mask(fed: int, past: int, device: torch.device | str) -> torch.Tensor | None:
-    """``[fed, past + fed]`` bool mask letting each new token see the cache and the new tokens before it."""
-    if fed == 1:
+def _causal_mask(fed: int, past: int, device: torch.device | str, window: int | None = None) -> torch.Tensor | None:
+    """``[fed, past + fed]`` bool mask letting each new token see the cache and the new tokens before it,
+    or with ``window`` only the last ``window`` of them, itself included (None: every key is seen)."""
+    if fed == 1 and (window is None or past < window):
         return None  # one query sees every key
     keys = torch.arange(past + fed, device=device)
     queries = past + torch.arange(fed, device=device)
-    return keys[None, :] <= queries[:, None]
+    mask = keys[None, :] <= queries[:, None]  # [fed, past + fed]
+    if window is not None:
+        mask &= keys[None, :] > queries[:, None] - window
+    return mask
 
 
 @dataclass(frozen=True)
@@ -79,43 +118,71 @@ class RaggedLayout:
     bounds: list[int]  # rows of session i are bounds[i] .. bounds[i + 1]
     masks: list[torch.Tensor | None]
     positions: torch.Tensor  # [N] absolute position of every row
+    # Per sliding window (of the layers that have one): each session's mask under that window.
+    windowed: dict[int, list[torch.Tensor | None]] | None = None
 
     @classmethod
     def of(cls, lengths: list[int], pasts: list[int], starts: list[int] | None = None,
-           device: torch.device | str = "cpu") -> RaggedLayout:
+           device: torch.device | str = "cpu", windows: tuple[int | None, ...] = ()) -> RaggedLayout:
         """The layout of sessions feeding ``lengths`` rows on top of ``pasts`` cached entries, its
         tensors on the model's ``device``.
 
         ``starts`` are the rows' first positions when they differ from the cache length (a cache that
         holds only a window of the sequence); by default each session's rows follow its cache.
+        ``windows`` are the layers' sliding windows (``layer_windows``; None: full attention).
         """
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
         starts = pasts if starts is None else starts
         positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])
-        return cls(bounds, [_causal_mask(n, p, device) for n, p in zip(lengths, pasts)], positions)
+        windowed = {w: [_causal_mask(n, p, device, w) for n, p in zip(lengths, pasts)]
+                    for w in sorted({w for w in windows if w is not None})}
+        return cls(bounds, [_causal_mask(n, p, device) for n, p in zip(lengths, pasts)], positions, windowed or None)
+
+    def masks_for(self, window: int | None) -> list[torch.Tensor | None]:
+        """The sessions' masks for a layer with sliding ``window`` (None: full attention)."""
+        return self.masks if window is None or self.windowed is None else self.windowed[window]
+
+
+def _rotary(attn: nn.Module) -> Callable:
+    """The ``apply_rotary_pos_emb`` of the attention module's own family (Phi-3's rotates part of a head)."""
+    return sys.modules[type(attn).__module__].apply_rotary_pos_emb
+
+
+def _projections(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries ``[N, Hq, hd]``, keys and values ``[N, Hkv, hd]`` of rows ``h [N, D]``, before RoPE."""
+    n_rows, hd = h.shape[0], attn.head_dim
+    if hasattr(attn, "qkv_proj"):  # Phi-3: one fused product, split as its own forward splits it
+        qkv = attn.qkv_proj(h)  # [N, (Hq + 2 Hkv) hd]
+        kv_width = attn.num_key_value_heads * hd
+        q, k, v = qkv.split([qkv.shape[-1] - 2 * kv_width, kv_width, kv_width], dim=-1)
+    else:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    q, k, v = (t.view(n_rows, -1, hd) for t in (q, k, v))
+    if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head, before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k, v
 
 
 def ragged_decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[Cache],
-                         layout: RaggedLayout, layer_idx: int) -> torch.Tensor:
-    """One Llama decoder layer over a ragged block ``x [N, D]``; each session attends to its own cache.
+                         layout: RaggedLayout, layer_idx: int, window: int | None = None) -> torch.Tensor:
+    """One decoder layer over a ragged block ``x [N, D]``; each session attends to its own cache, within
+    the layer's sliding ``window`` when it has one.
 
-    ``rope`` is ``(cos, sin)`` ``[1, N, hd]`` for the rows' positions. The caches grow by the rows fed.
+    ``rope`` is ``(cos, sin)`` ``[1, N, rd]`` for the rows' positions. The caches grow by the rows fed.
     """
     attn = layer.self_attn
     h = layer.input_layernorm(x)
-    n_rows = h.shape[0]
-    q = attn.q_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hq, N, hd]
-    k = attn.k_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hkv, N, hd]
-    v = attn.v_proj(h).view(n_rows, -1, attn.head_dim).transpose(0, 1)[None]  # [1, Hkv, N, hd]
-    q, k = apply_rotary_pos_emb(q, k, *rope)
+    q, k, v = (t.transpose(0, 1)[None] for t in _projections(attn, h))  # [1, H, N, hd] each
+    q, k = _rotary(attn)(q, k, *rope)
+    masks = layout.masks_for(window)
     outs = []
     for i, cache in enumerate(caches):
         lo, hi = layout.bounds[i], layout.bounds[i + 1]
         keys, values = cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx)  # [1, Hkv, T_i, hd]
         out = F.scaled_dot_product_attention(
-            q[:, :, lo:hi], keys, values, attn_mask=layout.masks[i], scale=attn.scaling, enable_gqa=True
+            q[:, :, lo:hi], keys, values, attn_mask=masks[i], scale=attn.scaling, enable_gqa=True
         )  # [1, Hq, n_i, hd]
         outs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))  # [n_i, Hq * hd]
     x = x + attn.o_proj(torch.cat(outs))
@@ -133,17 +200,18 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
     """
     decoder = model.get_decoder()
     device = model.device
+    windows = layer_windows(model.config)
     layout = RaggedLayout.of([len(item.tokens) for item in items], [item.cache.get_seq_length() for item in items],
-                             device=device)
+                             device=device, windows=windows)
     input_ids = torch.tensor([t for item in items for t in item.tokens], dtype=torch.long, device=device)  # [N]
     caches = [item.cache for item in items]
 
-    x = decoder.embed_tokens(input_ids)  # [N, D]
-    rope = decoder.rotary_emb(x, layout.positions[None])  # [1, N, hd] each
+    x = decoder.embed_tokens(input_ids)  # [N, D]; Gemma's embedding module scales by sqrt(D) itself
+    rope = decoder.rotary_emb(x, layout.positions[None])  # [1, N, rd] each
     wanted = {j for item in items for j in item.side_layers}
     sides: dict[int, torch.Tensor] = {}
     for layer_idx, layer in enumerate(decoder.layers[: model.config.num_hidden_layers]):
-        x = ragged_decoder_layer(layer, x, rope, caches, layout, layer_idx)
+        x = ragged_decoder_layer(layer, x, rope, caches, layout, layer_idx, windows[layer_idx])
         if layer_idx in wanted:
             sides[layer_idx] = x  # [N, D]
     hidden = decoder.norm(x)  # [N, D]

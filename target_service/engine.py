@@ -5,6 +5,7 @@ No gRPC here; ``target_service.server`` converts messages to these calls.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 
@@ -16,7 +17,7 @@ from specdec.errors import CacheBudgetExceeded
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel
 from specdec.vocab import ModelFacts
-from specdec.ragged import RaggedItem, ragged_forward, supports_ragged
+from specdec.ragged import RaggedItem, ragged_forward, ragged_unsupported
 from specdec.side_layers import check_side_layers
 from specdec.sampling import (
     Sampling,
@@ -28,6 +29,8 @@ from specdec.sampling import (
     warp_probs,
 )
 from target_service.pass_costs import PassCosts
+
+log = logging.getLogger("specdec.target")
 
 TARGET_STREAM = 2
 # Own rows (pending token + draft tokens) a reply's pass-cost curve covers: k up to 15.
@@ -136,7 +139,12 @@ class TargetEngine:
         """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches (see CacheTable)."""
         self._loaded = loaded
         self._caches = CacheTable(max_sessions, budget_bytes=budget_bytes, idle_s=idle_s)
-        self._ragged = supports_ragged(loaded.model)
+        unsupported = ragged_unsupported(loaded.model.config)
+        self._ragged = unsupported is None
+        if unsupported is not None:
+            # Still exact, only slower under load: say so where an operator looks first.
+            log.warning("target %s: %s; verifying one pass per session, without batching or prompt folding",
+                        loaded.name, unsupported)
         self._costs = PassCosts()
         self._warming = False  # passes now are warm-up's (PassCosts.record)
         self._curve_rows = curve_rows

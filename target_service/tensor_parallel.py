@@ -116,8 +116,16 @@ def _slice_linear(linear: nn.Linear, rows: range | None = None, cols: range | No
 
 
 def shard_llama(model: nn.Module, rank: int, world_size: int) -> None:
-    """Keeps rank ``rank``'s shard of every decoder layer of a Llama-style model, in place."""
+    """Keeps rank ``rank``'s shard of every decoder layer of a Llama-style model, in place.
+
+    Projection biases (Qwen2) are cut with their rows; per-head norms (Qwen3's q/k norms) act within a
+    head and stay whole. Fused projections (Phi-3's ``qkv_proj``, ``gate_up_proj``) are refused: their
+    rows would have to be cut in three or two places each.
+    """
     config = model.config
+    first = model.get_decoder().layers[0]
+    if not hasattr(first.self_attn, "q_proj") or not hasattr(first.mlp, "gate_proj"):
+        raise ValueError(f"tensor parallel: {config.model_type} fuses its projections; it runs unsharded (--tp 1)")
     kv_heads, heads = config.num_key_value_heads, config.num_attention_heads
     if world_size > kv_heads:
         raise ValueError(f"tensor parallel: {world_size} ranks but the model has only {kv_heads} key/value heads")

@@ -50,3 +50,50 @@ def make_model(
     model.save_pretrained(folder)
     make_tokenizer(folder, words)
     return folder
+
+
+# Per family: the config fields that give its tiny model the traits the ragged pass must reproduce.
+# Windows of 8 tokens are far shorter than the tests' contexts, so the sliding masks are exercised.
+FAMILY_TRAITS: dict[str, dict] = {
+    "llama": {"attention_bias": True},
+    "mistral": {"sliding_window": 8, "head_dim": 8},
+    # Layer 1 slides (layers from max_window_layers on do), layer 0 sees everything: a mixed model.
+    "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    "qwen3": {"head_dim": 16},
+    "gemma": {"head_dim": 8, "hidden_activation": "gelu_pytorch_tanh"},
+    "phi3": {"sliding_window": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+}
+
+
+def make_family_model(folder: Path, family: str, seed: int, layers: int = 2, logit_scale: float = 15.0,
+                      hidden: int = 32, **overrides) -> Path:
+    """A random model of a transformers decoder family (traits from ``FAMILY_TRAITS``, then ``overrides``),
+    saved with the shared tokenizer.
+
+    Every 1-d weight (norms, biases) is perturbed: initialised as transformers does, they are ones or
+    zeros, and a pass that skipped a bias or a per-head norm would go unnoticed.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    fields = {
+        "vocab_size": len(WORDS), "hidden_size": hidden, "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": EOS_ID,
+        **FAMILY_TRAITS.get(family, {}), **overrides,
+    }
+    config = AutoConfig.for_model(family, **fields)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.3)
+        head = model.get_output_embeddings().weight
+        if not config.tie_word_embeddings:
+            head.mul_(logit_scale)
+    model.generation_config.eos_token_id = EOS_ID
+    model.generation_config.pad_token_id = EOS_ID
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    make_tokenizer(folder)
+    return folder

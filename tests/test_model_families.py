@@ -1,0 +1,156 @@
+"""Decoder families beyond Llama: the ragged pass, the target engine and the whole stack stay exact.
+
+Each family's tiny random model (``tiny.make_family_model``: 2 layers, hidden 32, the shared 32-word
+tokenizer) carries the traits the ragged pass must reproduce: projection biases, per-head q/k norms,
+Gemma's scaled embedding and ``1 + w`` norms, Phi-3's fused projections and partial rotary embedding,
+and sliding windows of 8 tokens, shorter than every context here.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from harness import InProcessStack
+from test_e2e_tiny import PROMPTS, hf_greedy
+from tiny import FAMILY_TRAITS, make_family_model
+
+from draft_service.engine import ModelDrafter
+from specdec import Client
+from specdec.kvcache import SessionCache
+from specdec.models import LoadedModel, load_model
+from specdec.ragged import RAGGED_FAMILIES, RaggedItem, layer_windows, ragged_forward, supports_ragged
+from specdec.sampling import Sampling
+from target_service.engine import TargetEngine, VerifyCall
+
+FAMILIES = sorted(FAMILY_TRAITS)
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def family_dir(tmp_path_factory) -> Path:
+    """Where this module's tiny models are saved, one folder per family and role."""
+    return tmp_path_factory.mktemp("families")
+
+
+@pytest.fixture(scope="module")
+def family_models(family_dir):
+    """``models(family, role)``: the tiny target (2 layers) or draft (1 layer, another seed), loaded once."""
+    loaded: dict[tuple[str, str], LoadedModel] = {}
+
+    def models(family: str, role: str = "target") -> LoadedModel:
+        if (family, role) not in loaded:
+            seed, layers = (0, 2) if role == "target" else (1, 1)
+            path = make_family_model(family_dir / f"{family}-{role}", family, seed=seed, layers=layers)
+            loaded[family, role] = load_model(str(path), family_dir)
+        return loaded[family, role]
+
+    return models
+
+
+def _sessions(model, lengths: list[int], seed: int) -> list[SessionCache]:
+    """Session caches over random prompts, prefilled through transformers' forward as the services do."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        cache = SessionCache(committed=torch.randint(2, model.config.vocab_size, (n,), generator=g).tolist())
+        cache.prefill(model)
+        out.append(cache)
+    return out
+
+
+def test_every_tested_family_runs_ragged_and_the_list_is_the_supported_one():
+    assert set(FAMILIES) == set(RAGGED_FAMILIES)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ragged_pass_equals_a_plain_forward_per_session(family, family_models):
+    """Logits of the sessions' last positions, fed together over their own caches, equal a plain
+    transformers forward over each whole sequence (no cache); hidden rows equal the session path's."""
+    model = family_models(family).model
+    assert supports_ragged(model)
+    if family in ("mistral", "qwen2", "phi3"):
+        assert 8 in layer_windows(model.config)  # the window is shorter than the 40-token session
+    lengths, extras = [1, 5, 17, 40], [[3], [4, 5, 6], [], [7, 8]]
+    batched, alone = _sessions(model, lengths, 0), _sessions(model, lengths, 0)
+    logits, hidden = ragged_forward(model, [RaggedItem(c.kv, c.pending() + e, len(e) + 1)
+                                            for c, e in zip(batched, extras)])
+    for cache, solo, extra, got_logits, got_hidden in zip(batched, alone, extras, logits, hidden):
+        with torch.inference_mode():
+            want = model(torch.tensor([cache.committed + extra])).logits[0, -(len(extra) + 1):].float()  # [k + 1, V]
+        torch.testing.assert_close(got_logits, want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(got_logits.argmax(-1), want.argmax(-1))
+        _, rows = solo.forward_with_hidden(model, extra, len(extra) + 1)
+        torch.testing.assert_close(got_hidden, rows.rows, atol=1e-4, rtol=1e-4)
+
+
+def engine_greedy(engine: TargetEngine, prompts: list[list[int]], references: list[list[int]], k: int = 3) -> list[list[int]]:
+    """Decodes every prompt at once through ``verify_batch`` (one ragged pass a round for all of them).
+
+    Each round proposes the reference's next ``k`` tokens with the last one changed, so rounds accept
+    some tokens and reject one: both the accepted path and the bonus token are checked.
+    """
+    ids = [engine.prefill(p)[0] for p in prompts]
+    out: list[list[int]] = [[] for _ in prompts]
+    while True:
+        live = [i for i, ref in enumerate(references) if len(out[i]) < len(ref)]
+        if not live:
+            return out
+        calls = []
+        for i in live:
+            drafts = references[i][len(out[i]): len(out[i]) + k]
+            if len(drafts) == k:
+                drafts = [*drafts[:-1], (drafts[-1] + 1) % engine.facts.vocab_size]
+            calls.append(VerifyCall(ids[i], len(prompts[i]) + len(out[i]), [], drafts, [], Sampling(), 0))
+        for i, outcome in zip(live, engine.verify_batch(calls)):
+            assert not isinstance(outcome, Exception), outcome
+            out[i].extend(outcome.tokens)
+            out[i] = out[i][: len(references[i])]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_target_engine_greedy_equals_generate(family, family_models):
+    loaded = family_models(family)
+    engine = TargetEngine(loaded, 16)
+    assert engine.batches
+    prompts = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    references = [hf_greedy(loaded, p, NEW_TOKENS) for p in PROMPTS]
+    assert engine_greedy(engine, prompts, references) == references
+    assert engine.largest_pass == len(PROMPTS)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stack_greedy_equals_generate_at_concurrency_1_and_4(family, family_models, family_dir, redis_url):
+    """Through coordinator, draft (a 1-layer model of the same family) and target over gRPC."""
+    target, draft = family_models(family), family_models(family, "draft")
+    references = [hf_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
+    stack = InProcessStack(TargetEngine(target, 16), ModelDrafter(draft, 16, 64), family_dir / f"{family}-target",
+                           redis_url).start()
+    try:
+        with Client(stack.address, timeout=120) as client:
+            alone = [client.complete(p, max_new_tokens=NEW_TOKENS, k=3).token_ids for p in PROMPTS]
+            with ThreadPoolExecutor(4) as pool:
+                together = list(pool.map(lambda p: client.complete(p, max_new_tokens=NEW_TOKENS, k=3).token_ids,
+                                         PROMPTS))
+    finally:
+        stack.close()
+    assert alone == references
+    assert together == references
+
+
+def test_an_unsupported_family_falls_back_to_one_pass_per_session_and_says_so(family_dir, caplog):
+    """Gemma 2 (soft-capped attention logits) has no ragged pass: the engine says so at start-up and
+    still decodes exactly, one pass per session."""
+    path = make_family_model(family_dir / "gemma2", "gemma2", seed=0, head_dim=8, sliding_window=8,
+                             hidden_activation="gelu_pytorch_tanh")
+    loaded = load_model(str(path), family_dir)
+    with caplog.at_level(logging.WARNING, logger="specdec.target"):
+        engine = TargetEngine(loaded, 8)
+    assert not engine.batches
+    assert any("'gemma2'" in r.message and "one pass per session" in r.message for r in caplog.records)
+    prompts = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]
+    references = [hf_greedy(loaded, p, NEW_TOKENS) for p in PROMPTS[:2]]
+    assert engine_greedy(engine, prompts, references) == references
