@@ -59,6 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a feature draft drafts up to this many tokens ahead while the target verifies a lone "
                         "session's round, on the guess that all of it passes (0: off; pays where the draft has "
                         "cores of its own)")
+    p.add_argument("--http-port", type=int, default=env("HTTP_PORT", None) or None,
+                   help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions ...) on this port, with the "
+                        "gRPC port's TLS and API keys; 0 picks a free one (env SPECDEC_HTTP_PORT); unset: none")
     p.add_argument("--checkpoint-interval", type=float, default=0.25,
                    help="least seconds between two checkpoints of a running turn to Redis (0: every round); a "
                         "resume after a coordinator's loss replays at most this much")
@@ -116,6 +119,7 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         confidence_cutoff=args.confidence_cutoff,
         draft_ahead=args.draft_ahead,
         checkpoint_interval_s=args.checkpoint_interval,
+        http_port=args.http_port,
     )
 
 

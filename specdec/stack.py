@@ -64,6 +64,8 @@ class StackConfig:
     startup_timeout_s: float = 300.0
     # Extra coordinators sharing the same services and Redis (tests of session hand-over).
     extra_coordinators: int = 0
+    # Port of the first coordinator's OpenAI-compatible HTTP API; 0 picks a free one, None serves none.
+    http_port: int | None = None
 
 
 class Process:
@@ -150,6 +152,8 @@ class LocalStack:
         self.draft_address = ""
         self.target_address = ""
         self.coordinator_addresses: list[str] = []
+        # host:port of the first coordinator's OpenAI API, when the config serves it.
+        self.http_address = ""
 
     @property
     def address(self) -> str:
@@ -197,6 +201,10 @@ class LocalStack:
                 c.draft_threads,
             )
             coordinators = []
+            http = []
+            if c.http_port is not None:
+                http_port = c.http_port or free_port()
+                http, self.http_address = ["--http-port", str(http_port)], f"127.0.0.1:{http_port}"
             for i in range(1 + c.extra_coordinators):
                 port = c.coordinator_port if i == 0 else 0
                 coordinator = self._spawn(
@@ -206,7 +214,7 @@ class LocalStack:
                      "--default-k", "auto" if c.default_k is None else str(c.default_k),
                      # Every process of a local stack shares this machine's cores.
                      "--draft-colocated", *([] if c.confidence_cutoff else ["--no-confidence-cutoff"]),
-                     "--draft-ahead", str(c.draft_ahead), *common],
+                     "--draft-ahead", str(c.draft_ahead), *(http if i == 0 else []), *common],
                 )
                 coordinators.append(coordinator)
             self._wait_for_line(target, "READY ")
