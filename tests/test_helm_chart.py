@@ -218,7 +218,13 @@ def test_gpus_are_requested_only_by_draft_and_target(case):
         assert image.endswith("-cuda") == (gpus > 0), image
 
 
+def _serves_http(case) -> bool:
+    return case["merged"]["coordinator"]["enabled"] and case["merged"]["coordinator"]["http"]["enabled"]
+
+
 def test_every_specdec_probe_is_native_grpc(case):
+    """gRPC probes, except the coordinator's readiness while it serves the HTTP API: GET /health there
+    answers 200 only once gRPC serves (HTTP starts after it) and 503 while both drain."""
     third_party = set()
     for obj, meta, spec in pod_specs(case["objects"]):
         component = meta["labels"].get(COMPONENT)
@@ -232,6 +238,8 @@ def test_every_specdec_probe_is_native_grpc(case):
             for kind, probe in probes.items():
                 assert probe is not None, f"{component} has no {kind}"
                 handlers = {"grpc", "httpGet", "tcpSocket", "exec"} & set(probe)
+                if component == "coordinator" and kind == "readinessProbe" and _serves_http(case):
+                    continue  # GET /health on the HTTP API (test_coordinator_serves_the_openai_api_over_http)
                 assert handlers == {"grpc"}, f"{component} {kind}: {handlers}"
                 assert probe["grpc"]["port"] in ports
             startup = probes["startupProbe"]
@@ -392,6 +400,40 @@ def test_network_policies_isolate_draft_target_and_redis(case):
         assert allowed == {"coordinator", "draft", "target"} & set(labels)
 
 
+def test_coordinator_serves_the_openai_api_over_http(case):
+    """The HTTP API's port on the pod, the Service and the NetworkPolicy, --http-port, readiness by
+    GET /health on it (HTTPS with TLS), and the NOTES' quick start."""
+    if not _serves_http(case):
+        pytest.skip("the coordinator's HTTP API is off in this values file")
+    merged, objects = case["merged"]["coordinator"], case["objects"]
+    port, tls = merged["http"]["port"], merged["tls"]["enabled"]
+    c = container(role_workload(objects, "coordinator"))
+    assert specdec_parser().parse_args(c["args"]).http_port == port
+    assert {"name": "http", "containerPort": port, "protocol": "TCP"} in c["ports"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS" if tls else "HTTP"}
+    assert set(c["readinessProbe"]) - {"httpGet"} == set(merged["readinessProbe"])
+    service = next(o for o in of_kind(objects, "Service") if o["metadata"]["name"] == f"{RELEASE}-specdec-coordinator")
+    http = next(p for p in service["spec"]["ports"] if p["name"] == "http")
+    assert (http["port"], http["targetPort"], http["appProtocol"]) == (port, "http", "https" if tls else "http")
+    if case["merged"]["networkPolicy"]["enabled"]:
+        policy = next(p for p in of_kind(objects, "NetworkPolicy")
+                      if p["spec"]["podSelector"]["matchLabels"][COMPONENT] == "coordinator")
+        assert {"port": port, "protocol": "TCP"} in policy["spec"]["ingress"][0]["ports"]
+    notes = case["manifests"]["specdec/templates/NOTES.txt"]
+    assert f"port-forward service/{RELEASE}-specdec-coordinator {port}:{port}" in notes
+    assert f"curl {'https' if tls else 'http'}://127.0.0.1:{port}/v1/models" in notes
+
+
+def test_coordinator_without_the_http_api(chart):
+    manifests, objects = render(chart, {"coordinator": {"http": {"enabled": False}}})
+    c = container(role_workload(objects, "coordinator"))
+    assert "--http-port" not in c["args"] and "http" not in {p["name"] for p in c["ports"]}
+    assert set(c["readinessProbe"]) & {"grpc", "httpGet"} == {"grpc"}
+    service = next(o for o in of_kind(objects, "Service") if o["metadata"]["name"] == f"{RELEASE}-specdec-coordinator")
+    assert [p["name"] for p in service["spec"]["ports"]] == ["grpc"]
+    assert "/v1/models" not in manifests["specdec/templates/NOTES.txt"]
+
+
 def test_config_checksum_annotation_tracks_the_configmap(case, chart):
     configmap = case["manifests"]["specdec/templates/configmap.yaml"]
     digest = hashlib.sha256(configmap.encode()).hexdigest()
@@ -492,6 +534,8 @@ def test_large_integer_values_render_as_integers(chart):
     {"model": {"source": "s3"}},
     {"redis": {"enabled": "yes"}},
     {"coordinator": {"port": 70000}},
+    {"coordinator": {"http": {"port": 0}}},
+    {"coordinator": {"http": {"enabled": "yes"}}},
     {"coordinator": {"pdb": {"enabled": True, "maxUnavailable": -1}}},
     {"jaeger": {"enable": True}},
     {"coordinator": {"discovery": "consul"}},
@@ -521,6 +565,8 @@ def test_schema_accepts_zero_replicas(chart):
     ({"draft": {"kind": "model"}}, "draft.model"),
     ({"coordinator": {"tls": {"enabled": True}}}, "coordinator.tls.secretName"),
     ({"coordinator": {"apiKey": {"enabled": True}}}, "coordinator.apiKey"),
+    ({"coordinator": {"http": {"port": 50050}}}, "coordinator.http.port"),
+    ({"coordinator": {"tls": {"enabled": True, "secretName": "t"}, "http": {"port": 50060}}}, "coordinator.http.port"),
 ])
 def test_inconsistent_values_fail_to_render(chart, bad, message):
     with pytest.raises(helm.HelmError, match=message.replace(".", r"\.")):

@@ -76,6 +76,8 @@ The Deployment of one specdec role. Call with a dict:
   replicas   false to leave spec.replicas to an HPA
   serviceAccount  optional: the pod's own ServiceAccount, with its token mounted (default: the
              chart's shared one, per serviceAccount.*)
+  http       optional: (dict "port" N "scheme" "HTTP"|"HTTPS") of an HTTP API beside gRPC (the
+             coordinator's): a port named http, and readiness by GET /health on it
 */}}
 {{- define "specdec.roleDeployment" -}}
 {{- $root := .root }}
@@ -162,6 +164,11 @@ spec:
               containerPort: {{ .probePort }}
               protocol: TCP
             {{- end }}
+            {{- with .http }}
+            - name: http
+              containerPort: {{ .port }}
+              protocol: TCP
+            {{- end }}
             {{- if $root.Values.serviceMonitor.enabled }}
             - name: metrics
               containerPort: {{ $root.Values.metrics.port }}
@@ -190,8 +197,15 @@ spec:
               port: {{ .probePort }}
             {{- toYaml $cfg.livenessProbe | nindent 12 }}
           readinessProbe:
+            {{- if .http }}
+            httpGet:
+              path: /health
+              port: http
+              scheme: {{ .http.scheme }}
+            {{- else }}
             grpc:
               port: {{ .probePort }}
+            {{- end }}
             {{- toYaml $cfg.readinessProbe | nindent 12 }}
           lifecycle:
             preStop:
@@ -290,6 +304,13 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: grpc
+    {{- if and .cfg.http .cfg.http.enabled }}
+    - name: http
+      port: {{ .cfg.http.port }}
+      targetPort: http
+      protocol: TCP
+      appProtocol: {{ ternary "https" "http" (and .cfg.tls (eq .cfg.tls.enabled true)) }}
+    {{- end }}
     {{- if .root.Values.serviceMonitor.enabled }}
     - name: metrics
       port: {{ .root.Values.metrics.port }}
