@@ -74,7 +74,7 @@ def speculation_ceiling(pass_ms: dict[int, list[float]], accept: float) -> dict[
     """The most speculation could gain, by sessions per pass, with a draft that cost nothing.
 
     ``pass_ms[C][k]`` is a pass's cost with C sessions each verifying k draft tokens (see
-    ``target_service.pass_grid``); a draft token is accepted with probability ``accept`` given the ones
+    ``bench.pass_grid``); a draft token is accepted with probability ``accept`` given the ones
     before were. Returns, by C, the best E(k) * pass_ms[C][0] / pass_ms[C][k] over k, and that k: a
     real draft's time and the round trips of a stack only come off it.
     """

@@ -38,7 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--session-ttl", type=int, default=3600, help="seconds an idle session lives")
     p.add_argument("--default-k", type=k_arg, default=None, help="draft length when a request sets none: N or auto")
     p.add_argument("--max-auto-k", type=int, default=8, help="largest k the adaptive choice tries")
-    p.add_argument("--rpc-timeout", type=float, default=30.0, help="deadline of each internal call")
+    p.add_argument("--rpc-timeout", type=float, default=30.0, help="deadline of each call to a target")
+    p.add_argument("--draft-timeout", type=float, default=5.0,
+                   help="deadline of each call to a draft: short, as a late draft only costs its round the speculation")
     p.add_argument("--max-active", type=int, default=32, help="requests running at once; more wait in a queue")
     p.add_argument("--max-queued", type=int, default=128,
                    help="requests waiting for a slot; past it requests get RESOURCE_EXHAUSTED with a retry hint")
@@ -110,6 +112,7 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         default_k=args.default_k,
         max_auto_k=args.max_auto_k,
         rpc_timeout_s=args.rpc_timeout,
+        draft_timeout_s=args.draft_timeout,
         api_key_hashes=api_key_hashes,
         backend_tls=client_tls(args.tls_ca, args.tls_client_cert, args.tls_client_key),
         admission=AdmissionLimits(args.max_active, args.max_queued, args.max_per_client,
