@@ -1,0 +1,27 @@
+"""Memory is bounded by default: a model service's KV budget comes from its memory limit."""
+
+from __future__ import annotations
+
+from specdec.cli import _parser, model_config
+from specdec.host import KV_SHARE, default_kv_budget_mb, memory_limit_bytes
+
+
+def test_the_memory_limit_is_the_containers_where_one_is_set(tmp_path):
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    physical = memory_limit_bytes(())
+    assert physical > 0
+    v2.write_text("max\n")  # no limit under cgroup v2
+    v1.write_text(str(1 << 62))  # cgroup v1 says "no limit" with a huge number
+    assert memory_limit_bytes((v2, v1)) == physical
+    v2.write_text(str(8 << 30))  # an 8Gi pod
+    assert memory_limit_bytes((v2, v1)) == min(8 << 30, physical)
+
+
+def test_the_kv_budget_is_on_by_default_and_scales_with_the_limit():
+    assert default_kv_budget_mb(8 << 30) == int((8 << 30) * KV_SHARE) >> 20
+    for command in ("serve-target", "serve-draft"):
+        args = _parser().parse_args([command])
+        budget = model_config(args, "default").kv_budget_mb
+        assert budget == default_kv_budget_mb() > 0, command
+        off = _parser().parse_args([command, "--kv-budget-mb", "0"])
+        assert model_config(off, "default").kv_budget_mb == 0
