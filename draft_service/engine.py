@@ -149,7 +149,8 @@ class DraftEngine:
 
     def _picker(self, call: ProposeCall) -> TokenPicker:
         """How this call's tokens are picked, and when its proposal stops."""
-        return TokenPicker(call.sampling, call.round_index, self._sample_top_k, call.min_confidence)
+        return TokenPicker(call.sampling, call.round_index, self._sample_top_k, call.min_confidence,
+                           position=call.start + len(call.new_tokens))
 
     def _sync(self, call: ProposeCall):
         """Checks a call, syncs its cache (and hidden states); returns the cache and the k it allows."""

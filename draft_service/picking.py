@@ -2,6 +2,8 @@
 
 Greedy requests take the argmax; sampled ones draw from the warped distribution with the round's
 draft stream, and hand back that distribution as q (sparse), exactly what the token was drawn from.
+Coupled ones (``Sampling.coupled``) draw with the noise of the token's sequence position, the noise
+the target draws its own token with, so the two agree as often as their distributions allow.
 
 The confidence cut-off (llama.cpp's ``p_min``, EAGLE-2's use of draft confidence) ends a proposal
 early: before position i the draft multiplies its *confidence* so far by the highest probability of
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.sampling import Sampling, dense_to_sparse, round_generator, warp_probs
+from specdec.sampling import Sampling, coupled_token, dense_to_sparse, round_generator, warp_probs
 
 DRAFT_STREAM = 1
 
@@ -39,6 +41,8 @@ class TokenPicker:
     min_confidence: float = 0.0
     confidence: float = 1.0
     """Product of the top probabilities at the positions picked so far."""
+    position: int = 0
+    """Sequence position of the next token picked (coupled sampling's noise is keyed by it)."""
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, tuple[list[int], list[float]] | None] | None:
@@ -51,6 +55,9 @@ class TokenPicker:
         probs = warp_probs(logits, self.sampling, extra_top_k=self.sample_top_k)[0]  # [V]
         if self.min_confidence > 0 and not self._confident(probs.max()):
             return None
+        if self.sampling.coupled:
+            self.position += 1
+            return coupled_token(probs, self.sampling.seed, self.position - 1), dense_to_sparse(probs)
         if self._generator is None:
             self._generator = round_generator(self.sampling.seed, self.round_index, DRAFT_STREAM)
         return int(torch.multinomial(probs, 1, generator=self._generator)), dense_to_sparse(probs)

@@ -11,6 +11,15 @@ Vocabulary (after Leviathan et al., arXiv 2211.17192, and Chen et al., arXiv 230
 Each round therefore commits ``accepted + 1`` tokens. With p and q computed after the same
 temperature / top-k / top-p, and q exactly the distribution the draft sampled from, the committed
 tokens are distributed exactly as tokens sampled from the target alone.
+
+*Coupled* sampling (``Sampling.coupled``, for seeded requests) trades some acceptance for output
+that no draft can change: the token at sequence position j is the Gumbel-max draw
+argmax_v(log p_j(v) + g_j(v)) with noise g_j keyed by (seed, j) alone. The draft draws its proposal
+with the same noise from its own q, and the target accepts a draft token exactly when it equals its
+own draw there (Daliri, Musco and Suresh, "Coupling without Communication and Drafter-Invariant
+Speculative Decoding", arXiv 2408.07978). Each token is still an exact sample of p, and the committed
+tokens depend only on (seed, committed prefix): not on k, the draft, a draft outage or which
+coordinator ran the round, so a resumed stream replays exactly what its client saw.
 """
 
 from __future__ import annotations
@@ -29,6 +38,42 @@ def round_generator(seed: int, round_index: int, stream: int) -> torch.Generator
     """
     mixed = (seed * 0x9E3779B97F4A7C15 + round_index * 0xBF58476D1CE4E5B9 + stream) % (2**63 - 1)
     return torch.Generator(device="cpu").manual_seed(mixed)
+
+
+def position_generator(seed: int, position: int) -> torch.Generator:
+    """The generator of coupled sampling's noise at one sequence position (see the module docstring)."""
+    return round_generator(seed, position, COUPLED_STREAM)
+
+
+# The stream of coupled sampling's per-position noise, apart from the per-round streams 1 and 2.
+COUPLED_STREAM = 3
+
+
+def coupled_token(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The Gumbel-max draw from ``probs [V]`` with the noise of (seed, position): an exact sample of
+    ``probs``, and the same token for every distribution whose mass ranks the noise alike.
+
+    argmax_v log p(v) + Gumbel(v) equals argmax_v p(v) / E(v) with E(v) = -log U(v) exponential.
+    """
+    uniform = torch.rand(probs.shape[-1], generator=position_generator(seed, position), dtype=torch.float64)  # [V]
+    exponential = -torch.log1p(-uniform)  # [V], > 0 almost surely
+    return int((probs.double() / exponential).argmax())
+
+
+def verify_coupled(p: torch.Tensor, draft_tokens: list[int], seed: int, position: int) -> Verdict:
+    """Coupled verification: each draft token is accepted while it equals the target's own coupled
+    draw at its position; the first that differs is replaced by that draw (recovered), and when all
+    pass the draw after the last is the bonus.
+
+    ``p`` is the target's ``[k + 1, V]`` after warping; ``position`` is the sequence position of the
+    first draft token. The tokens committed are the target's coupled draws whatever the draft proposed.
+    """
+    k = len(draft_tokens)
+    for i in range(k + 1):
+        token = coupled_token(p[i], seed, position + i)
+        if i == k or draft_tokens[i] != token:
+            return Verdict(i, [*draft_tokens[:i], token])
+    raise AssertionError("unreachable: the loop returns at i == k")
 
 
 def warp_probs(logits: torch.Tensor, sampling: Sampling, extra_top_k: int = 0) -> torch.Tensor:

@@ -21,6 +21,9 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    # Draw each token with noise keyed by (seed, position), so that no draft can change the output
+    # (``specdec.sampling.verify_coupled``); a seeded request's tokens then replay exactly anywhere.
+    coupled: bool = False
 
     @property
     def greedy(self) -> bool:

@@ -13,13 +13,14 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
     """Core sampling settings from the wire; top_p 0 (unset) reads as 1 (off)."""
     top_p = msg.top_p if msg.top_p > 0 else 1.0
     check_sampling(msg.temperature, msg.top_k, top_p, "sampling.")
-    return Sampling(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed)
+    return Sampling(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed, coupled=msg.coupled)
 
 
 def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
     """Wire form of sampling settings."""
     return common_pb2.SamplingParams(
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+        coupled=sampling.coupled,
     )
 
 

@@ -25,6 +25,7 @@ from specdec.sampling import (
     round_generator,
     sparse_to_dense,
     verify_greedy,
+    verify_coupled,
     verify_sampled,
     warp_probs,
 )
@@ -359,7 +360,7 @@ class TargetEngine:
                     verdict = verify_greedy(item_logits, call.draft_tokens)
                 else:
                     verdict = self._verify_sampled(item_logits, call.draft_tokens, call.q, call.sampling,
-                                                   call.round_index)
+                                                   call.round_index, len(cache.committed))
             except Exception as exc:  # noqa: BLE001 - one session's verdict never fails the others in its pass
                 cache.trim()  # the draft rows this pass cached follow no committed token
                 outcomes.append((p, exc))
@@ -386,11 +387,15 @@ class TargetEngine:
         ]
 
     def _verify_sampled(
-        self, logits: torch.Tensor, draft_tokens: list[int], q: list[SparseQ], sampling: Sampling, round_index: int
+        self, logits: torch.Tensor, draft_tokens: list[int], q: list[SparseQ], sampling: Sampling, round_index: int,
+        position: int,
     ) -> Verdict:
+        """``position``: the sequence position of the first draft token (coupled sampling's noise)."""
         vocab = logits.shape[-1]
         # The draws come from a CPU generator (the same numbers on every device), so p joins them there.
         p = warp_probs(logits.cpu(), sampling)  # [k + 1, V]
+        if sampling.coupled:
+            return verify_coupled(p, draft_tokens, sampling.seed, position)
         q_dense = torch.stack([sparse_to_dense(d.token_ids, d.probs, vocab) for d in q]) if q else p[:0]  # [k, V]
         generator = round_generator(sampling.seed, round_index, TARGET_STREAM)
         return verify_sampled(p, q_dense, draft_tokens, generator)

@@ -252,3 +252,17 @@ def test_a_prompt_too_long_for_any_context_is_refused_before_tokenizing(tiny_tar
     loop._tokenizer = loop._turns._tokenizer = None  # tokenizing would fail loudly
     with pytest.raises(ValueError, match="cannot fit"):
         run(loop, request("w1 " * 10_000))
+
+
+def test_seeded_sampled_output_depends_on_no_draft_and_no_outage(tiny_target, tiny_draft):
+    """A seeded sampled request samples coupled: the same tokens with a working draft, a draft that
+    fails (the state a coordinator that rests its draft replica is in), and no draft at all, so a
+    stream resumed on another coordinator replays exactly what its client saw."""
+    sampled = request(k=3, temperature=1.0, top_p=0.95, seed=11, max_new_tokens=24)
+    drafted, with_draft = run(make_loop(tiny_target, tiny_draft), sampled)
+    failing = [FailingDraft(ModelDrafter(tiny_draft, 8, 64))]
+    outage, _ = run(make_loop(tiny_target, tiny_draft, drafts=failing), sampled)
+    alone, _ = run(make_loop(tiny_target, tiny_draft), replace(sampled, k=0))
+    same_as_target, by_target = run(make_loop(tiny_target, tiny_target), sampled)
+    assert drafted == outage == alone == same_as_target and len(drafted) == 24
+    assert with_draft.stats.accepted_tokens > 0 and by_target.stats.acceptance_rate == 1.0

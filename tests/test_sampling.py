@@ -108,3 +108,39 @@ def test_sparse_round_trip():
     ids, probs = dense_to_sparse(dist)
     assert ids == [1, 3]
     assert torch.equal(sparse_to_dense(ids, probs, 4), dist)
+
+
+def test_coupled_draws_follow_p_and_ignore_the_draft():
+    """Coupled sampling: each position's token is an exact draw of p, over seeds, and the committed
+    tokens are the target's own draws whatever the draft proposed (drafter invariance)."""
+    from specdec.sampling import coupled_token, verify_coupled
+
+    # A two-step chain over 4 tokens: p(first), then p(second | first).
+    first = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    second = torch.tensor([[0.1, 0.6, 0.3, 0.0], [0.7, 0.1, 0.1, 0.1], [0.25, 0.25, 0.25, 0.25], [1.0, 0, 0, 0]])
+    n, counts = 3000, torch.zeros(4, 4)
+    drafts = ([], [1, 1], [2, 3])
+    for seed in range(n):
+        a = coupled_token(first, seed, 10)
+        b = coupled_token(second[a], seed, 11)
+        counts[a, b] += 1
+        for draft in drafts:  # every draft commits the same two tokens
+            rows = [first] + [second[t] for t in draft[:1]] + [second[a]] * 2
+            verdict = verify_coupled(torch.stack(rows[: len(draft) + 1]), draft, seed, 10)
+            assert verdict.tokens[0] == a
+            if len(verdict.tokens) > 1 and verdict.accepted >= 1:
+                assert verdict.tokens[1] == b
+    expected = first[:, None] * second * n  # [4, 4]
+    assert counts[3].sum() == 0  # a token p gives no mass is never drawn
+    mask = expected > 0
+    chi2 = float((((counts - expected) ** 2)[mask] / expected[mask]).sum())
+    assert chi2 < 40.0, chi2  # 11 degrees of freedom: p < 1e-4 at 40
+
+
+def test_coupled_noise_depends_on_position_not_round():
+    from specdec.sampling import coupled_token
+
+    p = torch.full((50,), 1 / 50)
+    draws = [coupled_token(p, 3, pos) for pos in range(40)]
+    assert draws == [coupled_token(p, 3, pos) for pos in range(40)]  # repeatable
+    assert len(set(draws)) > 10  # and fresh at every position
