@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from bench.single import PROMPTS
@@ -29,13 +30,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``bench`` and ``pass-grid`` (with the server extra installed)."""
     if not extra_installed("server"):
         return
-    p = subparsers.add_parser("bench", help="tokens/s of hf-target, hf-assisted, specdec-k0 and specdec, side by side")
+    p = subparsers.add_parser("bench", help="tokens/s of hf-target, hf-assisted, specdec-k0, specdec and specdec-http, "
+                                             "side by side")
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL prompt file")
     p.add_argument("--n", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--k", type=k_arg, default=None, help="draft length of the specdec mode: N or auto (default)")
-    p.add_argument("--modes", help="comma-separated modes (default: hf-target,hf-assisted,specdec-k0,specdec; "
+    p.add_argument("--modes", help="comma-separated modes (default: hf-target,hf-assisted,specdec-k0,specdec,"
+                                    "specdec-http; "
                                     "with --concurrency: hf-batched,specdec-k0,specdec)")
     p.add_argument("--concurrency", type=levels_arg,
                    help="closed-loop load levels, for example 1,2,4,8,16: throughput and latency per level")
@@ -73,7 +76,9 @@ def run_bench(args: argparse.Namespace) -> None:
     """``specdec bench``: the modes side by side on one stream, or, with ``--concurrency``, under load."""
     import torch
 
-    from bench.single import MODES, hf_runner, load_prompts, plot, run_interleaved, specdec_runner, summarize
+    from bench.single import (
+        MODES, hf_runner, http_runner, load_prompts, plot, run_interleaved, specdec_runner, summarize,
+    )
     from specdec.client import Client
     from specdec.models import load_model
     from specdec.stack import LocalStack
@@ -82,7 +87,7 @@ def run_bench(args: argparse.Namespace) -> None:
     if args.concurrency:
         run_load(args)
         return
-    modes = [m for m in (args.modes or "hf-target,hf-assisted,specdec-k0,specdec").split(",") if m]
+    modes = [m for m in (args.modes or ",".join(MODES)).split(",") if m]
     unknown = set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
@@ -106,6 +111,8 @@ def run_bench(args: argparse.Namespace) -> None:
             draft = load_model(str(path), args.cache_dir).model
     if args.address is not None and len(kinds) > 1:
         raise SystemExit("--address reaches one running stack: give one --draft-kind with it")
+    if "specdec-http" in modes and (args.address is not None or k is not None):
+        raise SystemExit("specdec-http runs on a local stack, with the coordinator's k (--default-k, not --k)")
     runners = {
         mode: hf_runner(mode, loaded, draft, args.max_new_tokens, args.temperature, k)
         for mode in modes if mode.startswith("hf")
@@ -117,13 +124,18 @@ def run_bench(args: argparse.Namespace) -> None:
         for i, kind in enumerate(kinds if spec_modes else []):
             address = args.address
             if address is None:
-                stacks.append(LocalStack(stack_config(args, 0, kind)).start())
+                config = stack_config(args, 0, kind)
+                if i == 0 and "specdec-http" in modes:
+                    config = replace(config, http_port=0)
+                stacks.append(LocalStack(config).start())
                 address = stacks[-1].address
             clients.append(Client(address, timeout=600))
             # specdec-k0 does not draft: it runs on the first stack only.
             for mode in (m for m in spec_modes if m == "specdec" or (m == "specdec-k0" and i == 0)):
                 name = mode if mode == "specdec-k0" or len(kinds) == 1 else f"specdec:{kind}"
                 runners[name] = specdec_runner(name, clients[-1], args.max_new_tokens, args.temperature, k)
+            if i == 0 and "specdec-http" in modes:
+                runners["specdec-http"] = http_runner(stacks[0].http_address, args.max_new_tokens, args.temperature)
         results = run_interleaved(runners, prompts)
     finally:
         for client in clients:

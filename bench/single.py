@@ -7,7 +7,10 @@ Modes take turns prompt by prompt (see ``run_interleaved``):
 - ``hf-assisted``: transformers assisted generation with the same draft (prompt lookup for the
   n-gram draft, ``assistant_model`` for a model draft);
 - ``specdec-k0``: the specdec stack with speculation off;
-- ``specdec``: the specdec stack with speculation.
+- ``specdec``: the specdec stack with speculation;
+- ``specdec-http``: the same stack through its OpenAI-compatible HTTP API, streamed as server-sent
+  events; its ``overhead_ms_per_token_vs_specdec`` is what the HTTP path adds per token over the
+  gRPC SDK's ``specdec``, measured in the same run.
 
 The report gives tokens/s and speedup per mode, acceptance, per-round time split, the speedup the
 formula (1 - a^(k+1)) / (1 - a) predicts from the measured acceptance and costs, and, for greedy
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-MODES = ("hf-target", "hf-assisted", "specdec-k0", "specdec")
+MODES = ("hf-target", "hf-assisted", "specdec-k0", "specdec", "specdec-http")
 # The shipped prompt set (package data of ``bench``): one JSON object a line, see ``load_prompts``.
 PROMPTS = Path(str(files("bench") / "prompts.jsonl"))
 
@@ -169,6 +172,39 @@ def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k
     return run
 
 
+def http_runner(address: str, max_new_tokens: int, temperature: float) -> PromptRunner:
+    """Runs each prompt through the coordinator's OpenAI API at ``address`` (host:port), streamed as
+    server-sent events with their token ids, over one kept-alive connection (stdlib http.client)."""
+    import http.client
+
+    host, _, port = address.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=600)
+    connection.request("GET", "/v1/models")
+    model = json.loads(connection.getresponse().read())["data"][0]["id"]
+
+    def run(index: int, p: BenchPrompt, result: ModeResult) -> None:
+        chat = not isinstance(p.prompt, str)
+        body = {"model": model, "messages" if chat else "prompt": p.prompt, "max_tokens": max_new_tokens,
+                "temperature": temperature, "seed": index, "stream": True, "return_token_ids": True}
+        ids: list[int] = []
+        start = time.perf_counter()
+        connection.request("POST", "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body),
+                           {"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        for line in reply:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[len(b"data: "):])
+            if "error" in event:
+                raise RuntimeError(f"specdec-http: {event['error']['message']}")
+            ids += event["choices"][0]["token_ids"] if event["choices"] else []
+        result.seconds += time.perf_counter() - start
+        result.tokens += len(ids)
+        result.outputs[p.id] = ids
+
+    return run
+
+
 def expected_tokens_per_round(alpha: float, k: float) -> float:
     """(1 - a^(k+1)) / (1 - a): tokens a round commits when each draft token passes with rate a."""
     if alpha >= 1.0:
@@ -225,6 +261,11 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
                 entry["predicted_speedup_vs_k0"] = round(predicted, 3)
                 entry["measured_speedup_vs_k0"] = round(measured, 3)
                 entry["efficiency"] = round(measured / predicted, 3) if predicted else 0.0
+        grpc = results.get("specdec")
+        if mode == "specdec-http" and grpc is not None and grpc.tokens and r.tokens:
+            # Same stack, same prompts, taking turns: the difference is the HTTP path's.
+            overhead_s = r.seconds / r.tokens - grpc.seconds / grpc.tokens
+            entry["overhead_ms_per_token_vs_specdec"] = round(1000 * overhead_s, 3)
         if greedy and base is not None and mode != "hf-target":
             same = sum(1 for pid, out in r.outputs.items() if base.outputs.get(pid) == out)
             entry["exact"] = f"{same}/{len(r.outputs)}"

@@ -136,7 +136,8 @@ class OpenAiApi:
             "client.address": request.remote or "",
             "user_agent.original": request.headers.get("User-Agent", ""),
         }
-        with self._tracer.start_as_current_span(f"{request.method} {route}".strip(), context=propagate.extract(request.headers),
+        caller_context = propagate.extract(request.headers)
+        with self._tracer.start_as_current_span(f"{request.method} {route}".strip(), context=caller_context,
                                                 kind=trace.SpanKind.SERVER, attributes=attributes) as span:
             response = await handler(request)
             span.set_attribute("http.response.status_code", response.status)
@@ -203,13 +204,14 @@ class OpenAiApi:
             first = await _next(chunks)
             if api.stream:
                 return await self._stream(request, api, shaper, core, caller, first, chunks)
-            text, last = [first.text], first
+            text, ids, last = [first.text], list(first.token_ids), first
             while last.finish_reason is None:
                 last = await _next(chunks)
                 text.append(last.text)
+                ids += last.token_ids
         assert last.stats is not None and last.finish_reason is not None
         self._remember(core, caller, "".join(text), last)
-        return web.json_response(shaper.response("".join(text), last.finish_reason, last.stats))
+        return web.json_response(shaper.response("".join(text), ids, last.finish_reason, last.stats))
 
     async def _stream(self, request: web.Request, api: ApiRequest, shaper: Shaper, core: GenerationRequest,
                       caller: Caller, first: Chunk, chunks: AsyncIterator[Chunk]) -> web.StreamResponse:
@@ -223,12 +225,13 @@ class OpenAiApi:
                 text.append(chunk.text)
                 if chunk.finish_reason is not None:
                     assert chunk.stats is not None
-                    await response.write(_sse(shaper.chunk(chunk.text, chunk.finish_reason, chunk.stats)))
+                    await response.write(_sse(shaper.chunk(chunk.text, chunk.token_ids, chunk.finish_reason,
+                                                           chunk.stats)))
                     if api.include_usage:
                         await response.write(_sse(shaper.usage_chunk(chunk.stats)))
                     break
-                if chunk.text:
-                    await response.write(_sse(shaper.chunk(chunk.text)))
+                if chunk.text or (api.return_token_ids and chunk.token_ids):
+                    await response.write(_sse(shaper.chunk(chunk.text, chunk.token_ids)))
                 chunk = await _next(chunks)
         except ApiError as error:
             # Headers went out with 200: the failure travels as an event, as OpenAI's servers send it.

@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from coordinator.server import MAX_STOP_STRINGS
+from coordinator.server import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from coordinator.turns import GenerationRequest, Stats
+from specdec.sampling_params import check_sampling
 
 # OpenAI's default for /v1/completions when max_tokens is absent; chat runs to the context's end.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -69,6 +70,8 @@ class ApiRequest:
     stream: bool
     include_usage: bool
     model: str
+    # vLLM's extension: each choice (and stream chunk) also carries its ``token_ids``.
+    return_token_ids: bool = False
 
 
 def parse_request(body: Any, chat: bool, model_id: str, max_context: int) -> ApiRequest:
@@ -116,19 +119,25 @@ def parse_request(body: Any, chat: bool, model_id: str, max_context: int) -> Api
     seed = _typed(body, "seed", int)
     if seed is not None and not 0 <= seed < 2**64:
         raise invalid("seed", "must lie in [0, 2**64)")
+    # top_k is not OpenAI's, but vLLM and llama.cpp take it; 0 keeps every token.
+    top_k, top_p = _typed(body, "top_k", int) or 0, _number(body, "top_p", 1.0)
+    try:
+        check_sampling(temperature, top_k, top_p)
+    except ValueError as exc:
+        param, _, message = str(exc).partition(": ")
+        raise invalid(param, message) from None
     core = GenerationRequest(
         text=text,
         messages=messages,
         max_new_tokens=max_tokens,
         temperature=temperature,
-        # top_k is not OpenAI's, but vLLM and llama.cpp take it; 0 keeps every token.
-        top_k=_typed(body, "top_k", int) or 0,
-        top_p=_number(body, "top_p", 1.0),
+        top_k=top_k,
+        top_p=top_p,
         seed=seed,
         stop=_stop(body.get("stop")),
         fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32],
     )
-    return ApiRequest(core, chat, stream, include_usage, model)
+    return ApiRequest(core, chat, stream, include_usage, model, bool(_typed(body, "return_token_ids", bool)))
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:
@@ -172,8 +181,9 @@ def _stop(value: Any) -> tuple[str, ...]:
     stops = [value] if isinstance(value, str) else value
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise invalid("stop", "must be a string or an array of strings")
-    if len(stops) > MAX_STOP_STRINGS:
-        raise invalid("stop", f"at most {MAX_STOP_STRINGS} strings")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        # Every round searches the new text for each of them, on the loop that serves every request.
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
     return tuple(stops)
 
 
@@ -234,18 +244,20 @@ class Shaper:
         return {"id": self.id, "object": obj, "created": self.created, "model": self._request.model,
                 "choices": [choice]}
 
-    def response(self, text: str, finish: str, stats: Stats) -> dict:
+    def response(self, text: str, token_ids: list[int], finish: str, stats: Stats) -> dict:
         """The non-streaming answer."""
         if self._request.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=FINISH_REASON[finish])
+        if self._request.return_token_ids:
+            choice["token_ids"] = token_ids
         body = self._envelope("chat.completion" if self._request.chat else "text_completion", choice)
         body.update(usage=usage(stats), specdec=speculation(stats))
         return body
 
-    def chunk(self, text: str, finish: str | None = None, stats: Stats | None = None) -> dict:
+    def chunk(self, text: str, token_ids: list[int], finish: str | None = None, stats: Stats | None = None) -> dict:
         """One stream chunk: new text, and on the last one the finish reason and the ``specdec`` stats."""
         if self._request.chat:
             delta: dict[str, str] = {} if finish is not None and not text else {"content": text}
@@ -256,6 +268,8 @@ class Shaper:
         else:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=None if finish is None else FINISH_REASON[finish])
+        if self._request.return_token_ids:
+            choice["token_ids"] = token_ids
         body = self._envelope("chat.completion.chunk" if self._request.chat else "text_completion", choice)
         if self._request.include_usage:
             body["usage"] = None

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import httpx2  # the openai package's HTTP client
 import openai
 import pytest
 import torch
@@ -160,10 +161,13 @@ def test_models_lists_the_served_model(served, model, stack):
 
 def test_chat_equals_grpc_sdk_and_target_only(served, model, sync_client, tiny_target, tokenizer):
     expected = reference_text(tiny_target, tokenizer, CHAT)
+    expected_ids = greedy_ids(tiny_target, render_chat(tokenizer, CHAT), NEW_TOKENS)
     with Client(served.grpc, timeout=60, api_key=KEY) as grpc_client:
-        grpc_text = grpc_client.complete(CHAT, max_new_tokens=NEW_TOKENS).text
-    reply = sync_client.chat.completions.create(model=model, messages=CHAT, max_tokens=NEW_TOKENS, temperature=0)
-    assert reply.choices[0].message.content == grpc_text == expected
+        grpc_reply = grpc_client.complete(CHAT, max_new_tokens=NEW_TOKENS)
+    reply = sync_client.chat.completions.create(model=model, messages=CHAT, max_tokens=NEW_TOKENS, temperature=0,
+                                                extra_body={"return_token_ids": True})
+    assert reply.choices[0].message.content == grpc_reply.text == expected
+    assert reply.choices[0].model_extra["token_ids"] == grpc_reply.token_ids == expected_ids
     assert reply.choices[0].message.role == "assistant" and reply.object == "chat.completion"
     assert reply.usage.prompt_tokens == len(render_chat(tokenizer, CHAT))
     assert reply.usage.completion_tokens + reply.usage.prompt_tokens == reply.usage.total_tokens
@@ -206,20 +210,22 @@ def test_async_completions_stream_and_not(served, model, tiny_target, tokenizer)
 def test_raw_http_stream_ends_with_done(served, model, tiny_target, tokenizer):
     status, body, headers = http(served, "POST", "/v1/completions",
                                  {"model": model, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
-                                  "stream": True, "stream_options": {"include_usage": True}},
+                                  "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True},
                                  headers={"Content-Type": "application/json"})
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     events = sse_events(body)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == reference_text(
         tiny_target, tokenizer, PROMPT)
+    ids = [t for e in events[:-1] if e["choices"] for t in e["choices"][0]["token_ids"]]
+    assert ids == greedy_ids(tiny_target, tokenizer.encode(PROMPT, add_special_tokens=False), NEW_TOKENS)
     assert events[-2]["usage"]["completion_tokens"] > 0
 
 
 def test_stop_seed_and_sampling_parameters(sync_client, model):
     base = dict(model=model, messages=CHAT, max_tokens=NEW_TOKENS)
-    sampled = [sync_client.chat.completions.create(**base, temperature=0.8, top_p=0.9, seed=7).choices[0].message.content
-               for _ in range(2)]
+    sampled = [sync_client.chat.completions.create(**base, temperature=0.8, top_p=0.9, seed=7)
+               .choices[0].message.content for _ in range(2)]
     assert sampled[0] == sampled[1]  # a seed repeats exactly
     greedy = sync_client.chat.completions.create(**base, temperature=0).choices[0].message.content
     words = greedy.split()
@@ -291,6 +297,11 @@ def test_conversations_map_is_bounded_and_exact():
     ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": True}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "M", "messages": CHAT, "stop": [1]}, 400, "stop"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "stop": ["w1" * 200]}, 400, "stop"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "top_p": 5}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "top_k": -1}, 400, "top_k"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": 1e-9}, 400, "temperature"),
+    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": float("nan")}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "M", "messages": CHAT, "n": 3}, 400, "n"),
     ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logprobs": True}, 400, "logprobs"),
@@ -406,10 +417,9 @@ def test_http_span_is_the_parent_of_the_request_span(stack, served, model):
 def test_https_when_the_coordinator_serves_tls(stack, certs, model):  # noqa: F811
     port = free_port()
     stack.add_coordinator(server=ServerConfig(tls_cert=certs.server_cert, tls_key=certs.server_key), http_port=port)
-    import httpx2
-
+    trust = ssl.create_default_context(cafile=str(certs.ca_cert))
     with openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                       http_client=httpx2.Client(verify=ssl.create_default_context(cafile=str(certs.ca_cert)))) as client:
+                       http_client=httpx2.Client(verify=trust)) as client:
         reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
     assert reply.choices[0].text
     with pytest.raises(urllib.error.URLError):  # plaintext to the TLS port, or an untrusted CA
@@ -501,3 +511,20 @@ def test_default_model_chat_equals_grpc_sdk_and_target_only(default_model, redis
     assert name == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert reply.choices[0].message.content == streamed == grpc_text == expected
     assert reply.model_extra["specdec"]["drafted_tokens"] > 0
+
+
+# --- the benchmark's HTTP mode ------------------------------------------------------------------------
+
+
+def test_bench_http_mode_matches_the_grpc_mode(narrow, tiny_target, tokenizer):
+    from bench.single import BenchPrompt, http_runner, run_interleaved, specdec_runner, summarize
+
+    prompts = [BenchPrompt("text", PROMPT), BenchPrompt("chat", CHAT)]
+    with Client(narrow.grpc, timeout=60) as grpc_client:
+        results = run_interleaved({"specdec": specdec_runner("specdec", grpc_client, 12, 0.0, None),
+                                   "specdec-http": http_runner(narrow.url.removeprefix("http://"), 12, 0.0)},
+                                  prompts, progress=False)
+    assert results["specdec-http"].outputs == results["specdec"].outputs
+    assert results["specdec"].outputs["chat"] == greedy_ids(tiny_target, render_chat(tokenizer, CHAT), 12)
+    report = summarize(results, greedy=False)
+    assert isinstance(report["specdec-http"]["overhead_ms_per_token_vs_specdec"], float)
