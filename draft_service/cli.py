@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from specdec.cli import add_cache_limits, add_server, env, extra_installed, model_config, server_config
+from specdec.cli import add_cache_limits, add_device, add_server, env, extra_installed, model_config, server_config
 from specdec.config import DEFAULT_DRAFT_KIND, DRAFT_KINDS, DraftConfig, default_draft_model
 
 
@@ -25,6 +25,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="draft model or distilled draft folder, or the model whose tokenizer n-gram drafting speaks "
                         "(default: the draft shipped for the default target; env SPECDEC_DRAFT_MODEL)")
     p.add_argument("--threads", type=int, default=1, help="torch threads")
+    add_device(p, "DRAFT_DEVICE")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
     add_cache_limits(p)
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")

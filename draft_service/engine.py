@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from draft_service.feature_draft import KIND as FEATURE_KIND
-from draft_service.feature_draft import AheadDraft, DraftTail, FeatureDraft, FeatureSession
+from draft_service.feature_draft import AheadDraft, DraftTail, FeatureDraft, FeatureSession, on_host
 from draft_service.picking import TokenPicker, take_next
 from specdec.ngram import LOOKUP_MAX_N, propose_ngram, whole_continuation
 from specdec.batching import waves
@@ -243,12 +243,12 @@ class ModelDrafter(DraftEngine):
         model = self._loaded.model
         tokens: list[int] = []
         q: list[tuple[list[int], list[float]]] = []
-        logits = cache.forward(model, [], logits_to_keep=1)  # [1, V]
+        logits = on_host(cache.forward(model, [], logits_to_keep=1))  # [1, V]
         for i in range(k):
             if not take_next(pick, logits, tokens, q):
                 break
             if i + 1 < k:
-                logits = cache.forward(model, [tokens[-1]], logits_to_keep=1)  # [1, V]
+                logits = on_host(cache.forward(model, [tokens[-1]], logits_to_keep=1))  # [1, V]
         return tokens, q
 
 
@@ -276,7 +276,7 @@ class FeatureDrafter(DraftEngine):
 
     def warmup(self) -> None:
         cache_id, committed = self.prefill([0, 1, 2, 0, 1])
-        rows = torch.zeros(committed - 1, self.hidden_size)
+        rows = torch.zeros(committed - 1, self.hidden_size)  # [n, W] on the host, as rows off the wire are
         self.propose(cache_id, committed, [], 2, Sampling(), 0, HiddenRows(0, rows))
         self.release(cache_id)
 
@@ -285,7 +285,7 @@ class FeatureDrafter(DraftEngine):
             raise ValueError(f"hidden.dim: this draft reads hidden states of width {self.hidden_size}")
         if hidden.start + len(hidden.rows) > len(cache.committed):
             raise ValueError("hidden: rows reach past the committed tokens")
-        cache.add_features(hidden.start, hidden.rows)
+        cache.add_features(hidden.start, hidden.rows.to(self._draft_model.device))  # [n, W], moved once
 
     def _lookup(self, cache, k, sampling):
         """Prompt lookup's whole k-token continuation, or None."""
@@ -323,6 +323,7 @@ class FeatureDrafter(DraftEngine):
                 or cache.kv.get_seq_length() != tail.kv_length):
             return 0
         draft = self._draft_model
+        device = draft.device
         predicted, pending, position = tail.predicted, tail.pending, tail.position
         pick = TokenPicker(call.sampling, call.round_index + 1, self._sample_top_k, call.min_confidence)
         guess: int | None = None
@@ -331,10 +332,11 @@ class FeatureDrafter(DraftEngine):
         try:
             while len(tokens) < call.ahead:
                 if pending is not None:
-                    layout = RaggedLayout.of([1], [cache.kv.get_seq_length()], [position])
-                    predicted = draft.predict_ragged(predicted, torch.tensor([pending]), [cache.kv], layout)  # [1, D]
+                    layout = RaggedLayout.of([1], [cache.kv.get_seq_length()], [position], device=device)
+                    predicted = draft.predict_ragged(predicted, torch.tensor([pending], device=device), [cache.kv],
+                                                     layout)  # [1, D]
                     position += 1
-                logits = draft.full_logits(predicted).float()  # [1, V]
+                logits = on_host(draft.full_logits(predicted))  # [1, V]
                 if guess is None:
                     pending = guess = int(logits[0].argmax())
                     continue
@@ -376,12 +378,13 @@ class FeatureDrafter(DraftEngine):
 
     def _draft_together(self, jobs: list) -> list[tuple[list[int], list]]:
         draft = self._draft_model
+        device = draft.device
         catch = [cache.catch_up() for cache, _, _ in jobs]
         caches = [cache.kv for cache, _, _ in jobs]
         layout = RaggedLayout.of([len(f) for f, _, _ in catch], [kv.get_seq_length() for kv in caches],
-                                 [start for _, _, start in catch])
+                                 [start for _, _, start in catch], device=device)
         feats = torch.cat([f for f, _, _ in catch])  # [N, D]
-        toks = torch.tensor([t for _, tokens, _ in catch for t in tokens])  # [N]
+        toks = torch.tensor([t for _, tokens, _ in catch for t in tokens], device=device)  # [N]
         predicted = draft.predict_ragged(feats, toks, caches, layout)[[b - 1 for b in layout.bounds[1:]]]  # [B, D]
         positions = [start + len(f) for f, _, start in catch]
         tokens: list[list[int]] = [[] for _ in jobs]
@@ -389,7 +392,7 @@ class FeatureDrafter(DraftEngine):
         live = list(range(len(jobs)))
         stopped: set[int] = set()  # jobs whose confidence ran out before k
         while live:
-            logits = draft.full_logits(predicted).float()  # [B', V]
+            logits = on_host(draft.full_logits(predicted))  # [B', V]
             for row, j in enumerate(live):
                 if not take_next(jobs[j][2], logits[row : row + 1], tokens[j], qs[j]):
                     stopped.add(j)
@@ -406,9 +409,9 @@ class FeatureDrafter(DraftEngine):
                 break
             live = [j for _, j in going]
             step = RaggedLayout.of([1] * len(live), [caches[j].get_seq_length() for j in live],
-                                   [positions[j] for j in live])
+                                   [positions[j] for j in live], device=device)
             predicted = draft.predict_ragged(
-                predicted[[row for row, _ in going]], torch.tensor([tokens[j][-1] for j in live]),
+                predicted[[row for row, _ in going]], torch.tensor([tokens[j][-1] for j in live], device=device),
                 [caches[j] for j in live], step,
             )  # [B', D]
             for j in live:

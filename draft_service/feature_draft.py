@@ -6,10 +6,12 @@ predicts f_{i+1}; the target's own LM head rows (a reduced vocabulary, as in the
 that into the distribution of t_{i+2}. Drafting further positions feeds the draft's predicted
 feature back in place of the target's, which the target only supplies for committed tokens.
 
-Layout: ``fc`` (2D -> D) over [embedding(t_{i+1}); f_i] -> one Llama decoder layer -> RMSNorm.
+Layout: ``fc`` (2D -> D) over [embedding(t_{i+1}); f_i] -> one decoder layer -> RMSNorm, the layer and
+norm of the target's own family (``token_draft.family_modules``: a Llama layer for a Llama target).
 
-The embedding and head rows are the target's own (frozen, taken from the loaded target at start-up);
-the draft's files hold only ``fc``, the layer, the norm, the head ids and a head bias.
+The embedding and head rows are the target's own (frozen, read from the target's files at start-up by
+``draft_service.target_parts``); the draft's files hold only ``fc``, the layer, the norm, the head ids
+and a head bias.
 
 With ``side_layers`` (the EAGLE-3 idea) the target also sends its residual stream after those of its
 layers, each RMS-normalised and read by ``fc`` beside f_i: lower layers keep context that the last
@@ -22,7 +24,6 @@ tokens (the committed-prefix invariant of ``specdec.kvcache``, extended to featu
 
 from __future__ import annotations
 
-import copy
 import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -32,7 +33,6 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from draft_service.picking import take_next
 from draft_service.token_draft import (
@@ -40,6 +40,10 @@ from draft_service.token_draft import (
     _output_weight,
     add_reduced_head,
     check_target,
+    draft_config,
+    embed,
+    embed_scale,
+    family_modules,
     quantize_linears,
     read_card,
     save_draft_weights,
@@ -49,6 +53,12 @@ from specdec.config import FEATURE_KIND
 from specdec.ragged import RaggedLayout, ragged_decoder_layer
 
 KIND = FEATURE_KIND
+
+
+def on_host(logits: torch.Tensor) -> torch.Tensor:
+    """Draft logits ``[B, V]`` as float32 on the CPU, where tokens are picked: a sampled pick draws with a
+    CPU generator, so a seeded request draws the same tokens whichever device drafted."""
+    return logits.float().cpu()
 
 
 @dataclass(frozen=True)
@@ -83,10 +93,7 @@ class FeatureDraft(nn.Module):
                  head_ids: torch.Tensor, arch: FeatureDraftArch) -> None:
         super().__init__()
         self.arch = arch
-        config = copy.deepcopy(target_config)
-        config.num_hidden_layers = 1
-        if getattr(config, "layer_types", None) is not None:
-            config.layer_types = list(config.layer_types)[:1]
+        config = draft_config(target_config, 1)
         self.config = config
         dim = int(config.hidden_size)
         self.hidden_size = dim
@@ -94,13 +101,20 @@ class FeatureDraft(nn.Module):
         # Kept out of the module tree so the target's matrix is neither trained nor saved with the draft.
         self.__dict__["embedding"] = embedding
         self.__dict__["_int8_head"] = None
+        self.embed_scale = embed_scale(embedding)
         self.feature_width = dim * (1 + len(arch.side_layers))
         """Width of the rows the target sends: f_i, then its side layers' outputs."""
         self.fc = nn.Linear(dim + self.feature_width, dim, bias=True)
-        self.layer = LlamaDecoderLayer(config, 0)
-        self.norm = LlamaRMSNorm(dim, eps=config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=config)
+        family = family_modules(config)  # the target family's own layer, norm and rotary embedding
+        self.layer = family.layer(config, 0)
+        self.norm = family.norm(dim, config.rms_norm_eps)
+        self.rotary_emb = family.rotary(config=config)
         add_reduced_head(self, output_weight, head_ids, self.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the draft computes."""
+        return self.head_weight.device
 
     def init_from_target(self, target: nn.Module) -> None:
         """Starts the decoder layer and norm from the target's; ``fc`` passes the feature through (and
@@ -121,7 +135,7 @@ class FeatureDraft(nn.Module):
         x = self._fc(tokens, features)  # [B, T, D]
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
-            position_ids = (torch.arange(tokens.shape[1]) + past).unsqueeze(0)  # [1, T]
+            position_ids = (torch.arange(tokens.shape[1], device=tokens.device) + past).unsqueeze(0)  # [1, T]
         mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=cache,
                                   position_ids=position_ids)
         rope = self.rotary_emb(x, position_ids=position_ids)
@@ -140,8 +154,8 @@ class FeatureDraft(nn.Module):
     def _fc(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """``fc`` over [embedding(tokens); features], features ``[..., W]`` from the target or ``[..., D]``
         predicted by the draft (its side inputs then zero)."""
-        embeds = nn.functional.embedding(tokens, self.embedding.weight.detach())  # [..., D], frozen
-        features = features.to(embeds.dtype)
+        embeds = embed(tokens, self.embedding, self.embed_scale)  # [..., D], frozen
+        features = features.to(embeds.device, embeds.dtype)
         dim, sides = self.hidden_size, len(self.arch.side_layers)
         if features.shape[-1] == dim and sides:
             features = torch.cat([features, features.new_zeros(*features.shape[:-1], sides * dim)], dim=-1)
@@ -193,7 +207,9 @@ def save_feature_draft(draft: FeatureDraft, folder: Path) -> Path:
 
 
 def load_feature_draft(draft_dir: Path, target_model: nn.Module, target_hash: str | None = None) -> FeatureDraft:
-    """The draft in ``draft_dir`` around a loaded (unpacked) target, fp32, ready for inference.
+    """The draft in ``draft_dir`` around a loaded (unpacked) target, or the part of it a draft borrows
+    (``target_parts.read_target``), ready for inference in the dtype and on the device of the target's
+    embedding.
 
     With ``target_hash`` given (the target's ``target_weights_hash``), checks it against the card.
     """
@@ -204,10 +220,10 @@ def load_feature_draft(draft_dir: Path, target_model: nn.Module, target_hash: st
         check_target(card, draft_dir, target_hash)
     arch = FeatureDraftArch.from_json(card["architecture"])
     tensors = load_file(str(Path(draft_dir) / WEIGHTS_FILE))
-    draft = FeatureDraft(target_model.config, target_model.get_input_embeddings(), _output_weight(target_model),
-                         tensors["head_ids"], arch)
+    embedding = target_model.get_input_embeddings()
+    draft = FeatureDraft(target_model.config, embedding, _output_weight(target_model), tensors["head_ids"], arch)
     draft.load_state_dict({k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()})
-    return draft.float().eval().requires_grad_(False)
+    return draft.to(embedding.weight.device, embedding.weight.dtype).eval().requires_grad_(False)
 
 
 def warm_start(draft: FeatureDraft, source_dir: Path, target_hash: str) -> dict:
@@ -361,15 +377,18 @@ class FeatureSession:
     def propose(self, draft: FeatureDraft, k: int, pick) -> tuple[list[int], list]:
         """Drafts up to ``k`` tokens; ``pick(logits [1, V]) -> (token, q or None)`` chooses each one, or
         returns None to stop early (see ``draft_service.picking``)."""
+        device = draft.device
         feats, next_tokens, start = self.catch_up()
-        positions = torch.arange(start, start + len(feats)).unsqueeze(0)  # [1, m]
-        predicted = draft.predict(feats.unsqueeze(0), torch.tensor([next_tokens]), self.kv, positions)[:, -1:]  # [1, 1, D]
+        positions = torch.arange(start, start + len(feats), device=device).unsqueeze(0)  # [1, m]
+        predicted = draft.predict(feats.unsqueeze(0), torch.tensor([next_tokens], device=device), self.kv,
+                                  positions)[:, -1:]  # [1, 1, D]
         tokens, qs = [], []
         position = start + len(feats)
         for i in range(k):
-            if not take_next(pick, draft.full_logits(predicted[0]).float(), tokens, qs):
+            if not take_next(pick, on_host(draft.full_logits(predicted[0])), tokens, qs):
                 break
             if i + 1 < k:
-                predicted = draft.predict(predicted, torch.tensor([[tokens[-1]]]), self.kv, torch.tensor([[position]]))
+                predicted = draft.predict(predicted, torch.tensor([[tokens[-1]]], device=device), self.kv,
+                                          torch.tensor([[position]], device=device))
                 position += 1
         return tokens, qs

@@ -6,18 +6,20 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import torch
 from opentelemetry import trace
 
 from draft_service.engine import DraftEngine, FeatureDrafter, ModelDrafter, NgramDrafter, ProposeCall, Proposal
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import load_feature_draft
 from draft_service.scheduler import DraftScheduler
-from draft_service.token_draft import CARD_FILE, load_token_draft, target_weights_hash
+from draft_service.target_parts import read_target
+from draft_service.token_draft import CARD_FILE, load_token_draft
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.model_thread import model_executor, on_model_thread
-from specdec.models import LoadedModel, load_config, load_model, max_context
+from specdec.models import LoadedModel, load_config, load_model, max_context, resolve_dtype
 from specdec.packed_linear import pack_linears
 from specdec.rpc import RunningServer, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
@@ -76,29 +78,48 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
             )
 
 
+def _draft_dtype(config: DraftConfig, spec: str) -> torch.dtype:
+    """What the draft computes in: ``--dtype``, with ``auto`` taking (on a GPU) the dtype of the
+    checkpoint ``spec`` (the target a distilled draft borrows from, or a plain draft model itself)."""
+    model = config.model
+    checkpoint = None
+    if model.dtype == "auto" and model.device != "cpu":
+        checkpoint = load_config(resolve_model_path(spec, model.cache_dir))
+    return resolve_dtype(model.dtype, model.device, checkpoint)
+
+
+def _prepacks(config: DraftConfig, dtype: torch.dtype) -> bool:
+    """Whether the draft's linear layers are prepacked or int8: oneDNN's fp32 kernels, on a CPU only."""
+    return config.model.device == "cpu" and dtype == torch.float32
+
+
 def load_draft_model(config: DraftConfig) -> LoadedModel:
     """A model draft: a distilled token draft (a folder with a draft card) or any causal LM folder/file.
 
-    A token draft is built around the target's own embedding, so the target is loaded too, unpacked,
-    because the card pins the hash of its plain weights.
+    A token draft is built around the target's own embedding and head, read from the target's files
+    with the hash its card pins (``draft_service.target_parts``), not around the whole target.
     """
     path = resolve_model_path(config.model.model, config.model.cache_dir)
     if not (path / CARD_FILE).is_file():
-        return load_model(config.model.model, config.model.cache_dir, pack=config.model.pack)
-    target = load_model(config.target_model, config.model.cache_dir)
-    loaded = load_token_draft(path, target)
-    if config.model.pack:
+        dtype = _draft_dtype(config, config.model.model)
+        return load_model(config.model.model, config.model.cache_dir, dtype=dtype,
+                          pack=config.model.pack and _prepacks(config, dtype), device=config.model.device)
+    dtype = _draft_dtype(config, config.target_model)
+    target, weights_hash = read_target(config.target_model, config.model.cache_dir, dtype, config.model.device)
+    loaded = load_token_draft(path, target, target_hash=weights_hash)
+    if config.model.pack and _prepacks(config, dtype):
         pack_linears(loaded.model)
     return loaded
 
 
 def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
-    """A distilled feature draft around the target it was made for (loaded unpacked: the card pins the
-    hash of its plain weights, and the draft borrows its embedding and LM head rows)."""
-    target = load_model(config.target_model, config.model.cache_dir)
+    """A distilled feature draft around the part of its target it borrows (embedding and head rows,
+    read from the target's files with the hash its card pins: ``draft_service.target_parts``)."""
+    dtype = _draft_dtype(config, config.target_model)
+    target, weights_hash = read_target(config.target_model, config.model.cache_dir, dtype, config.model.device)
     path = resolve_model_path(config.model.model, config.model.cache_dir)
-    draft = load_feature_draft(path, target.model, target_weights_hash(target.model))
-    if config.int8_head:
+    draft = load_feature_draft(path, target.model, weights_hash)
+    if config.int8_head and _prepacks(config, dtype):
         draft.quantize_head_int8()
     facts = replace(target.facts(FEATURE_KIND), name=str(path))
     return FeatureDrafter(draft, facts, config.model.max_sessions, config.sample_top_k, lookup_min=config.lookup_min,

@@ -1,8 +1,8 @@
-"""The small token-level draft: a few Llama layers over the target's frozen embedding, with a
-reduced-vocabulary head (the FR-Spec / EAGLE-3 idea).
+"""The small token-level draft: a few decoder layers of the target's own family (Llama's for a Llama)
+over the target's frozen embedding, with a reduced-vocabulary head (the FR-Spec / EAGLE-3 idea).
 
-- The embedding is the target's own matrix, taken from the loaded target at start-up and never stored
-  in the draft's files.
+- The embedding is the target's own matrix, read from the target's files at start-up
+  (``draft_service.target_parts``) and never stored in the draft's files.
 - The head scores only the N most frequent target tokens (``head_ids``). Its rows are cut from the
   target's LM head (the tied embedding for SmolLM2) at start-up (only the ids are stored), plus a
   small trainable bias.
@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import AutoModel, PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import CausalLMOutputWithPast
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from draft_service.target_parts import hash_entry
 from specdec.models import LoadedModel
 
 KIND = "token"
@@ -65,17 +65,17 @@ class TokenDraftArch:
 def target_weights_hash(model: nn.Module) -> str:
     """SHA-256 over the target's state dict: every entry's name, dtype, shape and bytes, in name order.
 
-    Tied tensors (embedding and LM head) are hashed under each name. Call it on the model as loaded
-    for drafting (fp32, linear layers not prepacked): prepacked linears keep no weight in the state
-    dict, so they are refused rather than hashed to a different value.
+    Tied tensors (embedding and LM head) are hashed under each name, and floating ones as float32
+    (``target_parts.hash_entry``). Call it on the model as loaded for drafting (linear layers not
+    prepacked): prepacked linears keep no weight in the state dict, so they are refused rather than
+    hashed to a different value. ``target_parts.checkpoint_weights_hash`` gives the same digest from
+    the checkpoint files without building the model.
     """
     if any(type(m).__name__ == "PackedLinear" for m in model.modules()):
         raise ValueError("target_weights_hash needs the unpacked target (load it with pack=False)")
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
-        tensor = tensor.detach().cpu().contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        hash_entry(digest, name, tensor)
     return digest.hexdigest()
 
 
@@ -121,17 +121,58 @@ def save_draft_weights(state: dict[str, torch.Tensor], folder: Path, kind: str, 
     return path
 
 
-def _draft_config(target_config: PretrainedConfig, layers: int) -> PretrainedConfig:
+def draft_config(target_config: PretrainedConfig, layers: int) -> PretrainedConfig:
+    """The target's config cut to a draft of ``layers`` decoder layers that attend to their whole context.
+
+    A draft has no sliding window, whatever its target's: it is trained and served with full causal
+    attention, and transformers' sliding masks would need the window-holding cache layers the draft's
+    ``GrowableCache`` does not make.
+    """
     config = copy.deepcopy(target_config)
     config.num_hidden_layers = layers
-    if hasattr(config, "layer_types") and config.layer_types is not None:
-        config.layer_types = list(config.layer_types)[:layers]
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = ["full_attention"] * layers
+    if getattr(config, "sliding_window", None) is not None:
+        config.sliding_window = None
     config.use_cache = True
     return config
 
 
+@dataclass(frozen=True)
+class FamilyModules:
+    """The module classes a draft builds its layers from: its target family's own (Llama's for a Llama)."""
+
+    layer: type[nn.Module]
+    """Decoder layer, built as ``layer(config, layer_idx)``."""
+    norm: type[nn.Module]
+    """RMSNorm, built as ``norm(dim, eps)`` (Gemma's scales by ``1 + w``)."""
+    rotary: type[nn.Module]
+    """Rotary embedding, built as ``rotary(config=config)``."""
+
+
+def family_modules(config: PretrainedConfig) -> FamilyModules:
+    """The decoder layer, norm and rotary classes of ``config``'s model family, read off its base
+    model built on the meta device (no weights behind it)."""
+    with torch.device("meta"):
+        base = AutoModel.from_config(draft_config(config, 1))
+    return FamilyModules(type(base.layers[0]), type(base.norm), type(base.rotary_emb))
+
+
+def embed_scale(embedding: nn.Module) -> float:
+    """What the target's embedding module multiplies its rows by (Gemma: sqrt(D)), 1.0 for most families."""
+    return float(getattr(embedding, "scalar_embed_scale", 1.0))
+
+
+def embed(ids: torch.Tensor, embedding: nn.Embedding, scale: float) -> torch.Tensor:
+    """Rows ``[..., D]`` of the frozen target embedding for ``ids``, scaled as the target scales them."""
+    rows = nn.functional.embedding(ids, embedding.weight.detach())  # [..., D]
+    # Gemma rounds its scale to the weights' dtype before multiplying: the same numbers as its module.
+    return rows if scale == 1.0 else rows * torch.tensor(scale, dtype=rows.dtype)
+
+
 class TokenDraft(nn.Module):
-    """A causal LM: frozen target embedding → ``layers`` Llama decoder layers → RMSNorm → reduced head."""
+    """A causal LM: frozen target embedding → ``layers`` decoder layers of the target's family → RMSNorm
+    → reduced head."""
 
     def __init__(self, target_config: PretrainedConfig, embedding: nn.Embedding, output_weight: torch.Tensor,
                  head_ids: torch.Tensor, arch: TokenDraftArch) -> None:
@@ -139,14 +180,16 @@ class TokenDraft(nn.Module):
         if len(arch.init_from) != arch.layers:
             raise ValueError(f"init_from names {len(arch.init_from)} target layers for {arch.layers} draft layers")
         self.arch = arch
-        self.config = _draft_config(target_config, arch.layers)
+        self.config = draft_config(target_config, arch.layers)
         self.vocab_size = int(embedding.weight.shape[0])
         # Kept out of the module tree so the target's matrix is neither trained nor saved with the draft.
         self.__dict__["embedding"] = embedding
         self.__dict__["_int8_head"] = None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(self.config, i) for i in range(arch.layers))
-        self.norm = LlamaRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
-        self.rotary_emb = LlamaRotaryEmbedding(config=self.config)
+        self.embed_scale = embed_scale(embedding)
+        family = family_modules(self.config)
+        self.layers = nn.ModuleList(family.layer(self.config, i) for i in range(arch.layers))
+        self.norm = family.norm(self.config.hidden_size, self.config.rms_norm_eps)
+        self.rotary_emb = family.rotary(config=self.config)
         add_reduced_head(self, output_weight, head_ids, self.vocab_size)
 
     @property
@@ -168,7 +211,7 @@ class TokenDraft(nn.Module):
     def hidden(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False,
                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The final-norm hidden states ``[B, T, D]``."""
-        embeds = torch.nn.functional.embedding(input_ids, self.embedding.weight.detach())  # [B, T, D], frozen
+        embeds = embed(input_ids, self.embedding, self.embed_scale)  # [B, T, D], frozen
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + past).unsqueeze(0)  # [1, T]
@@ -256,19 +299,23 @@ def check_target(card: dict, draft_dir: Path, actual: str) -> None:
         )
 
 
-def load_token_draft(draft_dir: Path, target: LoadedModel, *, int8: bool = False) -> LoadedModel:
-    """Builds the draft stored in ``draft_dir`` around an already loaded (unpacked) target.
+def load_token_draft(draft_dir: Path, target: LoadedModel, *, int8: bool = False,
+                     target_hash: str | None = None) -> LoadedModel:
+    """Builds the draft stored in ``draft_dir`` around an already loaded (unpacked) target, or the
+    part of it a draft borrows (``target_parts.read_target``, which gives ``target_hash`` too).
 
-    Checks that the target's weights hash to the card's ``target.weights_sha256`` and raises
-    ``ValueError`` naming both hashes when they differ. The result shares the target's tokenizer and
-    facts; its ``model`` is the draft (fp32, eval mode, no gradients), or with ``int8`` its int8
-    dynamically quantized form (about 3x cheaper per step on CPU, agreement about 0.01 lower).
+    Checks that the target's weights hash (``target_hash``, else ``target_weights_hash`` of its model)
+    to the card's ``target.weights_sha256`` and raises ``ValueError`` naming both hashes when they
+    differ. The result shares the target's tokenizer and facts; its ``model`` is the draft (eval mode,
+    no gradients, in the dtype and on the device of the target's embedding), or with ``int8`` its int8
+    dynamically quantized form (CPU and fp32 only; about 3x cheaper per step on CPU, agreement about
+    0.01 lower).
     """
     draft_dir = Path(draft_dir)
     card = read_card(draft_dir)
     if card.get("kind") != KIND:
         raise ValueError(f"{draft_dir} holds a draft of kind {card.get('kind')!r}, not {KIND!r}")
-    check_target(card, draft_dir, target_weights_hash(target.model))
+    check_target(card, draft_dir, target_hash if target_hash is not None else target_weights_hash(target.model))
     draft = load_token_draft_module(draft_dir, target.model, card)
     if int8:
         draft.quantize_int8()
@@ -276,16 +323,16 @@ def load_token_draft(draft_dir: Path, target: LoadedModel, *, int8: bool = False
 
 
 def load_token_draft_module(draft_dir: Path, target_model: nn.Module, card: dict | None = None) -> TokenDraft:
-    """The draft module from ``draft_dir`` (no identity check), upcast to fp32, ready for inference."""
+    """The draft module from ``draft_dir`` (no identity check), ready for inference in the dtype and on
+    the device of the target's embedding (the stored fp16 weights upcast first, then cast to it)."""
     card = card if card is not None else read_card(draft_dir)
     arch = TokenDraftArch.from_json(card["architecture"])
     tensors = load_file(str(Path(draft_dir) / WEIGHTS_FILE))
-    draft = TokenDraft(target_model.config, target_model.get_input_embeddings(), _output_weight(target_model),
-                       tensors["head_ids"], arch)
+    embedding = target_model.get_input_embeddings()
+    draft = TokenDraft(target_model.config, embedding, _output_weight(target_model), tensors["head_ids"], arch)
     state = {k: (v.float() if v.is_floating_point() else v.long()) for k, v in tensors.items()}
     draft.load_state_dict(state, strict=True)
-    draft.float().eval().requires_grad_(False)
-    return draft
+    return draft.to(embedding.weight.device, embedding.weight.dtype).eval().requires_grad_(False)
 
 
 def wrap_token_draft(draft: TokenDraft, target: LoadedModel, name: str) -> LoadedModel:
@@ -298,4 +345,5 @@ def wrap_token_draft(draft: TokenDraft, target: LoadedModel, name: str) -> Loade
         max_context=target.max_context,
         eos_token_ids=target.eos_token_ids,
         fingerprint=target.fingerprint,
+        dtype=target.dtype,
     )

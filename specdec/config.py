@@ -8,6 +8,8 @@ from importlib.resources import files
 from pathlib import Path
 
 MAX_K = 32
+# What ``--dtype`` takes: "auto" (float32 on a CPU, the checkpoint's dtype on a GPU) or a torch dtype.
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # ModelInfo.kind of a draft that reads the target's hidden states (HiddenStates in the protocol).
 FEATURE_KIND = "feature"
@@ -92,12 +94,17 @@ class ModelConfig:
     cache_idle_s: float = 3600.0
     # Prepack linear weights for oneDNN: a verify pass over k+1 tokens then costs about one step.
     pack: bool = True
-    # The torch device the model computes on: "cpu", or "cuda" / "cuda:N" (the target service only).
+    # The torch device the model computes on: "cpu", or "cuda" / "cuda:N".
     device: str = "cpu"
+    # The weights' and activations' dtype (``MODEL_DTYPES``): "auto" keeps float32 on a CPU and takes the
+    # checkpoint's own dtype on a GPU.
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device: {self.device!r} is not cpu, cuda or cuda:N")
+        if self.dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
 
     def cache_limits(self) -> dict[str, float]:
         """The session cache bounds beyond ``max_sessions``, as engine keyword arguments."""

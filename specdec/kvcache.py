@@ -82,7 +82,12 @@ class GrowableLayer(DynamicLayer):
 
 
 class GrowableCache(DynamicCache):
-    """A DynamicCache whose layers write into preallocated, doubling buffers."""
+    """A DynamicCache whose layers write into preallocated, doubling buffers.
+
+    Every layer keeps every entry, a sliding-window layer's too (Mistral, Qwen2/3, Gemma 2): the
+    window is the attention mask's business, transformers' own and ``specdec.ragged``'s alike, so the
+    cache crops and extends the same way for every family.
+    """
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowableLayer)

@@ -5,10 +5,12 @@ shapes of a verify pass (2 to 9 rows) it costs up to twice a one-row GEMV. oneDN
 reordered once into its blocked layout grows far less with the number of rows, which is what
 makes speculation pay on a CPU.
 
-Sibling projections that read the same input (a Llama layer's q/k/v, and its MLP's gate/up) are
-packed as one stacked weight. A decode pass is about 200 small products whose fixed cost per call
-dominates at this size: on the 2-core development CPU, 30 layers of fused products took 45 ms for
-one row where the 7 separate ones took 52 ms (and 57 against 65 ms for five rows).
+Sibling projections that read the same input (an attention layer's q/k/v, with their biases where
+a family has them, and a gated MLP's gate/up) are packed as one stacked weight; a family that fuses
+them itself (Phi-3's ``qkv_proj`` and ``gate_up_proj``) has one linear layer each already. A decode
+pass is about 200 small products whose fixed cost per call dominates at this size: on the 2-core
+development CPU, 30 layers of fused products took 45 ms for one row where the 7 separate ones took
+52 ms (and 57 against 65 ms for five rows).
 
 The results equal plain ``linear`` up to float rounding (a different summation order), not
 bit for bit; greedy decoding can differ only where the top two logits nearly tie. Fusing changed no

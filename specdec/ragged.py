@@ -145,21 +145,22 @@ class RaggedLayout:
         return self.masks if window is None or self.windowed is None else self.windowed[window]
 
 
-def _rotary(attn: nn.Module) -> Callable:
+def rotary_of(attn: nn.Module) -> Callable:
     """The ``apply_rotary_pos_emb`` of the attention module's own family (Phi-3's rotates part of a head)."""
     return sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
 
-def _projections(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries ``[N, Hq, hd]``, keys and values ``[N, Hkv, hd]`` of rows ``h [N, D]``, before RoPE."""
-    n_rows, hd = h.shape[0], attn.head_dim
+def project_qkv(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries ``[..., Hq, hd]``, keys and values ``[..., Hkv, hd]`` of normed rows ``h [..., D]``, before
+    RoPE, as the attention module's own forward computes them."""
+    hd = attn.head_dim
     if hasattr(attn, "qkv_proj"):  # Phi-3: one fused product, split as its own forward splits it
         qkv = attn.qkv_proj(h)  # [N, (Hq + 2 Hkv) hd]
         kv_width = attn.num_key_value_heads * hd
         q, k, v = qkv.split([qkv.shape[-1] - 2 * kv_width, kv_width, kv_width], dim=-1)
     else:
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    q, k, v = (t.view(n_rows, -1, hd) for t in (q, k, v))
+    q, k, v = (t.view(*h.shape[:-1], -1, hd) for t in (q, k, v))
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: RMSNorm over each head, before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     return q, k, v
@@ -174,8 +175,8 @@ def ragged_decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch
     """
     attn = layer.self_attn
     h = layer.input_layernorm(x)
-    q, k, v = (t.transpose(0, 1)[None] for t in _projections(attn, h))  # [1, H, N, hd] each
-    q, k = _rotary(attn)(q, k, *rope)
+    q, k, v = (t.transpose(0, 1)[None] for t in project_qkv(attn, h))  # [1, H, N, hd] each
+    q, k = rotary_of(attn)(q, k, *rope)
     masks = layout.masks_for(window)
     outs = []
     for i, cache in enumerate(caches):

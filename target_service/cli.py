@@ -10,7 +10,7 @@ import argparse
 import os
 from dataclasses import replace
 
-from specdec.cli import add_cache_limits, add_server, env, extra_installed, model_config, server_config
+from specdec.cli import add_cache_limits, add_device, add_server, env, extra_installed, model_config, server_config
 from specdec.config import TargetConfig, TensorParallelConfig
 
 
@@ -23,8 +23,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=env("TARGET_MODEL", "default"),
                    help="'default', a HF folder or a .gguf file (env SPECDEC_TARGET_MODEL)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--device", default=env("DEVICE", "cpu"),
-                   help="where the model computes: cpu, cuda or cuda:N (env SPECDEC_DEVICE)")
+    add_device(p, "DEVICE")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
     add_cache_limits(p)
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")

@@ -74,6 +74,12 @@ class VerifyCall:
     side_layers: tuple[int, ...] = ()
 
 
+def wire_ready(rows: torch.Tensor) -> torch.Tensor:
+    """Hidden rows ``[n, W]`` in a dtype the wire's numpy conversion has: a bfloat16 target's upcast (on
+    its device, before they leave it), float32 and float16 ones as they are."""
+    return rows.float() if rows.dtype == torch.bfloat16 else rows
+
+
 def newest_hidden(rows: list[HiddenRows]) -> HiddenRows | None:
     """Consecutive hidden rows as one block, cut to the newest PREFILL_HIDDEN_ROWS, or fewer where wide
     rows would pass PREFILL_HIDDEN_BYTES (None: no rows)."""
@@ -200,6 +206,8 @@ class TargetEngine:
         if defer:
             return cache_id, len(cache.committed), None
         hidden = cache.prefill(self._loaded.model, with_hidden, side_layers)
+        if hidden is not None:
+            hidden = HiddenRows(hidden.start, wire_ready(hidden.rows))
         self._caches.fit_budget(cache_id)
         # A long prompt's rows would outgrow a message; the draft attends to the newest ones only.
         return cache_id, len(cache.committed), newest_hidden([hidden] if hidden is not None else [])
@@ -331,6 +339,7 @@ class TargetEngine:
                     hidden.append(None)
                     starts.append(0)
                 logits.append(item_logits)
+        hidden = [None if rows is None else wire_ready(rows) for rows in hidden]
         if model.device.type == "cuda":
             torch.cuda.synchronize(model.device)  # the pass's kernels run asynchronously: time all of them
         pass_ms = (time.perf_counter() - t0) * 1000

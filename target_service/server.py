@@ -115,7 +115,8 @@ async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine
 
 def load_shard(config: TargetConfig) -> LoadedModel:
     """The target model, or with tensor parallelism this rank's shard of it."""
-    loaded = load_model(config.model.model, config.model.cache_dir, device=config.model.device)
+    model = config.model
+    loaded = load_model(model.model, model.cache_dir, dtype=model.dtype, device=model.device)
     if config.tp.world_size > 1:
         shard_llama(loaded.model, config.tp.rank, config.tp.world_size)
     if config.model.pack and config.model.device == "cpu":  # after sharding: each rank packs its own slices

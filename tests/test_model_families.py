@@ -8,7 +8,9 @@ and sliding windows of 8 tokens, shorter than every context here.
 
 from __future__ import annotations
 
+import json
 import logging
+import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,8 +20,15 @@ from harness import InProcessStack
 from test_e2e_tiny import PROMPTS, hf_greedy
 from tiny import FAMILY_TRAITS, make_family_model
 
+from draft_service.distill import cli as distill_cli
+from draft_service.distill import pipeline
+from draft_service.distill.prompts import Prompt
 from draft_service.engine import ModelDrafter
+from draft_service.feature_draft import KIND as FEATURE_KIND
+from draft_service.server import build_drafter
+from draft_service.token_draft import CARD_FILE
 from specdec import Client
+from specdec.config import DraftConfig, ModelConfig
 from specdec.kvcache import SessionCache
 from specdec.models import LoadedModel, load_model
 from specdec.ragged import RAGGED_FAMILIES, RaggedItem, layer_windows, ragged_forward, supports_ragged
@@ -87,7 +96,8 @@ def test_ragged_pass_equals_a_plain_forward_per_session(family, family_models):
         torch.testing.assert_close(got_hidden, rows.rows, atol=1e-4, rtol=1e-4)
 
 
-def engine_greedy(engine: TargetEngine, prompts: list[list[int]], references: list[list[int]], k: int = 3) -> list[list[int]]:
+def engine_greedy(engine: TargetEngine, prompts: list[list[int]], references: list[list[int]],
+                  k: int = 3) -> list[list[int]]:
     """Decodes every prompt at once through ``verify_batch`` (one ragged pass a round for all of them).
 
     Each round proposes the reference's next ``k`` tokens with the last one changed, so rounds accept
@@ -154,3 +164,59 @@ def test_an_unsupported_family_falls_back_to_one_pass_per_session_and_says_so(fa
     prompts = [loaded.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS[:2]]
     references = [hf_greedy(loaded, p, NEW_TOKENS) for p in PROMPTS[:2]]
     assert engine_greedy(engine, prompts, references) == references
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prepacked_linears_keep_the_ragged_pass(family, family_models, family_dir):
+    """The services prepack linear layers on a CPU (fused q/k/v with their biases, Phi-3's own fused
+    ones): the pass over them gives the plain model's logits up to float rounding."""
+    plain = family_models(family).model
+    packed = load_model(str(family_dir / f"{family}-target"), family_dir, pack=True).model
+    assert any(type(m).__name__ == "PackedLinear" for m in packed.modules())
+    logits = []
+    for model in (plain, packed):
+        cache = _sessions(model, [30], 2)[0]
+        logits.append(ragged_forward(model, [RaggedItem(cache.kv, cache.pending() + [3, 4], 3)])[0][0])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+
+
+def _tiny_prompts(n: int, seed: int, stdlib=None) -> list[Prompt]:
+    """Distillation prompts in the tiny tokenizer's words."""
+    r = random.Random(seed)
+    return [Prompt("tiny", text=" ".join(f"w{r.randrange(30)}" for _ in range(r.randint(3, 10)))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_distill_makes_drafts_for_the_family_that_the_stack_serves_exactly(family, family_models, family_dir,
+                                                                           tmp_path, monkeypatch, redis_url):
+    """``specdec distill`` (a few seconds' worth) makes a token and a feature draft of the family's own
+    layers, their cards name its family and dtype, and the draft service serves them from the
+    target's files: greedy output through the stack is target-only generate's."""
+    monkeypatch.setattr(pipeline, "build_prompts", _tiny_prompts)
+    monkeypatch.setattr(pipeline, "harvest_stdlib", lambda: [])
+    target_folder = family_dir / f"{family}-target"
+    target = family_models(family)
+    references = [hf_greedy(target, p, 24) for p in PROMPTS]
+    for kind, served_as in (("token", "model"), (FEATURE_KIND, FEATURE_KIND)):
+        out = tmp_path / kind
+        argv = ["--target", str(target_folder), "--kind", kind, "--out", str(out),
+                "--work", str(tmp_path / f"w-{kind}"), "--cache-dir", str(family_dir), "--minutes", "0.3",
+                "--tokens", "300", "--prompts", "60", "--held-out", "6", "--batch-size", "16", "--max-new", "12",
+                "--eval-max-new", "12", "--layers", "1", "--init-from", "1", "--head-size", "24", "--epochs", "2",
+                "--batch-tokens", "512", "--threads", "1"]
+        assert distill_cli.main(argv) == 0
+        card = json.loads((out / CARD_FILE).read_text())
+        assert (card["target"]["family"], card["target"]["dtype"]) == (family, "float32")
+        drafter = build_drafter(DraftConfig(kind=served_as, target_model=str(target_folder),
+                                            model=ModelConfig(model=str(out), cache_dir=family_dir)))
+        layer = drafter._loaded.model.layers[0] if served_as == "model" else drafter._draft_model.layer
+        assert type(layer) is type(target.model.get_decoder().layers[0])
+        stack = InProcessStack(TargetEngine(target, 8), drafter, target_folder, redis_url).start()
+        try:
+            with Client(stack.address, timeout=120) as client:
+                results = [client.complete(p, max_new_tokens=24, k=3) for p in PROMPTS]
+        finally:
+            stack.close()
+        assert [r.token_ids for r in results] == references, kind
+        assert sum(r.stats.accepted_tokens for r in results) > 0, kind

@@ -61,7 +61,8 @@ FAMILY_TRAITS: dict[str, dict] = {
     "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     "qwen3": {"head_dim": 16},
     "gemma": {"head_dim": 8, "hidden_activation": "gelu_pytorch_tanh"},
-    "phi3": {"sliding_window": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    "phi3": {"sliding_window": 8,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
 }
 
 
@@ -96,4 +97,26 @@ def make_family_model(folder: Path, family: str, seed: int, layers: int = 2, log
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     make_tokenizer(folder)
+    return folder
+
+
+def save_draft_with_card(draft, folder: Path, target_hash: str, jitter_seed: int | None = None) -> Path:
+    """Writes a token or feature draft and a card pinning ``target_hash`` to ``folder``, as ``specdec
+    distill`` leaves one; with ``jitter_seed``, its trainable weights are first nudged off their start."""
+    import json
+
+    from draft_service.feature_draft import FeatureDraft, save_feature_draft
+    from draft_service.token_draft import CARD_FILE, save_token_draft
+
+    if jitter_seed is not None:
+        torch.manual_seed(jitter_seed)
+        with torch.no_grad():
+            for param in draft.parameters():
+                if param.requires_grad:
+                    param.add_(0.05 * torch.randn_like(param))
+    feature = isinstance(draft, FeatureDraft)
+    (save_feature_draft if feature else save_token_draft)(draft, folder)
+    card = {"kind": "feature" if feature else "token", "target": {"name": "tiny", "weights_sha256": target_hash},
+            "architecture": draft.arch.to_json()}
+    (folder / CARD_FILE).write_text(json.dumps(card))
     return folder

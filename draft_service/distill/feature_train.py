@@ -21,11 +21,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from draft_service.distill.collect import Sample
 from draft_service.distill.train import IGNORE, head_labels
 from draft_service.feature_draft import FeatureDraft
+from specdec.ragged import project_qkv, rotary_of
 
 
 @dataclass(frozen=True)
@@ -159,19 +159,16 @@ def two_steps(draft: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor,
 
 def _decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                    context: tuple[torch.Tensor, torch.Tensor] | None = None):
-    """A Llama decoder layer over ``x [B, T, D]`` under a boolean ``mask [T, C + T]``, its own keys and
-    values after ``context``'s (``[B, Hkv, C, hd]`` each); returns (output, its own keys and values).
+    """A decoder layer (of the target's family) over ``x [B, T, D]`` under a boolean ``mask [T, C + T]``,
+    its own keys and values after ``context``'s (``[B, Hkv, C, hd]`` each); returns (output, its own keys and values).
 
     The padded-batch, masked counterpart of ``specdec.ragged.ragged_decoder_layer``, which serves a
     ragged block against per-session caches and cannot take keys from another pass."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
     b, t, _ = h.shape
-    shape = (b, t, -1, attn.head_dim)
-    q = attn.q_proj(h).view(shape).transpose(1, 2)  # [B, Hq, T, hd]
-    k = attn.k_proj(h).view(shape).transpose(1, 2)  # [B, Hkv, T, hd]
-    v = attn.v_proj(h).view(shape).transpose(1, 2)  # [B, Hkv, T, hd]
-    q, k = apply_rotary_pos_emb(q, k, *rope)
+    q, k, v = (p.transpose(1, 2) for p in project_qkv(attn, h))  # [B, Hq or Hkv, T, hd]
+    q, k = rotary_of(attn)(q, k, *rope)
     keys, values = (k, v) if context is None else (torch.cat([context[0], k], 2), torch.cat([context[1], v], 2))
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, D]

@@ -54,8 +54,11 @@ def _card(config: DistillConfig, target: LoadedModel, target_hash: str, arch, da
     return {
         "kind": config.kind,
         "format": 1,
+        # The family names the decoder layers the draft is built of; the dtype is the one the target
+        # computed its labels and features in.
         "target": {"name": config.target, "weights_sha256": target_hash, "vocab_size": target.vocab_size,
-                   "tokenizer_fingerprint": target.fingerprint},
+                   "tokenizer_fingerprint": target.fingerprint, "family": target.model.config.model_type,
+                   "dtype": str(target.dtype).removeprefix("torch.")},
         "architecture": arch.to_json(),
         "recipe": {"command": config.command, "seed": config.seed, "settings": config.recipe(), "data": data},
         "training": training,
