@@ -370,7 +370,7 @@ def _stream_in_thread(served: Served, model: str, started: threading.Event, stop
     return thread
 
 
-def test_overload_is_429_with_retry_after_and_a_disconnect_frees_the_slot(narrow, model):
+def test_overload_is_429_with_retry_after_and_a_disconnect_frees_the_slot(stack, narrow, model):
     started, stop = threading.Event(), threading.Event()
     thread = _stream_in_thread(narrow, model, started, stop)
     try:
@@ -390,6 +390,9 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_the_slot(narrow
             break
         time.sleep(0.1)
     assert status == 200
+    # The dropped stream's turn was cut short (its generator closed), not run to its 200 tokens.
+    (dropped,) = [s for s in _generate_spans(stack) if s.attributes["gen_ai.request.max_tokens"] == 200]
+    assert "gen_ai.response.finish_reasons" not in dropped.attributes
 
 
 # --- traces: an HTTP server span over the round loop's --------------------------------------------------
