@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 from harness import InProcessStack
+from test_distill import _tiny_prompts
 from test_e2e_tiny import PROMPTS, hf_greedy
 from tiny import FAMILY_TRAITS, make_family_model
 
 from draft_service.distill import cli as distill_cli
 from draft_service.distill import pipeline
-from draft_service.distill.prompts import Prompt
 from draft_service.engine import ModelDrafter
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.server import build_drafter
@@ -179,12 +178,6 @@ def test_prepacked_linears_keep_the_ragged_pass(family, family_models, family_di
         logits.append(ragged_forward(model, [RaggedItem(cache.kv, cache.pending() + [3, 4], 3)])[0][0])
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
     assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
-
-
-def _tiny_prompts(n: int, seed: int, stdlib=None) -> list[Prompt]:
-    """Distillation prompts in the tiny tokenizer's words."""
-    r = random.Random(seed)
-    return [Prompt("tiny", text=" ".join(f"w{r.randrange(30)}" for _ in range(r.randint(3, 10)))) for _ in range(n)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
