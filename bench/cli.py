@@ -30,20 +30,31 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``bench`` and ``pass-grid`` (with the server extra installed)."""
     if not extra_installed("server"):
         return
-    p = subparsers.add_parser("bench", help="tokens/s of hf-target, hf-assisted, specdec-k0, specdec and specdec-http, "
-                                             "side by side")
+    p = subparsers.add_parser(
+        "bench", help="tokens/s of hf-target, hf-assisted, specdec-k0, specdec and specdec-http, side by side"
+    )
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL prompt file")
     p.add_argument("--n", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--k", type=k_arg, default=None, help="draft length of the specdec mode: N or auto (default)")
-    p.add_argument("--modes", help="comma-separated modes (default: hf-target,hf-assisted,specdec-k0,specdec,"
-                                    "specdec-http; "
-                                    "with --concurrency: hf-batched,specdec-k0,specdec)")
-    p.add_argument("--concurrency", type=levels_arg,
-                   help="closed-loop load levels, for example 1,2,4,8,16: throughput and latency per level")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="with --concurrency: runs of each specdec mode per level, in A B B A order, summed")
+    p.add_argument(
+        "--modes",
+        help="comma-separated modes (default: hf-target,hf-assisted,specdec-k0,specdec,"
+        "specdec-http; "
+        "with --concurrency: hf-batched,specdec-k0,specdec)",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=levels_arg,
+        help="closed-loop load levels, for example 1,2,4,8,16: throughput and latency per level",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="with --concurrency: runs of each specdec mode per level, in A B B A order, summed",
+    )
     p.add_argument("--address", help="use a running coordinator instead of starting a local stack")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process HF modes")
     p.add_argument("--out", type=Path, default=Path("reports/bench.json"))
@@ -51,16 +62,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_stack(p)
     p.set_defaults(run=run_bench)
 
-    p = subparsers.add_parser("pass-grid", help="the target's pass cost by sessions and draft length, in process, "
-                                                "and the most speculation could gain from it")
+    p = subparsers.add_parser(
+        "pass-grid",
+        help="the target's pass cost by sessions and draft length, in process, "
+        "and the most speculation could gain from it",
+    )
     add_cache_dir(p)
-    p.add_argument("--target-model", default=env("TARGET_MODEL", "default"),
-                   help="target model (env SPECDEC_TARGET_MODEL)")
+    p.add_argument(
+        "--target-model", default=env("TARGET_MODEL", "default"), help="target model (env SPECDEC_TARGET_MODEL)"
+    )
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL prompt file")
     p.add_argument("--levels", type=levels_arg, default=[1, 2, 4, 8, 16], help="sessions per pass, e.g. 1,2,4")
     p.add_argument("--k-max", type=int, default=4)
-    p.add_argument("--accept", type=float, default=0.48,
-                   help="the draft's conditional acceptance per position, for the ceiling")
+    p.add_argument(
+        "--accept", type=float, default=0.48, help="the draft's conditional acceptance per position, for the ceiling"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed passes per cell (median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the target")
     p.add_argument("--out", type=Path, default=Path("reports/pass-grid.json"))
@@ -77,7 +93,14 @@ def run_bench(args: argparse.Namespace) -> None:
     import torch
 
     from bench.single import (
-        MODES, hf_runner, http_runner, load_prompts, plot, run_interleaved, specdec_runner, summarize,
+        MODES,
+        hf_runner,
+        http_runner,
+        load_prompts,
+        plot,
+        run_interleaved,
+        specdec_runner,
+        summarize,
     )
     from specdec.client import Client
     from specdec.models import load_model
@@ -115,7 +138,8 @@ def run_bench(args: argparse.Namespace) -> None:
         raise SystemExit("specdec-http runs on a local stack, with the coordinator's k (--default-k, not --k)")
     runners = {
         mode: hf_runner(mode, loaded, draft, args.max_new_tokens, args.temperature, k)
-        for mode in modes if mode.startswith("hf")
+        for mode in modes
+        if mode.startswith("hf")
     }
     spec_modes = [m for m in modes if m.startswith("specdec")]
     stacks, clients = [], []
@@ -143,10 +167,17 @@ def run_bench(args: argparse.Namespace) -> None:
         for stack in stacks:
             stack.close()
     report = {
-        "config": {"prompts": str(args.prompts), "n": len(prompts), "max_new_tokens": args.max_new_tokens,
-                   "temperature": args.temperature, "k": "auto" if k is None else k, "draft_kinds": kinds,
-                   "hf_assisted": "assistant_model" if draft is not None else "prompt_lookup_num_tokens",
-                   "target_threads": args.target_threads, "draft_threads": args.draft_threads},
+        "config": {
+            "prompts": str(args.prompts),
+            "n": len(prompts),
+            "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature,
+            "k": "auto" if k is None else k,
+            "draft_kinds": kinds,
+            "hf_assisted": "assistant_model" if draft is not None else "prompt_lookup_num_tokens",
+            "target_threads": args.target_threads,
+            "draft_threads": args.draft_threads,
+        },
         "modes": summarize(results, greedy=args.temperature == 0),
     }
     _write(report, args.out)
@@ -213,11 +244,19 @@ def run_load(args: argparse.Namespace) -> None:
             if stack is not None:
                 stack.close()
     report = {
-        "config": {"prompts": str(args.prompts), "n": n, "max_new_tokens": args.max_new_tokens,
-                   "requests_per_level": {str(level): len(p) for level, p in prompts.items()},
-                   "concurrency": args.concurrency, "k": "auto" if args.k is None else args.k,
-                   "draft_kind": args.draft_kind.split(",")[0], "target_threads": args.target_threads,
-                   "draft_threads": args.draft_threads, "hf_threads": args.threads, "repeats": args.repeats},
+        "config": {
+            "prompts": str(args.prompts),
+            "n": n,
+            "max_new_tokens": args.max_new_tokens,
+            "requests_per_level": {str(level): len(p) for level, p in prompts.items()},
+            "concurrency": args.concurrency,
+            "k": "auto" if args.k is None else args.k,
+            "draft_kind": args.draft_kind.split(",")[0],
+            "target_threads": args.target_threads,
+            "draft_threads": args.draft_threads,
+            "hf_threads": args.threads,
+            "repeats": args.repeats,
+        },
         **summarize_load(results, reference),
     }
     _write(report, args.out)
@@ -247,9 +286,15 @@ def run_pass_grid(args: argparse.Namespace) -> None:
         gain, k = ceiling[sessions]
         relative = " ".join(f"k{k}={ms / row[0]:.2f}x" for k, ms in enumerate(row))
         print(f"C={sessions:<3} pass {row[0]:6.1f} ms  {relative}  ceiling {gain:.2f}x at k={k}")
-    report = {"config": {"target_model": args.target_model, "prompts": str(args.prompts), "threads": args.threads,
-                         "repeats": args.repeats, "accept": args.accept},
-              "pass_ms": {str(c): [round(ms, 1) for ms in row] for c, row in grid.items()},
-              "ceiling": {str(c): {"gain": round(g, 3), "k": k} for c, (g, k) in ceiling.items()}}
+    report = {
+        "config": {
+            "target_model": args.target_model,
+            "prompts": str(args.prompts),
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "accept": args.accept,
+        },
+        "pass_ms": {str(c): [round(ms, 1) for ms in row] for c, row in grid.items()},
+        "ceiling": {str(c): {"gain": round(g, 3), "k": k} for c, (g, k) in ceiling.items()},
+    }
     _write(report, args.out)
-

@@ -98,8 +98,9 @@ def _progress(mode: str, level: int, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
-def run_specdec_level(mode: str, address: str, prompts: list[BenchPrompt], level: int, max_new_tokens: int,
-                      k: int | None) -> LevelResult:
+def run_specdec_level(
+    mode: str, address: str, prompts: list[BenchPrompt], level: int, max_new_tokens: int, k: int | None
+) -> LevelResult:
     """C client threads over one channel, each streaming its next prompt as soon as the last ends."""
     from specdec.client import Client
 
@@ -122,8 +123,9 @@ def run_specdec_level(mode: str, address: str, prompts: list[BenchPrompt], level
             tokens: list[int] = []
             stats = None
             try:
-                for chunk in client.stream(p.prompt, max_new_tokens=max_new_tokens, seed=i,
-                                           k=0 if mode == "specdec-k0" else k):
+                for chunk in client.stream(
+                    p.prompt, max_new_tokens=max_new_tokens, seed=i, k=0 if mode == "specdec-k0" else k
+                ):
                     if chunk.token_ids and first is None:
                         first = time.perf_counter()
                     tokens += chunk.token_ids
@@ -188,9 +190,14 @@ def run_hf_batched_level(loaded, prompts: list[BenchPrompt], level: int, max_new
         first = FirstStep()
         start = time.perf_counter()
         with torch.inference_mode():
-            out = loaded.model.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                                        do_sample=False, pad_token_id=pad,
-                                        stopping_criteria=StoppingCriteriaList([first]))
+            out = loaded.model.generate(
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                stopping_criteria=StoppingCriteriaList([first]),
+            )
         end = time.perf_counter()
         result.seconds += end - start
         for p, row in zip(batch, out[:, width:].tolist()):
@@ -216,8 +223,11 @@ def summarize_load(results: dict[str, dict[int, LevelResult]], reference: dict[s
         report["modes"][mode] = {str(c): r.summary(ref) for c, r in levels.items()}
     spec, k0 = results.get("specdec"), results.get("specdec-k0")
     if spec and k0:
-        ratios = {str(c): round(spec[c].tokens / spec[c].seconds / (k0[c].tokens / k0[c].seconds), 3)
-                  for c in spec if c in k0 and spec[c].seconds and k0[c].seconds}
+        ratios = {
+            str(c): round(spec[c].tokens / spec[c].seconds / (k0[c].tokens / k0[c].seconds), 3)
+            for c in spec
+            if c in k0 and spec[c].seconds and k0[c].seconds
+        }
         report["specdec_vs_k0"] = ratios
     for mode, levels in results.items():
         if 1 in levels and levels[1].seconds:

@@ -95,16 +95,22 @@ def main() -> None:
     prompt = long_prompt(args.cache_dir, args.tokens)
     runs = []
     for chunk in (int(c) for c in args.chunks.split(",")):
-        with LocalStack(StackConfig(prefill_chunk=chunk, cache_dir=args.cache_dir)) as stack, \
-                Client(stack.address, timeout=600) as client:
+        with (
+            LocalStack(StackConfig(prefill_chunk=chunk, cache_dir=args.cache_dir)) as stack,
+            Client(stack.address, timeout=600) as client,
+        ):
             client.complete(RUNNING[0], max_new_tokens=4)  # the first request pays one-time costs
             trials = [trial(client, prompt, args.running) for _ in range(args.trials)]
         runs.append({"prefill_chunk": chunk, "trials": trials})
         print(json.dumps(runs[-1]), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"config": vars(args) | {"cache_dir": str(args.cache_dir),
-                                                                 "out": str(args.out)}, "runs": runs}, indent=2))
+        args.out.write_text(
+            json.dumps(
+                {"config": vars(args) | {"cache_dir": str(args.cache_dir), "out": str(args.out)}, "runs": runs},
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -16,7 +16,11 @@ from target_service.engine import TargetEngine, VerifyCall
 
 
 def measure_pass_grid(
-    engine: TargetEngine, prompts: list[list[int]], levels: list[int], k_max: int, repeats: int = 3,
+    engine: TargetEngine,
+    prompts: list[list[int]],
+    levels: list[int],
+    k_max: int,
+    repeats: int = 3,
 ) -> dict[int, list[float]]:
     """Median ms of one verify pass, by sessions C (``levels``) and draft tokens k = 0..k_max per session.
 

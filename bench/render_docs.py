@@ -244,30 +244,66 @@ def bench_section(report: dict | None, root: Path, reports: Path) -> list[str]:
     rows = []
     for mode, m in modes.items():
         tps = m.get("tokens_per_s")
-        rows.append([f"`{mode}`", num(tps), ratio(tps, base), ratio(tps, assisted), ratio(tps, k0),
-                     m.get("exact", DASH)])
+        rows.append(
+            [f"`{mode}`", num(tps), ratio(tps, base), ratio(tps, assisted), ratio(tps, k0), m.get("exact", DASH)]
+        )
     lines += table(["mode", "tokens/s", "vs hf-target", "vs hf-assisted", "vs specdec-k0", "exact"], rows) + [""]
 
     spec = [(mode, m) for mode, m in modes.items() if speculative(mode)]
     if spec:
-        rows = [[f"`{mode}`", str(m.get("rounds", DASH)), num(m.get("mean_k")), num(m.get("mean_accepted_length")),
-                 num(m.get("acceptance_rate")), num(m.get("per_token_acceptance")),
-                 num(m.get("predicted_speedup_vs_k0")), num(m.get("measured_speedup_vs_k0")), num(m.get("efficiency"))]
-                for mode, m in spec]
+        rows = [
+            [
+                f"`{mode}`",
+                str(m.get("rounds", DASH)),
+                num(m.get("mean_k")),
+                num(m.get("mean_accepted_length")),
+                num(m.get("acceptance_rate")),
+                num(m.get("per_token_acceptance")),
+                num(m.get("predicted_speedup_vs_k0")),
+                num(m.get("measured_speedup_vs_k0")),
+                num(m.get("efficiency")),
+            ]
+            for mode, m in spec
+        ]
         lines += ["Speculation:", ""]
-        lines += table(["mode", "rounds", "mean k", "mean accepted length", "acceptance", "per-token acceptance",
-                        "predicted vs k0", "measured vs k0", "efficiency"], rows) + [""]
+        lines += table(
+            [
+                "mode",
+                "rounds",
+                "mean k",
+                "mean accepted length",
+                "acceptance",
+                "per-token acceptance",
+                "predicted vs k0",
+                "measured vs k0",
+                "efficiency",
+            ],
+            rows,
+        ) + [""]
         width = max(len(m.get("acceptance_by_position") or []) for _, m in spec)
         if width:
-            rows = [[f"`{mode}`"] + [num(a) for a in (m.get("acceptance_by_position") or [])]
-                    + [DASH] * (width - len(m.get("acceptance_by_position") or [])) for mode, m in spec]
+            rows = [
+                [f"`{mode}`"]
+                + [num(a) for a in (m.get("acceptance_by_position") or [])]
+                + [DASH] * (width - len(m.get("acceptance_by_position") or []))
+                for mode, m in spec
+            ]
             lines += ["Acceptance by draft position:", ""]
             lines += table(["mode"] + [str(i + 1) for i in range(width)], rows) + [""]
 
     split = [(mode, m["per_round_ms"]) for mode, m in modes.items() if isinstance(m.get("per_round_ms"), dict)]
     if split:
-        rows = [[f"`{mode}`", num(s.get("draft")), num(s.get("verify")), num(s.get("other")),
-                 num(s.get("median_other")), num(s.get("prefill_per_request"), 1)] for mode, s in split]
+        rows = [
+            [
+                f"`{mode}`",
+                num(s.get("draft")),
+                num(s.get("verify")),
+                num(s.get("other")),
+                num(s.get("median_other")),
+                num(s.get("prefill_per_request"), 1),
+            ]
+            for mode, s in split
+        ]
         lines += ["Time per round, ms:", ""]
         lines += table(["mode", "draft", "verify", "other (mean)", "other (median)", "prefill per request"], rows)
         lines += [""]
@@ -330,12 +366,18 @@ def load_section(report: dict | None, root: Path, reports: Path) -> list[str]:
     for mode in modes:
         rows.append([f"`{mode}` tokens/s"] + [num(cell(mode, c, "tokens_per_s")) for c in levels])
     if "specdec" in modes and "specdec-k0" in modes:
-        rows.append(["**specdec / specdec-k0**"] + [
-            f"**{ratio(cell('specdec', c, 'tokens_per_s'), cell('specdec-k0', c, 'tokens_per_s'), 3)}**"
-            for c in levels])
+        rows.append(
+            ["**specdec / specdec-k0**"]
+            + [
+                f"**{ratio(cell('specdec', c, 'tokens_per_s'), cell('specdec-k0', c, 'tokens_per_s'), 3)}**"
+                for c in levels
+            ]
+        )
     if "specdec" in modes and "hf-batched" in modes:
-        rows.append(["specdec / hf-batched"] + [
-            ratio(cell("specdec", c, "tokens_per_s"), cell("hf-batched", c, "tokens_per_s")) for c in levels])
+        rows.append(
+            ["specdec / hf-batched"]
+            + [ratio(cell("specdec", c, "tokens_per_s"), cell("hf-batched", c, "tokens_per_s")) for c in levels]
+        )
     for mode in modes:
         if any(cell(mode, c, "mean_k") for c in levels):
             rows.append([f"`{mode}` mean k"] + [num(cell(mode, c, "mean_k")) for c in levels])
@@ -343,8 +385,10 @@ def load_section(report: dict | None, root: Path, reports: Path) -> list[str]:
     scaling = report.get("scaling_vs_single_session", {})
     for mode in modes:
         if mode in scaling:
-            rows.append([f"`{mode}` scaling vs C = 1"] + [
-                f"{num(scaling[mode].get(c))}×" if c in scaling[mode] else DASH for c in levels])
+            rows.append(
+                [f"`{mode}` scaling vs C = 1"]
+                + [f"{num(scaling[mode].get(c))}×" if c in scaling[mode] else DASH for c in levels]
+            )
     lines += table(["C"] + levels, rows) + [""]
 
     rows = []
@@ -352,8 +396,15 @@ def load_section(report: dict | None, root: Path, reports: Path) -> list[str]:
         for c in levels_of(by_level):
             m = by_level[c]
             ttft, per_token = m.get("ttft_ms", {}), m.get("per_token_ms", {})
-            rows.append([f"`{mode}`", c, f"{num(ttft.get('p50'), 0)} / {num(ttft.get('p95'), 0)}",
-                         f"{num(per_token.get('p50'), 1)} / {num(per_token.get('p95'), 1)}", m.get("exact", DASH)])
+            rows.append(
+                [
+                    f"`{mode}`",
+                    c,
+                    f"{num(ttft.get('p50'), 0)} / {num(ttft.get('p95'), 0)}",
+                    f"{num(per_token.get('p50'), 1)} / {num(per_token.get('p95'), 1)}",
+                    m.get("exact", DASH),
+                ]
+            )
     lines += ["Latency, ms:", ""]
     lines += table(["mode", "C", "time to first token p50 / p95", "per token p50 / p95", "exact"], rows) + [""]
     if (reports / "bench-load.png").exists():
@@ -405,8 +456,10 @@ def long_section(files: list[tuple[str, dict]]) -> list[str]:
         running = config.get("running", 2)
         what = "alone" if running == 0 else f"while {running} sessions stream"
         tokens = f" of about {config['tokens']:,} tokens" if isinstance(config.get("tokens"), int) else ""
-        lines += [f"`{name}`: the long prompt{tokens} {what}; settings in the order run "
-                  f"({config.get('chunks', DASH)}).", ""]
+        lines += [
+            f"`{name}`: the long prompt{tokens} {what}; settings in the order run ({config.get('chunks', DASH)}).",
+            "",
+        ]
         # Settings in order of first appearance; the runs of one setting pooled.
         pooled: dict[int, list[dict]] = {}
         for run in report["runs"]:
@@ -454,23 +507,50 @@ def drafts_section(cards: list[tuple[str, dict]]) -> list[str]:
             shape += ", reads layers " + ", ".join(str(x) for x in arch["side_layers"])
         training = card.get("training", {})
         seconds = training.get("seconds")
-        trained = f"{training.get('steps', '?')} steps, {seconds / 60:.0f} min" if isinstance(seconds, (int, float)) \
-            else DASH
+        trained = (
+            f"{training.get('steps', '?')} steps, {seconds / 60:.0f} min" if isinstance(seconds, (int, float)) else DASH
+        )
         tokens = card.get("recipe", {}).get("data", {}).get("train_generated_tokens")
         positions = held.get("acceptance_by_position") or []
-        rows.append([f"`{name}`", card.get("kind", DASH), shape, num(held.get("top1_agreement"), 3),
-                     ", ".join(num(a) for a in positions) or DASH, num(held.get("mean_accepted_length")),
-                     num(served.get("mean_accepted_length")),
-                     f"{num(extra.get('top1_agreement'), 3)} / {num(extra.get('mean_accepted_length'))}",
-                     f"{tokens:,}" if isinstance(tokens, int) else DASH, trained])
-    lines += table(["draft", "kind", "shape", "top-1 agreement", "acceptance by position", "mean accepted length",
-                    "as served", "bench prompts top-1 / length", "target tokens trained on", "training"], rows)
+        rows.append(
+            [
+                f"`{name}`",
+                card.get("kind", DASH),
+                shape,
+                num(held.get("top1_agreement"), 3),
+                ", ".join(num(a) for a in positions) or DASH,
+                num(held.get("mean_accepted_length")),
+                num(served.get("mean_accepted_length")),
+                f"{num(extra.get('top1_agreement'), 3)} / {num(extra.get('mean_accepted_length'))}",
+                f"{tokens:,}" if isinstance(tokens, int) else DASH,
+                trained,
+            ]
+        )
+    lines += table(
+        [
+            "draft",
+            "kind",
+            "shape",
+            "top-1 agreement",
+            "acceptance by position",
+            "mean accepted length",
+            "as served",
+            "bench prompts top-1 / length",
+            "target tokens trained on",
+            "training",
+        ],
+        rows,
+    )
     return lines + [""]
 
 
 def files_section(named: list[tuple[str, dict | None]]) -> list[str]:
-    lines = ["## Report files", "", "The reports these tables come from, with their `created` and `host` fields where "
-             "they record them:", ""]
+    lines = [
+        "## Report files",
+        "",
+        "The reports these tables come from, with their `created` and `host` fields where they record them:",
+        "",
+    ]
     for name, report in named:
         if report is None:
             continue
@@ -515,16 +595,26 @@ def render_results(root: Path, reports: Path) -> str:
     modes: dict = report["modes"]
     base = modes.get("hf-target", {}).get("tokens_per_s")
     k0 = modes.get("specdec-k0", {}).get("tokens_per_s")
-    rows = [[f"`{mode}`", num(m.get("tokens_per_s")), ratio(m.get("tokens_per_s"), base),
-             ratio(m.get("tokens_per_s"), k0), num(m.get("mean_accepted_length")), m.get("exact", DASH)]
-            for mode, m in modes.items()]
+    rows = [
+        [
+            f"`{mode}`",
+            num(m.get("tokens_per_s")),
+            ratio(m.get("tokens_per_s"), base),
+            ratio(m.get("tokens_per_s"), k0),
+            num(m.get("mean_accepted_length")),
+            m.get("exact", DASH),
+        ]
+        for mode, m in modes.items()
+    ]
     config = bench_config(report.get("config", {}))
     where = provenance(report)
     caption = f"From `{name}` (`make bench`)" + (f", {where}" if where else "") + "."
     lines = [caption] + ([config] if config else []) + [""]
     lines += table(["mode", "tokens/s", "vs hf-target", "vs specdec-k0", "mean accepted length", "exact"], rows)
-    lines += ["", "Load, the ceiling, long prompts and the drafts' held-out quality: "
-                  "[docs/benchmarks.md](docs/benchmarks.md)."]
+    lines += [
+        "",
+        "Load, the ceiling, long prompts and the drafts' held-out quality: [docs/benchmarks.md](docs/benchmarks.md).",
+    ]
     return "\n".join(lines)
 
 

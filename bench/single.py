@@ -99,8 +99,9 @@ def _progress(done: int, total: int, results: dict[str, ModeResult]) -> None:
 PromptRunner = Callable[[int, BenchPrompt, ModeResult], None]
 
 
-def run_interleaved(runners: dict[str, PromptRunner], prompts: list[BenchPrompt],
-                    progress: bool = True) -> dict[str, ModeResult]:
+def run_interleaved(
+    runners: dict[str, PromptRunner], prompts: list[BenchPrompt], progress: bool = True
+) -> dict[str, ModeResult]:
     """Every mode on prompt 1, then every mode on prompt 2, and so on, the order reversed on every
     other prompt (A B B A ...).
 
@@ -134,7 +135,9 @@ def hf_runner(mode: str, loaded, draft, max_new_tokens: int, temperature: float,
         ids = p.token_ids(loaded.tokenizer)
         start = time.perf_counter()
         with torch.inference_mode():
-            out = loaded.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **options)
+            out = loaded.model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **options
+            )
         result.seconds += time.perf_counter() - start
         generated = out[0, len(ids) :].tolist()
         result.tokens += len(generated)
@@ -149,8 +152,13 @@ def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k
 
     def run(index: int, p: BenchPrompt, result: ModeResult) -> None:
         start = time.perf_counter()
-        reply = client.complete(p.prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=index,
-                                k=0 if mode == "specdec-k0" else k)
+        reply = client.complete(
+            p.prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=index,
+            k=0 if mode == "specdec-k0" else k,
+        )
         result.seconds += time.perf_counter() - start
         s = reply.stats
         result.tokens += len(reply.token_ids)
@@ -184,17 +192,28 @@ def http_runner(address: str, max_new_tokens: int, temperature: float) -> Prompt
 
     def run(index: int, p: BenchPrompt, result: ModeResult) -> None:
         chat = not isinstance(p.prompt, str)
-        body = {"model": model, "messages" if chat else "prompt": p.prompt, "max_tokens": max_new_tokens,
-                "temperature": temperature, "seed": index, "stream": True, "return_token_ids": True}
+        body = {
+            "model": model,
+            "messages" if chat else "prompt": p.prompt,
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": index,
+            "stream": True,
+            "return_token_ids": True,
+        }
         ids: list[int] = []
         start = time.perf_counter()
-        connection.request("POST", "/v1/chat/completions" if chat else "/v1/completions", json.dumps(body),
-                           {"Content-Type": "application/json"})
+        connection.request(
+            "POST",
+            "/v1/chat/completions" if chat else "/v1/completions",
+            json.dumps(body),
+            {"Content-Type": "application/json"},
+        )
         reply = connection.getresponse()
         for line in reply:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
-            event = json.loads(line[len(b"data: "):])
+            event = json.loads(line[len(b"data: ") :])
             if "error" in event:
                 raise RuntimeError(f"specdec-http: {event['error']['message']}")
             ids += event["choices"][0]["token_ids"] if event["choices"] else []
@@ -243,7 +262,9 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
             if r.ahead_rounds:
                 entry["ahead_rounds"] = r.ahead_rounds
             entry["mean_accepted_length"] = round((r.accepted + r.rounds) / r.rounds, 3)
-            entry["acceptance_by_position"] = [round(a / d, 4) if d else 0.0 for a, d in zip(r.accepted_at, r.drafted_at)]
+            entry["acceptance_by_position"] = [
+                round(a / d, 4) if d else 0.0 for a, d in zip(r.accepted_at, r.drafted_at)
+            ]
             if k0 is not None and k0.rounds:
                 # The formula's a is a token's chance to pass given the ones before it passed: accepted
                 # over judged tokens. Over drafted tokens it would count the tokens after a rejection,

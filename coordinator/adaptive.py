@@ -49,8 +49,12 @@ def expected_tokens(accept: list[float], k: int) -> float:
 
 
 def choose_k(
-    accept: list[float], draft_ms: float | list[float], verify_ms: list[float], k_max: int,
-    others_committed: float = 0.0, min_gain: float = 1.0001,
+    accept: list[float],
+    draft_ms: float | list[float],
+    verify_ms: list[float],
+    k_max: int,
+    others_committed: float = 0.0,
+    min_gain: float = 1.0001,
 ) -> int:
     """The k in [0, k_max] with the most expected tokens per millisecond, counting the other sessions'.
 
@@ -147,12 +151,18 @@ class FleetAcceptance:
             for counts in (self.counts.drafted, self.counts.accepted, self.counts.tried):
                 counts[:] = [n // 2 for n in counts]
 
-    def session_tracker(self, k_max: int, drafted: Sequence[int] = (), accepted: Sequence[int] = (),
-                        tried: Sequence[int] = ()) -> AcceptanceTracker:
+    def session_tracker(
+        self, k_max: int, drafted: Sequence[int] = (), accepted: Sequence[int] = (), tried: Sequence[int] = ()
+    ) -> AcceptanceTracker:
         """A session's tracker (with its counts so far, for a resumed turn) starting from the fleet's
         acceptance by position."""
-        return AcceptanceTracker(prior_weight=self.weight, prior_rates=self.counts.rates(k_max),
-                                 drafted=list(drafted), accepted=list(accepted), tried=list(tried))
+        return AcceptanceTracker(
+            prior_weight=self.weight,
+            prior_rates=self.counts.rates(k_max),
+            drafted=list(drafted),
+            accepted=list(accepted),
+            tried=list(tried),
+        )
 
 
 @dataclass
@@ -285,8 +295,9 @@ class CostModel:
         """
         return self._best(tracker.rates(available), [0.0] * (available + 1), load, available)
 
-    def prefers_free(self, free: AcceptanceTracker, free_k: int, drafted: AcceptanceTracker, k: int,
-                     load: PassLoad | None) -> bool:
+    def prefers_free(
+        self, free: AcceptanceTracker, free_k: int, drafted: AcceptanceTracker, k: int, load: PassLoad | None
+    ) -> bool:
         """Whether a free proposal of ``free_k`` tokens (prompt lookup in the coordinator) promises at
         least as many tokens per millisecond as a draft call for ``k``, at this load.
 

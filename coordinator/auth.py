@@ -45,7 +45,7 @@ def parse_key_entries(entries: Iterable[str], source: str) -> tuple[str, ...]:
         if not entry or entry.startswith("#"):
             continue
         if entry.lower().startswith(HASH_PREFIX):
-            digest = entry[len(HASH_PREFIX):].strip().lower()
+            digest = entry[len(HASH_PREFIX) :].strip().lower()
             if not _HEX_DIGEST.fullmatch(digest):
                 raise ValueError(f"{source}, entry {number}: a sha256: entry needs 64 hex digits")
             hashes.append(digest)

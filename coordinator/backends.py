@@ -21,11 +21,11 @@ from coordinator.replicas import (
     HiddenChunk,
     VerifyResult,
 )
-from specdec.vocab import ModelFacts
 from specdec.rpc import aio_channel, channel_options
 from specdec.sampling_params import Sampling
 from specdec.tracing import outgoing_metadata
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.vocab import ModelFacts
 from specdec.wire import facts_from_pb, pass_load_from_pb, sampling_to_pb
 
 
@@ -46,8 +46,14 @@ class _Replica:
     service = ""
     _stub: Any  # the service's generated stub, set by each subclass
 
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None, tls_name: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        max_message_bytes: int,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls_name: str | None = None,
+    ) -> None:
         """``tls_name``: the name the replica's certificate must carry, when not the address's host."""
         self.address = address
         self.tls_name = tls_name
@@ -116,22 +122,40 @@ class DraftReplica(_Replica):
 
     service = "draft"
 
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None, tls_name: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        max_message_bytes: int,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls_name: str | None = None,
+    ) -> None:
         super().__init__(address, timeout_s, max_message_bytes, credentials, tls_name)
         self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)
 
     async def propose(
-        self, ref: CacheRef, committed: list[int], k: int, sampling: Sampling, round_index: int,
-        remaining_s: float | None, hidden: HiddenChunk | None = None, min_confidence: float = 0.0,
+        self,
+        ref: CacheRef,
+        committed: list[int],
+        k: int,
+        sampling: Sampling,
+        round_index: int,
+        remaining_s: float | None,
+        hidden: HiddenChunk | None = None,
+        min_confidence: float = 0.0,
         ahead: int = 0,
     ) -> DraftResult:
         """Syncs the cache to ``committed`` (and hands over target hidden states) and asks for up to
         ``k`` tokens, fewer where the draft's confidence falls below ``min_confidence``; then up to
         ``ahead`` tokens drafted ahead while the target verifies (``ProposeRequest.ahead``)."""
         request = draft_pb2.ProposeRequest(
-            sync=_sync(ref, committed), k=k, sampling=sampling_to_pb(sampling), round=round_index, hidden=hidden_to_message(hidden),
-            min_confidence=min_confidence, ahead=ahead,
+            sync=_sync(ref, committed),
+            k=k,
+            sampling=sampling_to_pb(sampling),
+            round=round_index,
+            hidden=hidden_to_message(hidden),
+            min_confidence=min_confidence,
+            ahead=ahead,
         )
         reply = await self._call(self._stub.Propose, request, remaining_s)
         q = [(list(d.token_ids), list(d.probs)) for d in reply.q]
@@ -143,21 +167,39 @@ class TargetReplica(_Replica):
 
     service = "target"
 
-    def __init__(self, address: str, timeout_s: float, max_message_bytes: int,
-                 credentials: grpc.ChannelCredentials | None = None, tls_name: str | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float,
+        max_message_bytes: int,
+        credentials: grpc.ChannelCredentials | None = None,
+        tls_name: str | None = None,
+    ) -> None:
         super().__init__(address, timeout_s, max_message_bytes, credentials, tls_name)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
 
     async def prefill_with_hidden(
-        self, tokens: list[int], remaining_s: float | None, with_hidden: bool, fence: int = 0, feed_now: bool = False,
+        self,
+        tokens: list[int],
+        remaining_s: float | None,
+        with_hidden: bool,
+        fence: int = 0,
+        feed_now: bool = False,
         side_layers: tuple[int, ...] = (),
     ) -> tuple[CacheRef, HiddenChunk | None]:
         """``prefill``, also returning the hidden states of the fed positions (and the outputs of
         ``side_layers``) when ``with_hidden``; ``feed_now`` forbids a busy target to defer feeding the prompt."""
-        request = common_pb2.PrefillRequest(tokens=tokens, return_hidden=with_hidden, fence=fence, feed_now=feed_now,
-                                            hidden_side_layers=side_layers if with_hidden else ())
+        request = common_pb2.PrefillRequest(
+            tokens=tokens,
+            return_hidden=with_hidden,
+            fence=fence,
+            feed_now=feed_now,
+            hidden_side_layers=side_layers if with_hidden else (),
+        )
         reply = await self._call(self._stub.Prefill, request, remaining_s)
-        return CacheRef(self.address, reply.cache_id, reply.committed, fence), (hidden_from_message(reply.hidden) if with_hidden else None)
+        return CacheRef(self.address, reply.cache_id, reply.committed, fence), (
+            hidden_from_message(reply.hidden) if with_hidden else None
+        )
 
     async def verify(
         self,
@@ -173,7 +215,10 @@ class TargetReplica(_Replica):
         """Syncs the cache to ``committed``, verifies the draft tokens, commits accepted + 1 (returning the
         fed positions' hidden states, then the outputs of ``side_layers``, when ``with_hidden``)."""
         request = target_pb2.VerifyRequest(
-            sync=_sync(ref, committed), sampling=sampling_to_pb(sampling), round=round_index, return_hidden=with_hidden,
+            sync=_sync(ref, committed),
+            sampling=sampling_to_pb(sampling),
+            round=round_index,
+            return_hidden=with_hidden,
             hidden_side_layers=side_layers if with_hidden else (),
         )
         if draft is not None:
@@ -184,6 +229,9 @@ class TargetReplica(_Replica):
         if reply.HasField("load"):
             load = pass_load_from_pb(reply.load)
         return VerifyResult(
-            reply.accepted, list(reply.tokens), reply.committed, hidden_from_message(reply.hidden) if with_hidden else None,
-        load,
+            reply.accepted,
+            list(reply.tokens),
+            reply.committed,
+            hidden_from_message(reply.hidden) if with_hidden else None,
+            load,
         )

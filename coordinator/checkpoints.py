@@ -40,8 +40,12 @@ class Checkpoints:
     def submit(self, record: SessionRecord) -> None:
         """Queues a snapshot of ``record``: its lists are copied now, so later rounds cannot change
         what is written (cache refs are frozen and shared)."""
-        turn = record.turn and replace(record.turn, drafted=list(record.turn.drafted),
-                                       accepted=list(record.turn.accepted), tried=list(record.turn.tried))
+        turn = record.turn and replace(
+            record.turn,
+            drafted=list(record.turn.drafted),
+            accepted=list(record.turn.accepted),
+            tried=list(record.turn.tried),
+        )
         self._pending = replace(record, tokens=list(record.tokens), turn=turn)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._drain())

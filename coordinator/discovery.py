@@ -78,8 +78,10 @@ def parse_spec(text: str) -> str | Discovery:
     if scheme not in ("dns", "k8s"):
         raise ValueError(f"{text!r}: unknown scheme {scheme!r}; expected {_SPEC_FORMS}")
     if not rest.startswith("/"):
-        raise ValueError(f"{text!r}: naming a {'DNS server' if scheme == 'dns' else 'cluster'} is not supported; "
-                         f"write {scheme}:/// with three slashes")
+        raise ValueError(
+            f"{text!r}: naming a {'DNS server' if scheme == 'dns' else 'cluster'} is not supported; "
+            f"write {scheme}:/// with three slashes"
+        )
     if scheme == "dns":
         host, port = _split_port(rest[1:], text)
         return DnsDiscovery(host, _port_number(port, text))
@@ -87,8 +89,9 @@ def parse_spec(text: str) -> str | Discovery:
     service, port = _split_port(service_port, text) if slash else ("", "")
     for what, value in (("namespace", namespace), ("service", service)):
         if not _LABEL.fullmatch(value):
-            raise ValueError(f"{text!r}: the {what} {value!r} is not a Kubernetes name; "
-                             "expected k8s:///namespace/service:port")
+            raise ValueError(
+                f"{text!r}: the {what} {value!r} is not a Kubernetes name; expected k8s:///namespace/service:port"
+            )
     if port.isdigit():
         return KubernetesDiscovery(namespace, service, _port_number(port, text))
     if not _LABEL.fullmatch(port):
@@ -104,8 +107,9 @@ def parse_replicas(values: Sequence[str], flag: str) -> tuple[tuple[str, ...], D
         raise ValueError(f"{flag} {exc}") from None
     dynamic = [s for s in specs if not isinstance(s, str)]
     if dynamic and len(specs) > 1:
-        raise ValueError(f"{flag}: a dns:/// or k8s:/// spec finds every replica itself; give it once, "
-                         "without other addresses")
+        raise ValueError(
+            f"{flag}: a dns:/// or k8s:/// spec finds every replica itself; give it once, without other addresses"
+        )
     if dynamic:
         return (), dynamic[0]
     return tuple(specs), None
@@ -184,8 +188,9 @@ class KubernetesSource:
     connection, a refused request) is followed by a fresh list after a growing pause.
     """
 
-    def __init__(self, spec: KubernetesDiscovery, interval_s: float, api_client: Any = None,
-                 watch_s: int = _WATCH_S) -> None:
+    def __init__(
+        self, spec: KubernetesDiscovery, interval_s: float, api_client: Any = None, watch_s: int = _WATCH_S
+    ) -> None:
         """``api_client`` (a ``kubernetes.client.ApiClient``) reaches the API; None: the pod's
         in-cluster service account."""
         self._spec = spec
@@ -211,8 +216,9 @@ class KubernetesSource:
             except RuntimeError:  # the event loop closed under the thread: the coordinator is gone
                 stopped.set()
 
-        thread = threading.Thread(target=self._follow, args=(deliver, stopped, watches), daemon=True,
-                                  name=f"discovery {self.name}")
+        thread = threading.Thread(
+            target=self._follow, args=(deliver, stopped, watches), daemon=True, name=f"discovery {self.name}"
+        )
         thread.start()
         try:
             while True:
@@ -249,8 +255,9 @@ class KubernetesSource:
         try:
             while not stopped.is_set():
                 try:
-                    listed = api.list_namespaced_endpoint_slice(namespace, label_selector=selector,
-                                                                _request_timeout=timeout)
+                    listed = api.list_namespaced_endpoint_slice(
+                        namespace, label_selector=selector, _request_timeout=timeout
+                    )
                     slices = {s.metadata.name: slice_addresses(s, port) for s in listed.items}
                     current = frozenset().union(*slices.values())
                     deliver(current)
@@ -260,9 +267,13 @@ class KubernetesSource:
                         watches.append(follower)
                         try:
                             for event in follower.stream(
-                                api.list_namespaced_endpoint_slice, namespace, label_selector=selector,
-                                resource_version=version, timeout_seconds=self._watch_s,
-                                allow_watch_bookmarks=True, _request_timeout=timeout,
+                                api.list_namespaced_endpoint_slice,
+                                namespace,
+                                label_selector=selector,
+                                resource_version=version,
+                                timeout_seconds=self._watch_s,
+                                allow_watch_bookmarks=True,
+                                _request_timeout=timeout,
                             ):
                                 if event["type"] in ("ADDED", "MODIFIED"):
                                     slices[event["object"].metadata.name] = slice_addresses(event["object"], port)
@@ -283,8 +294,9 @@ class KubernetesSource:
                         # The watch's version expired, as versions do: list afresh at once.
                         log.info("%s: watch expired; listing again", self.name)
                         continue
-                    log.warning("%s: API error %s %s; listing again in %.1fs", self.name, exc.status,
-                                exc.reason, backoff)
+                    log.warning(
+                        "%s: API error %s %s; listing again in %.1fs", self.name, exc.status, exc.reason, backoff
+                    )
                     stopped.wait(backoff)
                     backoff = min(2 * backoff, max(self._interval_s, _FIRST_BACKOFF_S))
                 except Exception as exc:  # noqa: BLE001 - the API may fail in many ways; each means list again

@@ -82,7 +82,7 @@ class HiddenBacklog:
         while drop:
             rows = len(self._chunks[0]) // row
             if rows > drop:
-                self._chunks[0] = self._chunks[0][drop * row:]
+                self._chunks[0] = self._chunks[0][drop * row :]
                 break
             self._chunks.pop(0)
             drop -= rows

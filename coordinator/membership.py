@@ -15,8 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic
 
-from coordinator.replicas import R, ReplicaSet
 from coordinator.discovery import Source
+from coordinator.replicas import R, ReplicaSet
 from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -110,8 +110,11 @@ class Membership(Generic[R]):
                 self._changed.clear()
                 if source.done():
                     # Sources survive lookup and API failures themselves; this is a bug, so say so loudly.
-                    log.error("%s discovery stopped (%r); restarting it", self._service,
-                              None if source.cancelled() else source.exception())
+                    log.error(
+                        "%s discovery stopped (%r); restarting it",
+                        self._service,
+                        None if source.cancelled() else source.exception(),
+                    )
                     source = asyncio.create_task(self._source.run(self._publish), name=f"{self._service} source")
                 self._apply()
                 for replica in self.replicas.sweep():
@@ -160,8 +163,9 @@ class Membership(Generic[R]):
             log.error("%s replica %s skipped: %s", self._service, address, exc)
         except Exception as exc:  # noqa: BLE001 - an unreachable or failing replica is retried later
             self._skipped[address] = time.monotonic() + self._retry_s
-            log.warning("%s replica %s not usable yet, retrying in %.1fs: %s", self._service, address,
-                        self._retry_s, exc)
+            log.warning(
+                "%s replica %s not usable yet, retrying in %.1fs: %s", self._service, address, self._retry_s, exc
+            )
         finally:
             del self._pending[address]
             if not joined:

@@ -56,8 +56,11 @@ _HTTP_OF = {
     grpc.StatusCode.UNAVAILABLE: (503, "server_error", "backend_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", "timeout"),
 }
-_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no"}
+_SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
 
 
 def model_id(facts: ModelFacts) -> str:
@@ -98,8 +101,15 @@ def _sse(data: dict | str) -> bytes:
 class OpenAiApi:
     """The handlers, over one coordinator's round loop and admission."""
 
-    def __init__(self, loop: RoundLoop, facts: ModelFacts, admission: Admission, tracer: trace.Tracer,
-                 api_key_hashes: tuple[str, ...] = (), session_ttl_s: float = 3600.0) -> None:
+    def __init__(
+        self,
+        loop: RoundLoop,
+        facts: ModelFacts,
+        admission: Admission,
+        tracer: trace.Tracer,
+        api_key_hashes: tuple[str, ...] = (),
+        session_ttl_s: float = 3600.0,
+    ) -> None:
         self._loop = loop
         self.model_id = model_id(facts)
         self._max_context = facts.max_context
@@ -137,8 +147,12 @@ class OpenAiApi:
             "user_agent.original": request.headers.get("User-Agent", ""),
         }
         caller_context = propagate.extract(request.headers)
-        with self._tracer.start_as_current_span(f"{request.method} {route}".strip(), context=caller_context,
-                                                kind=trace.SpanKind.SERVER, attributes=attributes) as span:
+        with self._tracer.start_as_current_span(
+            f"{request.method} {route}".strip(),
+            context=caller_context,
+            kind=trace.SpanKind.SERVER,
+            attributes=attributes,
+        ) as span:
             response = await handler(request)
             span.set_attribute("http.response.status_code", response.status)
             if response.status >= 500:
@@ -151,8 +165,9 @@ class OpenAiApi:
         if self._keys is not None and request.path.startswith("/v1/"):
             token = bearer_token(request.headers.get("Authorization", ""))
             if token is None:
-                raise ApiError(401, "missing API key: send the header 'Authorization: Bearer <key>'",
-                               code="missing_api_key")
+                raise ApiError(
+                    401, "missing API key: send the header 'Authorization: Bearer <key>'", code="missing_api_key"
+                )
             if not self._keys.allows(token):
                 raise ApiError(401, "invalid API key", code="invalid_api_key")
         if self.draining and request.path != "/health":
@@ -177,8 +192,9 @@ class OpenAiApi:
     async def model(self, request: web.Request) -> web.Response:
         """One model by id, or 404."""
         if request.match_info["model"] != self.model_id:
-            raise ApiError(404, f"The model '{request.match_info['model']}' does not exist", param="model",
-                           code="model_not_found")
+            raise ApiError(
+                404, f"The model '{request.match_info['model']}' does not exist", param="model", code="model_not_found"
+            )
         return web.json_response(self._model_card())
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -213,8 +229,16 @@ class OpenAiApi:
         self._remember(core, caller, "".join(text), last)
         return web.json_response(shaper.response("".join(text), ids, last.finish_reason, last.stats))
 
-    async def _stream(self, request: web.Request, api: ApiRequest, shaper: Shaper, core: GenerationRequest,
-                      caller: Caller, first: Chunk, chunks: AsyncIterator[Chunk]) -> web.StreamResponse:
+    async def _stream(
+        self,
+        request: web.Request,
+        api: ApiRequest,
+        shaper: Shaper,
+        core: GenerationRequest,
+        caller: Caller,
+        first: Chunk,
+        chunks: AsyncIterator[Chunk],
+    ) -> web.StreamResponse:
         """Server-sent events: one chunk per release of text, the finish chunk with the ``specdec``
         stats, the usage chunk when asked for, then ``[DONE]``."""
         response = web.StreamResponse(headers=_SSE_HEADERS)
@@ -225,8 +249,9 @@ class OpenAiApi:
                 text.append(chunk.text)
                 if chunk.finish_reason is not None:
                     assert chunk.stats is not None
-                    await response.write(_sse(shaper.chunk(chunk.text, chunk.token_ids, chunk.finish_reason,
-                                                           chunk.stats)))
+                    await response.write(
+                        _sse(shaper.chunk(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats))
+                    )
                     if api.include_usage:
                         await response.write(_sse(shaper.usage_chunk(chunk.stats)))
                     break
@@ -345,16 +370,21 @@ class HttpServer:
         await self.runner.cleanup()
 
 
-async def start_http(loop: RoundLoop, config: CoordinatorConfig, facts: ModelFacts, admission: Admission,
-                     tracer: trace.Tracer) -> HttpServer:
+async def start_http(
+    loop: RoundLoop, config: CoordinatorConfig, facts: ModelFacts, admission: Admission, tracer: trace.Tracer
+) -> HttpServer:
     """Serves the OpenAI API on ``config.server.host``:``config.http_port`` (0: a free port), over TLS
     when the gRPC port has it, with the same admission and API keys."""
     if config.http_port is None:
         raise ValueError("start_http needs config.http_port")
     api = OpenAiApi(loop, facts, admission, tracer, config.api_key_hashes, config.session_ttl_s)
     # handler_cancellation: a client that disconnects cancels its handler, which frees its slot at once.
-    runner = web.AppRunner(api.app(config.server.max_message_bytes), access_log=None, handler_cancellation=True,
-                           shutdown_timeout=config.server.grace_s)
+    runner = web.AppRunner(
+        api.app(config.server.max_message_bytes),
+        access_log=None,
+        handler_cancellation=True,
+        shutdown_timeout=config.server.grace_s,
+    )
     await runner.setup()
     context = server_ssl_context(config.server)
     site = web.TCPSite(runner, config.server.host, config.http_port, ssl_context=context)

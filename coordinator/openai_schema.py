@@ -45,8 +45,15 @@ FINISH_REASON = {"stop": "stop", "length": "length", "context": "length"}
 class ApiError(Exception):
     """A request refused in OpenAI's error shape: HTTP ``status``, ``type``, ``param`` and ``code``."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.retry_after_s = retry_after_s
@@ -83,8 +90,12 @@ def parse_request(body: Any, chat: bool, model_id: str, max_context: int) -> Api
         raise invalid(None, "the request body must be a JSON object")
     model = _typed(body, "model", str, required=True)
     if model != model_id:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{model_id}' (GET /v1/models)",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{model_id}' (GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):
             raise invalid(name, "not supported by this server", "unsupported_parameter")
@@ -106,8 +117,9 @@ def parse_request(body: Any, chat: bool, model_id: str, max_context: int) -> Api
     if max_tokens < 1:
         raise invalid(param, "must be at least 1")
     if max_tokens > max_context:
-        raise invalid(param, f"{max_tokens} exceeds the model's context of {max_context} tokens",
-                      "context_length_exceeded")
+        raise invalid(
+            param, f"{max_tokens} exceeds the model's context of {max_context} tokens", "context_length_exceeded"
+        )
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise invalid("temperature", "must lie in [0, 2]")
@@ -155,8 +167,9 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
             raise invalid(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise invalid(f"{where}.content", "only text parts ({type: text, text: ...}) are supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
@@ -216,8 +229,11 @@ def _number(body: dict, name: str, default: float) -> float:
 
 def usage(stats: Stats) -> dict[str, int]:
     """OpenAI's ``usage``: the prompt's tokens (the whole rendered conversation) and the completion's."""
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.generated_tokens,
+        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+    }
 
 
 def speculation(stats: Stats) -> dict[str, float | int]:
@@ -241,8 +257,13 @@ class Shaper:
         self._role_sent = False
 
     def _envelope(self, obj: str, choice: dict) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self._request.model,
-                "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self._request.model,
+            "choices": [choice],
+        }
 
     def response(self, text: str, token_ids: list[int], finish: str, stats: Stats) -> dict:
         """The non-streaming answer."""

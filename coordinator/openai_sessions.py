@@ -34,8 +34,9 @@ def prefix_digests(client: str, messages: list[dict[str, str]]) -> list[str]:
 class Conversations:
     """A bounded map from a conversation's digest to the session holding it."""
 
-    def __init__(self, ttl_s: float, max_entries: int = MAX_CONVERSATIONS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, ttl_s: float, max_entries: int = MAX_CONVERSATIONS, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._ttl_s = ttl_s
         self._max = max_entries
         self._clock = clock

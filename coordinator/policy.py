@@ -133,8 +133,9 @@ class SpeculationPolicy:
         if turn.sampling.greedy:
             tracker = self.fleet.session_tracker(self.costs.k_max, state.drafted, state.accepted, state.tried)
         else:
-            tracker = AcceptanceTracker(drafted=list(state.drafted), accepted=list(state.accepted),
-                                        tried=list(state.tried))
+            tracker = AcceptanceTracker(
+                drafted=list(state.drafted), accepted=list(state.accepted), tried=list(state.tried)
+            )
         turn.stats.positions = tracker
 
     def fixed_k(self, turn: Turn) -> int | None:

@@ -145,8 +145,11 @@ class ReplicaSet(Generic[R]):
         """Members whose rest has ended and that await a probe; each is marked as being probed until
         ``probed`` reports the outcome."""
         now = time.monotonic()
-        due = [a for a in self._failures if a in self.by_address and a not in self._probing
-               and now >= self._down_until.get(a, 0.0)]
+        due = [
+            a
+            for a in self._failures
+            if a in self.by_address and a not in self._probing and now >= self._down_until.get(a, 0.0)
+        ]
         self._probing.update(due)
         return [self.by_address[a] for a in due]
 
@@ -273,8 +276,15 @@ class DraftBackend(Replica, Protocol):
     """A draft replica: proposes tokens after a session's committed ones."""
 
     async def propose(
-        self, ref: CacheRef, committed: list[int], k: int, sampling: Sampling, round_index: int,
-        remaining_s: float | None, hidden: HiddenChunk | None = None, min_confidence: float = 0.0,
+        self,
+        ref: CacheRef,
+        committed: list[int],
+        k: int,
+        sampling: Sampling,
+        round_index: int,
+        remaining_s: float | None,
+        hidden: HiddenChunk | None = None,
+        min_confidence: float = 0.0,
         ahead: int = 0,
     ) -> DraftResult:
         """Syncs the cache to ``committed`` (taking in target hidden states) and proposes up to ``k``
@@ -286,15 +296,27 @@ class TargetBackend(Replica, Protocol):
     """A target replica: verifies proposals and commits tokens."""
 
     async def prefill_with_hidden(
-        self, tokens: list[int], remaining_s: float | None, with_hidden: bool, fence: int = 0, feed_now: bool = False,
+        self,
+        tokens: list[int],
+        remaining_s: float | None,
+        with_hidden: bool,
+        fence: int = 0,
+        feed_now: bool = False,
         side_layers: tuple[int, ...] = (),
     ) -> tuple[CacheRef, HiddenChunk | None]:
         """``prefill``, also returning the fed positions' hidden states when ``with_hidden``;
         ``feed_now`` forbids a busy target to defer feeding the prompt."""
 
     async def verify(
-        self, ref: CacheRef, committed: list[int], draft: DraftResult | None, sampling: Sampling, round_index: int,
-        remaining_s: float | None, with_hidden: bool = False, side_layers: tuple[int, ...] = (),
+        self,
+        ref: CacheRef,
+        committed: list[int],
+        draft: DraftResult | None,
+        sampling: Sampling,
+        round_index: int,
+        remaining_s: float | None,
+        with_hidden: bool = False,
+        side_layers: tuple[int, ...] = (),
     ) -> VerifyResult:
         """Syncs the cache to ``committed``, verifies the draft's tokens and commits accepted + 1."""
 

@@ -68,7 +68,9 @@ class RoundLoop:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def generate(self, request: GenerationRequest, remaining_s: Callable[[], float | None]) -> AsyncIterator[Chunk]:
+    async def generate(
+        self, request: GenerationRequest, remaining_s: Callable[[], float | None]
+    ) -> AsyncIterator[Chunk]:
         """Runs one request to completion, yielding chunks as rounds commit tokens.
 
         A resumed request continues its turn from the latest checkpoint and streams only what its
@@ -104,7 +106,7 @@ class RoundLoop:
             checkpoints = Checkpoints(self._turns.store, self._checkpoint_interval_s)
             text = TextStream(self._tokenizer, list(request.stop))
             if turn.resumed and request.resume is not None:
-                text.skip(turn.committed[turn.state.prompt_len:], request.resume.tokens, request.resume.text_chars)
+                text.skip(turn.committed[turn.state.prompt_len :], request.resume.tokens, request.resume.text_chars)
             finish = turn.state.finish
             finished_before = finish is not None
             while finish is None:
@@ -142,8 +144,9 @@ class RoundLoop:
         turn = Turn(request, record, resumed, sampling, stats, remaining_s, record.draft, record.target)
         self.policy.start(turn)
         span.set_attributes(
-            _request_attributes(self._facts, request, record.session_id, state.prompt_len,
-                                self.policy.fixed_k(turn), resumed)
+            _request_attributes(
+                self._facts, request, record.session_id, state.prompt_len, self.policy.fixed_k(turn), resumed
+            )
         )
         t0 = time.perf_counter()
         # A seeded sampled request's draws follow its rounds' k; a deferred prompt would leave a
@@ -157,8 +160,9 @@ class RoundLoop:
 
     def _room(self, turn: Turn) -> int:
         """Tokens the turn may still commit: the request's budget, within the context."""
-        return min(turn.request.max_new_tokens - turn.stats.generated_tokens,
-                   self._facts.max_context - len(turn.committed))
+        return min(
+            turn.request.max_new_tokens - turn.stats.generated_tokens, self._facts.max_context - len(turn.committed)
+        )
 
     async def _round(self, turn: Turn, plan: RoundPlan) -> RoundOutcome:
         """One round in its own span: draft as planned, verify, and time both."""
@@ -182,8 +186,13 @@ class RoundLoop:
             if self._metrics is not None:
                 # k > 0 and no draft: the draft failed this round, or is resting after a failure.
                 self._metrics.observe_round(
-                    outcome.drafted, verdict.accepted, len(verdict.tokens), draft_ms / 1000 if called else None,
-                    verify_ms / 1000, time.perf_counter() - round_t0, fallback=plan.k > 0 and draft is None,
+                    outcome.drafted,
+                    verdict.accepted,
+                    len(verdict.tokens),
+                    draft_ms / 1000 if called else None,
+                    verify_ms / 1000,
+                    time.perf_counter() - round_t0,
+                    fallback=plan.k > 0 and draft is None,
                 )
             span.set_attributes(
                 {
@@ -231,8 +240,14 @@ class RoundLoop:
         checkpoints.submit(record)
 
     async def _finish(
-        self, turn: Turn, text: TextStream, checkpoints: Checkpoints, finish: str, finished_before: bool,
-        started: float, span: trace.Span,
+        self,
+        turn: Turn,
+        text: TextStream,
+        checkpoints: Checkpoints,
+        finish: str,
+        finished_before: bool,
+        started: float,
+        span: trace.Span,
     ) -> Chunk:
         """Ends the turn: the last record written, metrics and span set; returns the final chunk."""
         tail = text.finish()
@@ -247,8 +262,9 @@ class RoundLoop:
             # Every token has reached the client: failing now would only make it retry what it has.
             # The last record is written later if the store comes back; until then the session's
             # next turn starts from the last record that was written.
-            log.warning("session %s: its last record could not be written, retrying later: %s",
-                        turn.record.session_id, exc)
+            log.warning(
+                "session %s: its last record could not be written, retrying later: %s", turn.record.session_id, exc
+            )
             span.add_event("specdec.last_checkpoint_failed", {"error": str(exc)})
             self._in_background(checkpoints.write_late(replace(turn.record, tokens=list(turn.record.tokens))))
         stats.total_ms = (time.perf_counter() - started) * 1000
@@ -256,8 +272,9 @@ class RoundLoop:
         # missed) was counted when it finished.
         if self._metrics is not None and not finished_before:
             first_s = stats.time_to_first_token_ms / 1000 if stats.time_to_first_token_ms else None
-            self._metrics.observe_request(finish, stats.prompt_tokens, stats.generated_tokens, stats.total_ms / 1000,
-                                          first_s)
+            self._metrics.observe_request(
+                finish, stats.prompt_tokens, stats.generated_tokens, stats.total_ms / 1000, first_s
+            )
         span.set_attributes(
             {
                 "gen_ai.usage.output_tokens": stats.generated_tokens,
@@ -271,7 +288,11 @@ class RoundLoop:
 
 
 def _request_attributes(
-    facts: ModelFacts, request: GenerationRequest, session_id: str, prompt_tokens: int, k: int | None,
+    facts: ModelFacts,
+    request: GenerationRequest,
+    session_id: str,
+    prompt_tokens: int,
+    k: int | None,
     resumed: bool,
 ) -> dict:
     return {

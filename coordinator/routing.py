@@ -20,6 +20,7 @@ from opentelemetry import trace
 
 from coordinator.policy import RoundPlan
 from coordinator.replicas import (
+    REST_S,
     BackendRejected,
     BackendUnavailable,
     CacheLost,
@@ -30,7 +31,6 @@ from coordinator.replicas import (
     ReplicaSet,
     TargetBackend,
     VerifyResult,
-    REST_S,
 )
 from coordinator.turns import Turn
 from specdec.config import FEATURE_KIND
@@ -115,7 +115,11 @@ class Router:
         return True
 
     async def place_target(
-        self, committed: list[int], remaining_s: Callable[[], float | None], span: trace.Span, fence: int,
+        self,
+        committed: list[int],
+        remaining_s: Callable[[], float | None],
+        span: trace.Span,
+        fence: int,
         feed_now: bool = False,
     ) -> tuple[CacheRef, HiddenChunk | None]:
         """Builds a target cache over ``committed`` on a healthy replica, trying the others when one is
@@ -128,7 +132,11 @@ class Router:
                 break
             try:
                 placed = await target.prefill_with_hidden(
-                    committed, remaining_s(), self.want_hidden, fence, feed_now and self.want_hidden,
+                    committed,
+                    remaining_s(),
+                    self.want_hidden,
+                    fence,
+                    feed_now and self.want_hidden,
                     self.side_layers,
                 )
                 self.targets.succeeded(target.address)
@@ -181,8 +189,17 @@ class Router:
 
     @staticmethod
     async def _propose(replica: DraftBackend, ref: CacheRef, turn: Turn, plan: RoundPlan) -> DraftResult:
-        return await replica.propose(ref, turn.committed, plan.k, turn.sampling, turn.state.round,
-                                     turn.remaining_s(), turn.hidden.message(), plan.min_confidence, plan.ahead)
+        return await replica.propose(
+            ref,
+            turn.committed,
+            plan.k,
+            turn.sampling,
+            turn.state.round,
+            turn.remaining_s(),
+            turn.hidden.message(),
+            plan.min_confidence,
+            plan.ahead,
+        )
 
     async def verify(self, turn: Turn, draft: DraftResult | None, span: trace.Span) -> VerifyResult:
         """Verifies on the turn's target replica, moving ``turn.target`` along and adding the hidden
@@ -205,13 +222,16 @@ class Router:
                 if target is None:
                     raise BackendUnavailable("target", ref.address, "the replica left")
                 try:
-                    result = await target.verify(ref, committed, draft, turn.sampling, turn.state.round,
-                                                 turn.remaining_s(), *asks)
+                    result = await target.verify(
+                        ref, committed, draft, turn.sampling, turn.state.round, turn.remaining_s(), *asks
+                    )
                 except CacheLost:
-                    ref, fed = await target.prefill_with_hidden(committed, turn.remaining_s(), want, ref.fence,
-                                                                side_layers=self.side_layers)
-                    result = await target.verify(ref, committed, draft, turn.sampling, turn.state.round,
-                                                 turn.remaining_s(), *asks)
+                    ref, fed = await target.prefill_with_hidden(
+                        committed, turn.remaining_s(), want, ref.fence, side_layers=self.side_layers
+                    )
+                    result = await target.verify(
+                        ref, committed, draft, turn.sampling, turn.state.round, turn.remaining_s(), *asks
+                    )
                 self.targets.succeeded(target.address)
                 turn.target = replace(ref, committed=result.committed)
                 self._release_left(self.targets, left, turn.target)
@@ -254,8 +274,14 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _failed(self, replicas: ReplicaSet, error: BackendUnavailable | BackendRejected, span: trace.Span,
-                service: str, what: str) -> None:
+    def _failed(
+        self,
+        replicas: ReplicaSet,
+        error: BackendUnavailable | BackendRejected,
+        span: trace.Span,
+        service: str,
+        what: str,
+    ) -> None:
         """Notes a failed call (a ``specdec.<service>_failed`` span event): the replica rests a while."""
         replicas.failed(error.address)
         span.add_event(f"specdec.{service}_failed", {"error": str(error)})

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from dataclasses import replace
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -22,6 +22,7 @@ from coordinator.policy import SpeculationConfig, SpeculationPolicy
 from coordinator.replicas import REST_S, BackendRejected, BackendUnavailable, Fenced, ReplicaSet
 from coordinator.rounds import RoundLoop
 from coordinator.routing import Router
+from coordinator.sessions import SessionStore, StoreUnavailable, open_store
 from coordinator.turns import (
     Chunk,
     GenerationRequest,
@@ -29,15 +30,12 @@ from coordinator.turns import (
     SessionNotFound,
     Stats,
     TooManySessions,
-    Turns,
     TurnMismatch,
+    Turns,
 )
-from coordinator.sessions import SessionStore, StoreUnavailable, open_store
-from specdec.config import MAX_K, CoordinatorConfig
-from specdec.config import FEATURE_KIND
+from specdec.config import FEATURE_KIND, MAX_K, CoordinatorConfig
+from specdec.metadata import RETRY_AFTER_METADATA
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
-from specdec.sampling_params import check_sampling
-from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 from specdec.rpc import (
     RunningServer,
     channel_credentials,
@@ -47,8 +45,9 @@ from specdec.rpc import (
     status_of,
     wait_ready,
 )
+from specdec.sampling_params import check_sampling
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
-from specdec.metadata import RETRY_AFTER_METADATA
+from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -262,7 +261,9 @@ def check_same_side_layers(reference: ModelFacts, facts: ModelFacts, address: st
 
 
 async def check_replica(
-    fingerprint: str, replica: DraftReplica | TargetReplica, timeout_s: float,
+    fingerprint: str,
+    replica: DraftReplica | TargetReplica,
+    timeout_s: float,
     credentials: grpc.ChannelCredentials | None = None,
 ) -> ModelFacts:
     """Waits for one replica to be ready (over TLS with ``credentials``) and refuses it unless it
@@ -278,8 +279,11 @@ async def check_replica(
 
 
 async def start_coordinator(
-    config: CoordinatorConfig, tracer: trace.Tracer, store: SessionStore | None = None,
-    metrics: CoordinatorMetrics | None = None, kubernetes_api: Any = None,
+    config: CoordinatorConfig,
+    tracer: trace.Tracer,
+    store: SessionStore | None = None,
+    metrics: CoordinatorMetrics | None = None,
+    kubernetes_api: Any = None,
 ) -> tuple[RunningServer, RoundLoop]:
     """Connects to the replicas, checks them, and starts the coordinator server (behind API keys
     when the config holds any).
@@ -339,7 +343,7 @@ async def start_coordinator(
     facts = await asyncio.gather(
         *(check_replica(fingerprint, r, config.startup_timeout_s, credentials) for r in [*drafts, *targets])
     )
-    draft_facts, target_facts = facts[: len(drafts)], facts[len(drafts):]
+    draft_facts, target_facts = facts[: len(drafts)], facts[len(drafts) :]
     for target, target_fact in zip(targets, target_facts):
         admit_target(target_fact, target.address)
     for draft, draft_fact in zip(drafts, draft_facts):
@@ -355,16 +359,28 @@ async def start_coordinator(
             target_facts = [await following.first_facts(config.startup_timeout_s)]
         store = store or open_store(config.redis_url, config.session_ttl_s, config.redis_password, config.redis_ca)
         await store.ping()
-        router = Router(draft_set, target_set, want_hidden=bool(first_feature),
-                        side_layers=first_feature[0].side_layers if first_feature else ())
+        router = Router(
+            draft_set,
+            target_set,
+            want_hidden=bool(first_feature),
+            side_layers=first_feature[0].side_layers if first_feature else (),
+        )
         policy = SpeculationPolicy(speculation_config(config), live_targets=lambda: len(target_set))
         turns = Turns(tokenizer, target_facts[0], store, config.admission.max_sessions_per_client)
-        loop = RoundLoop(tokenizer, target_facts[0], router, policy, turns, tracer, metrics,
-                         config.checkpoint_interval_s)
+        loop = RoundLoop(
+            tokenizer, target_facts[0], router, policy, turns, tracer, metrics, config.checkpoint_interval_s
+        )
         if config.draft_discovery is not None:
             source = open_source(config.draft_discovery, config.discovery_interval_s, kubernetes_api)
-            following = Membership("draft", source, draft_set, make_draft, check_joiner, config.discovery_interval_s,
-                                   on_join=lambda _, f: router.draft_joined(f))
+            following = Membership(
+                "draft",
+                source,
+                draft_set,
+                make_draft,
+                check_joiner,
+                config.discovery_interval_s,
+                on_join=lambda _, f: router.draft_joined(f),
+            )
             memberships.append(following)
             following.start()
             # The drafts listed now join before serving; none listed is fine (target-only until one joins).
@@ -398,8 +414,14 @@ async def start_coordinator(
 
 def speculation_config(config: CoordinatorConfig) -> SpeculationConfig:
     """The speculation policy's part of the coordinator's configuration."""
-    return SpeculationConfig(config.default_k, config.max_auto_k, config.draft_colocated, config.free_lookup_min,
-                             config.confidence_cutoff, config.draft_ahead)
+    return SpeculationConfig(
+        config.default_k,
+        config.max_auto_k,
+        config.draft_colocated,
+        config.free_lookup_min,
+        config.confidence_cutoff,
+        config.draft_ahead,
+    )
 
 
 def main(config: CoordinatorConfig) -> None:

@@ -187,15 +187,26 @@ class RedisSessionStore:
     restart), then raise StoreUnavailable.
     """
 
-    def __init__(self, url: str, ttl_s: int, prefix: str = "specdec:session:", retry_s: float = 3.0,
-                 password: str | None = None, ca: Path | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        ttl_s: int,
+        prefix: str = "specdec:session:",
+        retry_s: float = 3.0,
+        password: str | None = None,
+        ca: Path | None = None,
+    ) -> None:
         retries = max(1, int(retry_s / 0.5))
         tls = {"ssl_ca_certs": str(ca)} if ca is not None and url.startswith("rediss://") else {}
         auth = {"password": password} if password else {}
         self._redis = aioredis.from_url(
-            url, socket_timeout=5.0, socket_connect_timeout=2.0,
+            url,
+            socket_timeout=5.0,
+            socket_connect_timeout=2.0,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), retries),
-            retry_on_error=[RedisConnectionError, RedisTimeoutError], **tls, **auth,
+            retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            **tls,
+            **auth,
         )
         self._ttl_s = ttl_s
         self._prefix = prefix

@@ -19,25 +19,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         return
     p = subparsers.add_parser("serve-draft", help="run the draft service")
     add_server(p, 50051)
-    p.add_argument("--kind", choices=DRAFT_KINDS, default=env("DRAFT_KIND", DEFAULT_DRAFT_KIND),
-                   help="draft kind (env SPECDEC_DRAFT_KIND)")
-    p.add_argument("--model", default=env("DRAFT_MODEL", None),
-                   help="draft model or distilled draft folder, or the model whose tokenizer n-gram drafting speaks "
-                        "(default: the draft shipped for the default target; env SPECDEC_DRAFT_MODEL)")
+    p.add_argument(
+        "--kind",
+        choices=DRAFT_KINDS,
+        default=env("DRAFT_KIND", DEFAULT_DRAFT_KIND),
+        help="draft kind (env SPECDEC_DRAFT_KIND)",
+    )
+    p.add_argument(
+        "--model",
+        default=env("DRAFT_MODEL", None),
+        help="draft model or distilled draft folder, or the model whose tokenizer n-gram drafting speaks "
+        "(default: the draft shipped for the default target; env SPECDEC_DRAFT_MODEL)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads")
     add_device(p, "DRAFT_DEVICE")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
     add_cache_limits(p)
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
-    p.add_argument("--target-model", default=env("TARGET_MODEL", "default"),
-                   help="the target a distilled draft was made for (it lends the draft its embedding; env "
-                        "SPECDEC_TARGET_MODEL)")
+    p.add_argument(
+        "--target-model",
+        default=env("TARGET_MODEL", "default"),
+        help="the target a distilled draft was made for (it lends the draft its embedding; env SPECDEC_TARGET_MODEL)",
+    )
     p.add_argument("--ngram-max", type=int, default=3)
     p.add_argument("--ngram-min", type=int, default=1)
     p.add_argument("--sample-top-k", type=int, default=64, help="a model draft samples among its top tokens only")
     p.add_argument("--fp32-head", action="store_true", help="keep a feature draft's head in fp32 (default: int8)")
-    p.add_argument("--lookup-min", type=int, default=2,
-                   help="a feature draft tries prompt lookup first, from suffixes of this many tokens up (0: off)")
+    p.add_argument(
+        "--lookup-min",
+        type=int,
+        default=2,
+        help="a feature draft tries prompt lookup first, from suffixes of this many tokens up (0: off)",
+    )
     p.set_defaults(run=serve)
 
 
@@ -45,7 +58,16 @@ def serve(args: argparse.Namespace) -> None:
     """Runs the draft service."""
     from draft_service.server import main
 
-    main(DraftConfig(server=server_config(args), kind=args.kind,
-                     model=model_config(args, args.model or default_draft_model(args.kind)),
-                     target_model=args.target_model, ngram_max=args.ngram_max, ngram_min=args.ngram_min,
-                     sample_top_k=args.sample_top_k, int8_head=not args.fp32_head, lookup_min=args.lookup_min))
+    main(
+        DraftConfig(
+            server=server_config(args),
+            kind=args.kind,
+            model=model_config(args, args.model or default_draft_model(args.kind)),
+            target_model=args.target_model,
+            ngram_max=args.ngram_max,
+            ngram_min=args.ngram_min,
+            sample_top_k=args.sample_top_k,
+            int8_head=not args.fp32_head,
+            lookup_min=args.lookup_min,
+        )
+    )

@@ -14,14 +14,14 @@ import torch
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import AheadDraft, DraftTail, FeatureDraft, FeatureSession, on_host
 from draft_service.picking import TokenPicker, take_next
-from specdec.ngram import LOOKUP_MAX_N, propose_ngram, whole_continuation
 from specdec.batching import waves
 from specdec.config import MAX_K
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
-from specdec.ragged import RaggedLayout
 from specdec.models import LoadedModel
-from specdec.vocab import ModelFacts
+from specdec.ngram import LOOKUP_MAX_N, propose_ngram, whole_continuation
+from specdec.ragged import RaggedLayout
 from specdec.sampling import Sampling
+from specdec.vocab import ModelFacts
 
 
 @dataclass(frozen=True)
@@ -66,8 +66,15 @@ class DraftEngine:
     # A sampled draft narrows its q to its top this many tokens (0: no narrowing).
     _sample_top_k: int = 0
 
-    def __init__(self, facts: ModelFacts, max_sessions: int, cache_factory=SessionCache, *,
-                 budget_bytes: int = 0, idle_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        facts: ModelFacts,
+        max_sessions: int,
+        cache_factory=SessionCache,
+        *,
+        budget_bytes: int = 0,
+        idle_s: float = 0.0,
+    ) -> None:
         """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches (see CacheTable)."""
         self._facts = facts
         self._caches = CacheTable(max_sessions, factory=cache_factory, budget_bytes=budget_bytes, idle_s=idle_s)
@@ -101,8 +108,15 @@ class DraftEngine:
         return cache_id, len(cache.committed)
 
     def propose(
-        self, cache_id: str, start: int, new_tokens: list[int], k: int, sampling: Sampling, round_index: int,
-        hidden: HiddenRows | None = None, min_confidence: float = 0.0,
+        self,
+        cache_id: str,
+        start: int,
+        new_tokens: list[int],
+        k: int,
+        sampling: Sampling,
+        round_index: int,
+        hidden: HiddenRows | None = None,
+        min_confidence: float = 0.0,
     ) -> Proposal:
         """Syncs the cache with the committed tokens (and, for a feature draft, the target's hidden
         states), then proposes up to ``k`` tokens, fewer where the draft's confidence falls below
@@ -149,8 +163,13 @@ class DraftEngine:
 
     def _picker(self, call: ProposeCall) -> TokenPicker:
         """How this call's tokens are picked, and when its proposal stops."""
-        return TokenPicker(call.sampling, call.round_index, self._sample_top_k, call.min_confidence,
-                           position=call.start + len(call.new_tokens))
+        return TokenPicker(
+            call.sampling,
+            call.round_index,
+            self._sample_top_k,
+            call.min_confidence,
+            position=call.start + len(call.new_tokens),
+        )
 
     def _sync(self, call: ProposeCall):
         """Checks a call, syncs its cache (and hidden states); returns the cache and the k it allows."""
@@ -260,10 +279,22 @@ class FeatureDrafter(DraftEngine):
 
     kind = FEATURE_KIND
 
-    def __init__(self, draft: FeatureDraft, facts: ModelFacts, max_sessions: int, sample_top_k: int,
-                 lookup_max: int = LOOKUP_MAX_N, lookup_min: int = 2, **limits) -> None:
-        super().__init__(replace(facts, kind=FEATURE_KIND, side_layers=draft.arch.side_layers), max_sessions,
-                         FeatureSession, **limits)
+    def __init__(
+        self,
+        draft: FeatureDraft,
+        facts: ModelFacts,
+        max_sessions: int,
+        sample_top_k: int,
+        lookup_max: int = LOOKUP_MAX_N,
+        lookup_min: int = 2,
+        **limits,
+    ) -> None:
+        super().__init__(
+            replace(facts, kind=FEATURE_KIND, side_layers=draft.arch.side_layers),
+            max_sessions,
+            FeatureSession,
+            **limits,
+        )
         self._draft_model = draft
         self._sample_top_k = sample_top_k
         self._lookup_max = lookup_max
@@ -302,8 +333,13 @@ class FeatureDrafter(DraftEngine):
         ahead, cache.ahead = cache.ahead, None
         # A sync keeps every token before its start: from a start at or past the ahead base, the
         # tokens before it are still those the draft saw, so matching the rest matches the whole.
-        if (ahead is None or k <= 0 or not ahead.tokens or call.start < ahead.base
-                or cache.committed[ahead.base:] != ahead.path):
+        if (
+            ahead is None
+            or k <= 0
+            or not ahead.tokens
+            or call.start < ahead.base
+            or cache.committed[ahead.base :] != ahead.path
+        ):
             return None
         return Proposal(ahead.tokens[:k], ahead.q[:k], len(cache.committed), from_ahead=True)
 
@@ -319,8 +355,12 @@ class FeatureDrafter(DraftEngine):
         """
         cache = self._caches.get(call.cache_id)
         tail, cache.tail = cache.tail, None
-        if (tail is None or call.ahead <= 0 or len(cache.committed) != tail.base
-                or cache.kv.get_seq_length() != tail.kv_length):
+        if (
+            tail is None
+            or call.ahead <= 0
+            or len(cache.committed) != tail.base
+            or cache.kv.get_seq_length() != tail.kv_length
+        ):
             return 0
         draft = self._draft_model
         device = draft.device
@@ -333,8 +373,9 @@ class FeatureDrafter(DraftEngine):
             while len(tokens) < call.ahead:
                 if pending is not None:
                     layout = RaggedLayout.of([1], [cache.kv.get_seq_length()], [position], device=device)
-                    predicted = draft.predict_ragged(predicted, torch.tensor([pending], device=device), [cache.kv],
-                                                     layout)  # [1, D]
+                    predicted = draft.predict_ragged(
+                        predicted, torch.tensor([pending], device=device), [cache.kv], layout
+                    )  # [1, D]
                     position += 1
                 logits = on_host(draft.full_logits(predicted))  # [1, V]
                 if guess is None:
@@ -381,8 +422,12 @@ class FeatureDrafter(DraftEngine):
         device = draft.device
         catch = [cache.catch_up() for cache, _, _ in jobs]
         caches = [cache.kv for cache, _, _ in jobs]
-        layout = RaggedLayout.of([len(f) for f, _, _ in catch], [kv.get_seq_length() for kv in caches],
-                                 [start for _, _, start in catch], device=device)
+        layout = RaggedLayout.of(
+            [len(f) for f, _, _ in catch],
+            [kv.get_seq_length() for kv in caches],
+            [start for _, _, start in catch],
+            device=device,
+        )
         feats = torch.cat([f for f, _, _ in catch])  # [N, D]
         toks = torch.tensor([t for _, tokens, _ in catch for t in tokens], device=device)  # [N]
         predicted = draft.predict_ragged(feats, toks, caches, layout)[[b - 1 for b in layout.bounds[1:]]]  # [B, D]
@@ -402,19 +447,26 @@ class FeatureDrafter(DraftEngine):
                     cache = jobs[j][0]
                     # A stopped job's row already follows its last token; a finished one's gave it.
                     # A view: ``predicted`` is replaced each step, never written in place.
-                    cache.tail = DraftTail(len(cache.committed), tokens[j], predicted[row : row + 1],
-                                           None if j in stopped else tokens[j][-1], positions[j],
-                                           caches[j].get_seq_length())
+                    cache.tail = DraftTail(
+                        len(cache.committed),
+                        tokens[j],
+                        predicted[row : row + 1],
+                        None if j in stopped else tokens[j][-1],
+                        positions[j],
+                        caches[j].get_seq_length(),
+                    )
             if not going:
                 break
             live = [j for _, j in going]
-            step = RaggedLayout.of([1] * len(live), [caches[j].get_seq_length() for j in live],
-                                   [positions[j] for j in live], device=device)
+            step = RaggedLayout.of(
+                [1] * len(live), [caches[j].get_seq_length() for j in live], [positions[j] for j in live], device=device
+            )
             predicted = draft.predict_ragged(
-                predicted[[row for row, _ in going]], torch.tensor([tokens[j][-1] for j in live], device=device),
-                [caches[j] for j in live], step,
+                predicted[[row for row, _ in going]],
+                torch.tensor([tokens[j][-1] for j in live], device=device),
+                [caches[j] for j in live],
+                step,
             )  # [B', D]
             for j in live:
                 positions[j] += 1
         return list(zip(tokens, qs))
-

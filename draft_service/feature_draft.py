@@ -48,8 +48,8 @@ from draft_service.token_draft import (
     read_card,
     save_draft_weights,
 )
-from specdec.kvcache import GrowableCache, check_sync, common_prefix_len
 from specdec.config import FEATURE_KIND
+from specdec.kvcache import GrowableCache, check_sync, common_prefix_len
 from specdec.ragged import RaggedLayout, ragged_decoder_layer
 
 KIND = FEATURE_KIND
@@ -75,22 +75,35 @@ class FeatureDraftArch:
     def to_json(self) -> dict:
         """The architecture as it goes into the card."""
         sides = "".join(f"; rms(h{j}_i)" for j in self.side_layers)
-        return {**asdict(self), "side_layers": list(self.side_layers), "layers": 1,
-                "input": f"fc([embedding(t_{{i+1}}); f_i{sides}])",
-                "head": "frozen rows of the target LM head (tied embedding) + trainable bias"}
+        return {
+            **asdict(self),
+            "side_layers": list(self.side_layers),
+            "layers": 1,
+            "input": f"fc([embedding(t_{{i+1}}); f_i{sides}])",
+            "head": "frozen rows of the target LM head (tied embedding) + trainable bias",
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> FeatureDraftArch:
         """Reads the card's ``architecture`` entry."""
-        return cls(head_size=int(data["head_size"]), init_from=int(data["init_from"]),
-                   side_layers=tuple(int(j) for j in data.get("side_layers", ())))
+        return cls(
+            head_size=int(data["head_size"]),
+            init_from=int(data["init_from"]),
+            side_layers=tuple(int(j) for j in data.get("side_layers", ())),
+        )
 
 
 class FeatureDraft(nn.Module):
     """Predicts the target's next hidden state from its current one and the next token."""
 
-    def __init__(self, target_config: PretrainedConfig, embedding: nn.Embedding, output_weight: torch.Tensor,
-                 head_ids: torch.Tensor, arch: FeatureDraftArch) -> None:
+    def __init__(
+        self,
+        target_config: PretrainedConfig,
+        embedding: nn.Embedding,
+        output_weight: torch.Tensor,
+        head_ids: torch.Tensor,
+        arch: FeatureDraftArch,
+    ) -> None:
         super().__init__()
         self.arch = arch
         config = draft_config(target_config, 1)
@@ -126,25 +139,34 @@ class FeatureDraft(nn.Module):
         with torch.no_grad():
             self.fc.weight.zero_()
             self.fc.weight[:, :dim].copy_(torch.eye(dim) * 0.5)
-            self.fc.weight[:, dim:2 * dim].copy_(torch.eye(dim) * 0.5)
+            self.fc.weight[:, dim : 2 * dim].copy_(torch.eye(dim) * 0.5)
             self.fc.bias.zero_()
 
-    def predict(self, features: torch.Tensor, tokens: torch.Tensor, cache=None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def predict(
+        self, features: torch.Tensor, tokens: torch.Tensor, cache=None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Predicted next features ``[B, T, D]`` from features ``[B, T, D]`` and next tokens ``[B, T]``."""
         x = self._fc(tokens, features)  # [B, T, D]
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(tokens.shape[1], device=tokens.device) + past).unsqueeze(0)  # [1, T]
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=None, cache=cache,
-                                  position_ids=position_ids)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=x, attention_mask=None, cache=cache, position_ids=position_ids
+        )
         rope = self.rotary_emb(x, position_ids=position_ids)
-        h = self.layer(x, attention_mask=mask, position_embeddings=rope, position_ids=position_ids, cache=cache,
-                       use_cache=cache is not None)
+        h = self.layer(
+            x,
+            attention_mask=mask,
+            position_embeddings=rope,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+        )
         return self.norm(h)
 
-    def predict_ragged(self, features: torch.Tensor, tokens: torch.Tensor, caches: list,
-                       layout: RaggedLayout) -> torch.Tensor:
+    def predict_ragged(
+        self, features: torch.Tensor, tokens: torch.Tensor, caches: list, layout: RaggedLayout
+    ) -> torch.Tensor:
         """``predict`` for many sessions at once: rows ``[N, D]`` and ``[N]`` laid out by ``layout``,
         each session attending to its own cache (see ``specdec.ragged``)."""
         x = self._fc(tokens, features)  # [N, D]
@@ -239,8 +261,10 @@ def warm_start(draft: FeatureDraft, source_dir: Path, target_hash: str) -> dict:
     check_target(card, source_dir, target_hash)
     source = FeatureDraftArch.from_json(card["architecture"])
     if draft.arch.side_layers[: len(source.side_layers)] != source.side_layers:
-        raise ValueError(f"{source_dir} reads side layers {list(source.side_layers)}: the draft's "
-                         f"{list(draft.arch.side_layers)} must start with them")
+        raise ValueError(
+            f"{source_dir} reads side layers {list(source.side_layers)}: the draft's "
+            f"{list(draft.arch.side_layers)} must start with them"
+        )
     path = Path(source_dir) / WEIGHTS_FILE
     tensors = load_file(str(path))
     if not torch.equal(tensors["head_ids"].long(), draft.head_ids):
@@ -254,8 +278,13 @@ def warm_start(draft: FeatureDraft, source_dir: Path, target_hash: str) -> dict:
                 state[name].copy_(value.to(state[name].dtype))
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     recipe = card.get("recipe", {})  # a hand-made card may have none
-    return {"path": str(source_dir), "weights_sha256": digest, "command": recipe.get("command"),
-            "seed": recipe.get("seed"), "side_layers": list(source.side_layers)}
+    return {
+        "path": str(source_dir),
+        "weights_sha256": digest,
+        "command": recipe.get("command"),
+        "seed": recipe.get("seed"),
+        "side_layers": list(source.side_layers),
+    }
 
 
 def source_head_ids(source_dir: Path) -> torch.Tensor:
@@ -371,7 +400,11 @@ class FeatureSession:
         if drop > 0:
             self.kv.crop(-drop)
         self.kv_pairs = n
-        return self.features[first:n], self.committed[self.window + first + 1: self.window + n + 1], self.window + first
+        return (
+            self.features[first:n],
+            self.committed[self.window + first + 1 : self.window + n + 1],
+            self.window + first,
+        )
 
     @torch.inference_mode()
     def propose(self, draft: FeatureDraft, k: int, pick) -> tuple[list[int], list]:
@@ -380,15 +413,20 @@ class FeatureSession:
         device = draft.device
         feats, next_tokens, start = self.catch_up()
         positions = torch.arange(start, start + len(feats), device=device).unsqueeze(0)  # [1, m]
-        predicted = draft.predict(feats.unsqueeze(0), torch.tensor([next_tokens], device=device), self.kv,
-                                  positions)[:, -1:]  # [1, 1, D]
+        predicted = draft.predict(feats.unsqueeze(0), torch.tensor([next_tokens], device=device), self.kv, positions)[
+            :, -1:
+        ]  # [1, 1, D]
         tokens, qs = [], []
         position = start + len(feats)
         for i in range(k):
             if not take_next(pick, on_host(draft.full_logits(predicted[0])), tokens, qs):
                 break
             if i + 1 < k:
-                predicted = draft.predict(predicted, torch.tensor([[tokens[-1]]], device=device), self.kv,
-                                          torch.tensor([[position]], device=device))
+                predicted = draft.predict(
+                    predicted,
+                    torch.tensor([[tokens[-1]]], device=device),
+                    self.kv,
+                    torch.tensor([[position]], device=device),
+                )
                 position += 1
         return tokens, qs

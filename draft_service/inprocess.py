@@ -41,8 +41,15 @@ class InProcessDraft:
         return CacheRef(self.address, cache_id, committed, fence)
 
     async def propose(
-        self, ref: CacheRef, committed: list[int], k: int, sampling: Sampling, round_index: int,
-        remaining_s: float | None, hidden: HiddenChunk | None = None, min_confidence: float = 0.0,
+        self,
+        ref: CacheRef,
+        committed: list[int],
+        k: int,
+        sampling: Sampling,
+        round_index: int,
+        remaining_s: float | None,
+        hidden: HiddenChunk | None = None,
+        min_confidence: float = 0.0,
         ahead: int = 0,
     ) -> DraftResult:
         """Syncs the cache to ``committed`` (taking in target hidden states) and proposes up to ``k``
@@ -52,8 +59,9 @@ class InProcessDraft:
         def propose_one():
             width = self._engine.hidden_size
             rows = hidden_from_fp16(hidden.start, hidden.dim, hidden.fp16, width) if hidden and width else None
-            call = ProposeCall(ref.cache_id, start, committed[start:], k, sampling, round_index, rows, ref.fence,
-                               min_confidence, ahead)
+            call = ProposeCall(
+                ref.cache_id, start, committed[start:], k, sampling, round_index, rows, ref.fence, min_confidence, ahead
+            )
             proposal = self._engine.propose_batch([call])[0]
             if isinstance(proposal, Exception):
                 raise proposal
@@ -62,8 +70,13 @@ class InProcessDraft:
             return proposal
 
         proposal = self._run(propose_one)
-        return DraftResult(list(proposal.tokens), [(list(ids), list(p)) for ids, p in proposal.q], proposal.committed,
-                           proposal.from_ahead, proposal.looked_up)
+        return DraftResult(
+            list(proposal.tokens),
+            [(list(ids), list(p)) for ids, p in proposal.q],
+            proposal.committed,
+            proposal.from_ahead,
+            proposal.looked_up,
+        )
 
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
         """Drops a cache."""

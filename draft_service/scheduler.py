@@ -10,7 +10,7 @@ import asyncio
 import logging
 from concurrent.futures import Executor
 
-from draft_service.engine import DraftEngine, ProposeCall, Proposal
+from draft_service.engine import DraftEngine, Proposal, ProposeCall
 from specdec.batching import PassBatcher
 
 log = logging.getLogger(__name__)

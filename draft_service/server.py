@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 from opentelemetry import trace
 
-from draft_service.engine import DraftEngine, FeatureDrafter, ModelDrafter, NgramDrafter, ProposeCall, Proposal
+from draft_service.engine import DraftEngine, FeatureDrafter, ModelDrafter, NgramDrafter, Proposal, ProposeCall
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import load_feature_draft
 from draft_service.scheduler import DraftScheduler
@@ -17,6 +17,7 @@ from draft_service.target_parts import read_target
 from draft_service.token_draft import CARD_FILE, load_token_draft
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
+from specdec.hidden_wire import hidden_from_pb
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.model_thread import model_executor, on_model_thread
 from specdec.models import LoadedModel, load_config, load_model, max_context, resolve_dtype
@@ -24,9 +25,8 @@ from specdec.packed_linear import pack_linears
 from specdec.rpc import RunningServer, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import draft_pb2, draft_pb2_grpc
-from specdec.hidden_wire import hidden_from_pb
-from specdec.wire import sampling_from_pb
 from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+from specdec.wire import sampling_from_pb
 
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 
@@ -51,8 +51,13 @@ def propose_call_from_pb(request: draft_pb2.ProposeRequest, hidden_size: int | N
 class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
     """Thin servicer over a DraftScheduler (batching, drafting ahead) and its DraftEngine."""
 
-    def __init__(self, engine: DraftEngine, tracer: trace.Tracer, max_batch_rows: int = 256,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self,
+        engine: DraftEngine,
+        tracer: trace.Tracer,
+        max_batch_rows: int = 256,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
         super().__init__(engine, tracer, "DraftService", executor)
         self._draft = engine
         self._scheduler = DraftScheduler(engine, self._executor, max_batch_rows)
@@ -102,8 +107,13 @@ def load_draft_model(config: DraftConfig) -> LoadedModel:
     path = resolve_model_path(config.model.model, config.model.cache_dir)
     if not (path / CARD_FILE).is_file():
         dtype = _draft_dtype(config, config.model.model)
-        return load_model(config.model.model, config.model.cache_dir, dtype=dtype,
-                          pack=config.model.pack and _prepacks(config, dtype), device=config.model.device)
+        return load_model(
+            config.model.model,
+            config.model.cache_dir,
+            dtype=dtype,
+            pack=config.model.pack and _prepacks(config, dtype),
+            device=config.model.device,
+        )
     dtype = _draft_dtype(config, config.target_model)
     target, weights_hash = read_target(config.target_model, config.model.cache_dir, dtype, config.model.device)
     loaded = load_token_draft(path, target, target_hash=weights_hash)
@@ -122,16 +132,23 @@ def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
     if config.int8_head and _prepacks(config, dtype):
         draft.quantize_head_int8()
     facts = replace(target.facts(FEATURE_KIND), name=str(path))
-    return FeatureDrafter(draft, facts, config.model.max_sessions, config.sample_top_k, lookup_min=config.lookup_min,
-                          **config.model.cache_limits())
+    return FeatureDrafter(
+        draft,
+        facts,
+        config.model.max_sessions,
+        config.sample_top_k,
+        lookup_min=config.lookup_min,
+        **config.model.cache_limits(),
+    )
 
 
 def build_drafter(config: DraftConfig) -> DraftEngine:
     """The drafter a deployment asked for: a model or feature draft, or n-gram lookup in the model's
     tokenizer."""
     if config.kind == "model":
-        return ModelDrafter(load_draft_model(config), config.model.max_sessions, config.sample_top_k,
-                            **config.model.cache_limits())
+        return ModelDrafter(
+            load_draft_model(config), config.model.max_sessions, config.sample_top_k, **config.model.cache_limits()
+        )
     if config.kind == FEATURE_KIND:
         return load_feature_drafter(config)
     if config.kind != "ngram":
@@ -147,17 +164,20 @@ def build_drafter(config: DraftConfig) -> DraftEngine:
         eos_token_ids=(),
         fingerprint=tokenizer_fingerprint(tokenizer),
     )
-    return NgramDrafter(facts, config.model.max_sessions, config.ngram_max, config.ngram_min,
-                        **config.model.cache_limits())
+    return NgramDrafter(
+        facts, config.model.max_sessions, config.ngram_max, config.ngram_min, **config.model.cache_limits()
+    )
 
 
-async def start_draft(config: DraftConfig, engine: DraftEngine, tracer: trace.Tracer,
-                      executor: ThreadPoolExecutor | None = None) -> RunningServer:
+async def start_draft(
+    config: DraftConfig, engine: DraftEngine, tracer: trace.Tracer, executor: ThreadPoolExecutor | None = None
+) -> RunningServer:
     """Starts the draft gRPC server over a ready drafter (on ``executor``'s thread, see
     ``specdec.model_thread``) and reports it ready."""
     servicer = DraftServicer(engine, tracer, executor=executor)
     running = await start_server(
-        config.server, lenient_service(servicer, draft_pb2.DESCRIPTOR.services_by_name["DraftService"]),
+        config.server,
+        lenient_service(servicer, draft_pb2.DESCRIPTOR.services_by_name["DraftService"]),
         (SERVICE_NAME,),
     )
     servicer.sweep_idle_caches(config.model.cache_idle_s)

@@ -81,9 +81,18 @@ class _Layout:
 
 
 # safetensors' dtype names, for the tensors a checkpoint may hold.
-_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -114,8 +123,9 @@ def _file_tensors(file: Path) -> dict[str, _Stored] | None:
         if entry["dtype"] not in _SAFETENSORS_DTYPES:
             return None
         start, end = entry["data_offsets"]
-        out[name] = _Stored(file, _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + size + start,
-                            8 + size + end)
+        out[name] = _Stored(
+            file, _SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + size + start, 8 + size + end
+        )
     return out
 
 
@@ -171,8 +181,14 @@ def _layout(folder: Path, config: PretrainedConfig) -> _Layout | None:
     embedding = model.get_input_embeddings()
     head = model.get_output_embeddings()
     head_name = None if head is None or head.weight is embedding.weight else names[id(head.weight)]
-    return _Layout({n: tuple(t.shape) for n, t in entries.items()}, stored_as, files, names[id(embedding.weight)],
-                   head_name, float(getattr(embedding, "scalar_embed_scale", 1.0)))
+    return _Layout(
+        {n: tuple(t.shape) for n, t in entries.items()},
+        stored_as,
+        files,
+        names[id(embedding.weight)],
+        head_name,
+        float(getattr(embedding, "scalar_embed_scale", 1.0)),
+    )
 
 
 def checkpoint_weights_hash(folder: Path) -> str | None:
@@ -194,8 +210,9 @@ def _read(layout: _Layout, dtype: torch.dtype, device: str) -> tuple[str, torch.
         source = layout.stored_as[name]
         stored = layout.files[source]
         if stored.shape != layout.shapes[name]:
-            log.info("checkpoint tensor %s is %s, the model's %s is %s", source, stored.shape, name,
-                     layout.shapes[name])
+            log.info(
+                "checkpoint tensor %s is %s, the model's %s is %s", source, stored.shape, name, layout.shapes[name]
+            )
             return None
         tensor = kept[source] if source in kept else _load(stored)
         hash_entry(digest, name, tensor)
@@ -215,8 +232,9 @@ def _generation_eos(folder: Path, config: PretrainedConfig, tokenizer) -> tuple[
     return eos_ids(generation, tokenizer)
 
 
-def read_target(spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32,
-                device: str = "cpu") -> tuple[LoadedModel, str]:
+def read_target(
+    spec: str, cache_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[LoadedModel, str]:
     """The target ``spec`` as a draft borrows it, and its ``target_weights_hash``.
 
     The model of the result is a ``BorrowedTarget`` (embedding and head in ``dtype`` on ``device``),

@@ -53,13 +53,20 @@ class TokenDraftArch:
 
     def to_json(self) -> dict:
         """The architecture as it goes into the card."""
-        return {**asdict(self), "init_from": list(self.init_from), "head": "frozen rows of the target LM head (tied embedding) + trainable bias"}
+        return {
+            **asdict(self),
+            "init_from": list(self.init_from),
+            "head": "frozen rows of the target LM head (tied embedding) + trainable bias",
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> TokenDraftArch:
         """Reads the card's ``architecture`` entry."""
-        return cls(layers=int(data["layers"]), init_from=tuple(int(i) for i in data["init_from"]),
-                   head_size=int(data["head_size"]))
+        return cls(
+            layers=int(data["layers"]),
+            init_from=tuple(int(i) for i in data["init_from"]),
+            head_size=int(data["head_size"]),
+        )
 
 
 def target_weights_hash(model: nn.Module) -> str:
@@ -174,8 +181,14 @@ class TokenDraft(nn.Module):
     """A causal LM: frozen target embedding → ``layers`` decoder layers of the target's family → RMSNorm
     → reduced head."""
 
-    def __init__(self, target_config: PretrainedConfig, embedding: nn.Embedding, output_weight: torch.Tensor,
-                 head_ids: torch.Tensor, arch: TokenDraftArch) -> None:
+    def __init__(
+        self,
+        target_config: PretrainedConfig,
+        embedding: nn.Embedding,
+        output_weight: torch.Tensor,
+        head_ids: torch.Tensor,
+        arch: TokenDraftArch,
+    ) -> None:
         super().__init__()
         if len(arch.init_from) != arch.layers:
             raise ValueError(f"init_from names {len(arch.init_from)} target layers for {arch.layers} draft layers")
@@ -208,20 +221,37 @@ class TokenDraft(nn.Module):
         target-derived embedding and head rows are not part of it."""
         return {k: v for k, v in self.state_dict().items()}
 
-    def hidden(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False,
-               attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        cache=None,
+        use_cache: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The final-norm hidden states ``[B, T, D]``."""
         embeds = embed(input_ids, self.embedding, self.embed_scale)  # [B, T, D], frozen
         if position_ids is None:
             past = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(input_ids.shape[1], device=input_ids.device) + past).unsqueeze(0)  # [1, T]
-        mask = create_causal_mask(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
-                                  cache=cache, position_ids=position_ids)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            cache=cache,
+            position_ids=position_ids,
+        )
         position_embeddings = self.rotary_emb(embeds, position_ids=position_ids)
         h = embeds
         for layer in self.layers:
-            h = layer(h, attention_mask=mask, position_embeddings=position_embeddings, position_ids=position_ids,
-                      cache=cache, use_cache=use_cache)
+            h = layer(
+                h,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+            )
         return self.norm(h)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -245,9 +275,17 @@ class TokenDraft(nn.Module):
         self.__dict__["_int8_head"] = quantize_linears(head)
         return self
 
-    def forward(self, input_ids: torch.Tensor, cache=None, use_cache: bool = False, logits_to_keep: int = 0,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                past_key_values=None, **_: object) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache=None,
+        use_cache: bool = False,
+        logits_to_keep: int = 0,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values=None,
+        **_: object,
+    ) -> CausalLMOutputWithPast:
         """Full-vocabulary logits ``[B, m, V]`` of the last ``logits_to_keep`` positions (0: all).
 
         Ids outside the head get ``-inf``, so softmax gives them probability exactly zero.
@@ -299,8 +337,9 @@ def check_target(card: dict, draft_dir: Path, actual: str) -> None:
         )
 
 
-def load_token_draft(draft_dir: Path, target: LoadedModel, *, int8: bool = False,
-                     target_hash: str | None = None) -> LoadedModel:
+def load_token_draft(
+    draft_dir: Path, target: LoadedModel, *, int8: bool = False, target_hash: str | None = None
+) -> LoadedModel:
     """Builds the draft stored in ``draft_dir`` around an already loaded (unpacked) target, or the
     part of it a draft borrows (``target_parts.read_target``, which gives ``target_hash`` too).
 

@@ -83,8 +83,15 @@ class PassBatcher(Generic[C, R]):
     a pass (the row budget); ``stamp(result, queue_ms)`` may record how long the call waited.
     """
 
-    def __init__(self, run: Callable[[list[C]], list[R | Exception]], executor: Executor, rows_of: Callable[[C], int],
-                 max_batch_rows: int, stamp: Callable[[R, float], R] | None = None, gather_ms: float = 30.0) -> None:
+    def __init__(
+        self,
+        run: Callable[[list[C]], list[R | Exception]],
+        executor: Executor,
+        rows_of: Callable[[C], int],
+        max_batch_rows: int,
+        stamp: Callable[[R, float], R] | None = None,
+        gather_ms: float = 30.0,
+    ) -> None:
         self._run = run
         self._executor = executor
         self._rows_of = rows_of

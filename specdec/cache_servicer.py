@@ -10,10 +10,10 @@ from opentelemetry import trace
 
 from specdec.kvcache import CacheTable
 from specdec.model_thread import model_executor
-from specdec.vocab import ModelFacts
 from specdec.rpc import call_core
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2
+from specdec.vocab import ModelFacts
 from specdec.wire import facts_to_pb
 
 
@@ -34,8 +34,9 @@ class CacheEngine(Protocol):
 class CacheServicer:
     """Mixin servicer: model work runs on one worker thread, since caches and model are not shared."""
 
-    def __init__(self, engine: CacheEngine, tracer: trace.Tracer, name: str,
-                 executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self, engine: CacheEngine, tracer: trace.Tracer, name: str, executor: ThreadPoolExecutor | None = None
+    ) -> None:
         """``executor`` is the thread the engine's model was loaded on (see ``specdec.model_thread``);
         by default a new one."""
         self._engine = engine
@@ -60,7 +61,9 @@ class CacheServicer:
         """Creates a session cache over the request's tokens."""
         with server_span(self._tracer, f"{self._name}/Prefill", context) as span:
             span.set_attribute("specdec.tokens", len(request.tokens))
-            cache_id, committed = await call_core(context, self._executor, lambda: self._engine.prefill(list(request.tokens), request.fence))
+            cache_id, committed = await call_core(
+                context, self._executor, lambda: self._engine.prefill(list(request.tokens), request.fence)
+            )
             return common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
 
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseReply:

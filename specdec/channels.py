@@ -50,7 +50,9 @@ def channel_credentials(tls: TlsClientConfig | None) -> grpc.ChannelCredentials 
 
 
 def aio_channel(
-    address: str, options: Sequence[tuple[str, int | str]] = (), credentials: grpc.ChannelCredentials | None = None,
+    address: str,
+    options: Sequence[tuple[str, int | str]] = (),
+    credentials: grpc.ChannelCredentials | None = None,
     tls_name: str | None = None,
 ) -> grpc.aio.Channel:
     """An asyncio channel: TLS when ``credentials`` are given, plaintext otherwise.

@@ -167,8 +167,9 @@ def build_request(
     integer outside its field's range); the coordinator checks the rest. ``stop`` may be one string.
     """
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    _check_fields(prompt, stop, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, k=k,
-                  temperature=temperature, top_p=top_p)
+    _check_fields(
+        prompt, stop, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, k=k, temperature=temperature, top_p=top_p
+    )
     request = coordinator_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -180,7 +181,9 @@ def build_request(
     if isinstance(prompt, str):
         request.text = prompt
     else:
-        request.messages.messages.extend(coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+        request.messages.messages.extend(
+            coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt
+        )
         # An empty list must still select the messages branch, so the server can name the problem.
         request.messages.SetInParent()
     if seed is not None:
@@ -216,16 +219,18 @@ def _check_fields(prompt: Prompt, stop: tuple, **fields) -> None:
     for name, (lo, hi) in _WIRE_INTS.items():
         value = fields[name]
         # Anything that is an integer (numpy's too, through __index__), but not a bool.
-        if value is not None and (isinstance(value, bool) or not hasattr(value, "__index__")
-                                  or not lo <= operator.index(value) <= hi):
+        if value is not None and (
+            isinstance(value, bool) or not hasattr(value, "__index__") or not lo <= operator.index(value) <= hi
+        ):
             raise invalid(f"{name}: must be an integer in [{lo}, {hi}]")
     for name in ("temperature", "top_p"):
         if isinstance(fields[name], bool) or not isinstance(fields[name], numbers.Real):
             raise invalid(f"{name}: must be a number")
 
 
-def _attempts(prompt: Prompt, options: dict, retry: RetryPolicy, timeout: float | None,
-              default_timeout: float | None) -> _Attempts:
+def _attempts(
+    prompt: Prompt, options: dict, retry: RetryPolicy, timeout: float | None, default_timeout: float | None
+) -> _Attempts:
     """A new request's attempts; ``timeout`` None takes the client's default (0 is a deadline now)."""
     return _Attempts(build_request(prompt, **options), retry, default_timeout if timeout is None else timeout)
 
@@ -327,13 +332,20 @@ class Client:
     """
 
     def __init__(
-        self, address: str | Sequence[str], timeout: float | None = 300.0, *, api_key: str | None = None,
-        tls: TlsClientConfig | None = None, client_id: str | None = None, retry: RetryPolicy = RetryPolicy(),
+        self,
+        address: str | Sequence[str],
+        timeout: float | None = 300.0,
+        *,
+        api_key: str | None = None,
+        tls: TlsClientConfig | None = None,
+        client_id: str | None = None,
+        retry: RetryPolicy = RetryPolicy(),
     ) -> None:
         options = channel_options(_MAX_BYTES)
         credentials = channel_credentials(tls)
         self._channels = [
-            grpc.insecure_channel(a, options=options) if credentials is None
+            grpc.insecure_channel(a, options=options)
+            if credentials is None
             else grpc.secure_channel(a, credentials, options=options)
             for a in _addresses(address)
         ]
@@ -392,8 +404,14 @@ class AsyncClient:
     """asyncio client with the same calls and options as ``Client``."""
 
     def __init__(
-        self, address: str | Sequence[str], timeout: float | None = 300.0, *, api_key: str | None = None,
-        tls: TlsClientConfig | None = None, client_id: str | None = None, retry: RetryPolicy = RetryPolicy(),
+        self,
+        address: str | Sequence[str],
+        timeout: float | None = 300.0,
+        *,
+        api_key: str | None = None,
+        tls: TlsClientConfig | None = None,
+        client_id: str | None = None,
+        retry: RetryPolicy = RetryPolicy(),
     ) -> None:
         credentials = channel_credentials(tls)
         self._channels = [aio_channel(a, channel_options(_MAX_BYTES), credentials) for a in _addresses(address)]

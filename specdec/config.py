@@ -154,8 +154,9 @@ class TargetConfig:
 
     def __post_init__(self) -> None:
         if self.tp.world_size > 1 and self.model.device != "cpu":
-            raise ValueError("device: tensor-parallel ranks compute on CPU tensors (gloo); a sharded target "
-                             "takes --device cpu")
+            raise ValueError(
+                "device: tensor-parallel ranks compute on CPU tensors (gloo); a sharded target takes --device cpu"
+            )
 
 
 @dataclass(frozen=True)

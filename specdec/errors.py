@@ -15,4 +15,3 @@ class StaleFence(RuntimeError):
 
 class CacheBehind(ValueError):
     """The caller expects more committed tokens than the cache has seen; it must prefill again."""
-

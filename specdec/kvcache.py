@@ -110,7 +110,9 @@ def check_sync(held_fence: int, committed: int, start: int, new: int, fence: int
     must prefill again (CacheBehind); a sync may not leave the cache without a committed token.
     """
     if fence < held_fence:
-        raise StaleFence(f"fencing token {fence} is older than this cache's {held_fence}: a newer turn owns the session")
+        raise StaleFence(
+            f"fencing token {fence} is older than this cache's {held_fence}: a newer turn owns the session"
+        )
     if start > committed:
         raise CacheBehind(f"cache holds {committed} committed tokens, caller expected at least {start}")
     if start + new == 0:
@@ -178,8 +180,9 @@ class SessionCache:
         return out.logits[0].float()  # [logits_to_keep, V]
 
     @torch.inference_mode()
-    def forward_with_hidden(self, model: PreTrainedModel, extra: list[int], logits_to_keep: int,
-                            side_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, HiddenRows]:
+    def forward_with_hidden(
+        self, model: PreTrainedModel, extra: list[int], logits_to_keep: int, side_layers: tuple[int, ...] = ()
+    ) -> tuple[torch.Tensor, HiddenRows]:
         """``forward``, also returning the final-norm hidden states of every fed position (followed by
         the outputs of ``side_layers``, see ``specdec.side_layers``).
 
@@ -202,8 +205,9 @@ class SessionCache:
         return with_sides(hidden, sides, side_layers)[0]
 
     @torch.inference_mode()
-    def prefill(self, model: PreTrainedModel, with_hidden: bool = False,
-                side_layers: tuple[int, ...] = ()) -> HiddenRows | None:
+    def prefill(
+        self, model: PreTrainedModel, with_hidden: bool = False, side_layers: tuple[int, ...] = ()
+    ) -> HiddenRows | None:
         """Caches every committed token but the last, so the next call starts with one pending.
 
         With ``with_hidden``, returns the hidden states of the positions it fed (and the outputs of
@@ -236,8 +240,9 @@ class CacheTable:
     its coordinator prefills it again.
     """
 
-    def __init__(self, capacity: int, factory=SessionCache, budget_bytes: int = 0, idle_s: float = 0.0,
-                 active_s: float = 5.0) -> None:
+    def __init__(
+        self, capacity: int, factory=SessionCache, budget_bytes: int = 0, idle_s: float = 0.0, active_s: float = 5.0
+    ) -> None:
         self._capacity = capacity
         self._factory = factory
         self._budget_bytes = budget_bytes

@@ -53,17 +53,22 @@ class CoordinatorMetrics:
             f"{PREFIX}spec_decode_num_accepted_tokens", "Draft tokens the target accepted.", registry=r
         )
         self.num_draft_tokens_per_pos = Counter(
-            f"{PREFIX}spec_decode_num_draft_tokens_per_pos", "Draft tokens proposed, by 0-based draft position.",
-            ["position"], registry=r,
+            f"{PREFIX}spec_decode_num_draft_tokens_per_pos",
+            "Draft tokens proposed, by 0-based draft position.",
+            ["position"],
+            registry=r,
         )
         self.num_accepted_tokens_per_pos = Counter(
-            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by 0-based draft position.",
-            ["position"], registry=r,
+            f"{PREFIX}spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by 0-based draft position.",
+            ["position"],
+            registry=r,
         )
         self.accepted_length = Histogram(
             f"{PREFIX}spec_decode_accepted_length",
             "Tokens committed per round: accepted draft tokens plus the target's recovered or bonus token.",
-            buckets=LENGTH_BUCKETS, registry=r,
+            buckets=LENGTH_BUCKETS,
+            registry=r,
         )
         self.target_only_fallbacks = Counter(
             f"{PREFIX}target_only_fallbacks",
@@ -74,12 +79,16 @@ class CoordinatorMetrics:
             f"{PREFIX}round_duration_seconds", "One round: draft plus verify.", buckets=STEP_BUCKETS, registry=r
         )
         self.draft_duration = Histogram(
-            f"{PREFIX}draft_duration_seconds", "One draft call, in rounds that asked for one (failed calls included).",
-            buckets=STEP_BUCKETS, registry=r,
+            f"{PREFIX}draft_duration_seconds",
+            "One draft call, in rounds that asked for one (failed calls included).",
+            buckets=STEP_BUCKETS,
+            registry=r,
         )
         self.verify_duration = Histogram(
-            f"{PREFIX}verify_duration_seconds", "One verify call (a re-prefill after a lost cache included).",
-            buckets=STEP_BUCKETS, registry=r,
+            f"{PREFIX}verify_duration_seconds",
+            "One verify call (a re-prefill after a lost cache included).",
+            buckets=STEP_BUCKETS,
+            registry=r,
         )
         self.prompt_tokens = Counter(f"{PREFIX}prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(
@@ -92,16 +101,21 @@ class CoordinatorMetrics:
         for reason in FINISH_REASONS:
             self.request_success.labels(finish_reason=reason)
         self.e2e_request_latency = Histogram(
-            f"{PREFIX}e2e_request_latency_seconds", "Wall time of finished requests.", buckets=REQUEST_BUCKETS,
+            f"{PREFIX}e2e_request_latency_seconds",
+            "Wall time of finished requests.",
+            buckets=REQUEST_BUCKETS,
             registry=r,
         )
         self.time_to_first_token = Histogram(
-            f"{PREFIX}time_to_first_token_seconds", "Time to the first streamed token of finished requests.",
-            buckets=REQUEST_BUCKETS, registry=r,
+            f"{PREFIX}time_to_first_token_seconds",
+            "Time to the first streamed token of finished requests.",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
         )
         self.last_request_tokens_per_second = Gauge(
             f"{PREFIX}last_request_generation_tokens_per_second",
-            "Generated tokens per wall-clock second of the last finished request.", registry=r,
+            "Generated tokens per wall-clock second of the last finished request.",
+            registry=r,
         )
 
     def running(self) -> AbstractContextManager:
@@ -109,7 +123,13 @@ class CoordinatorMetrics:
         return self.num_requests_running.track_inprogress()
 
     def observe_round(
-        self, drafted: int, accepted: int, committed: int, draft_s: float | None, verify_s: float, round_s: float,
+        self,
+        drafted: int,
+        accepted: int,
+        committed: int,
+        draft_s: float | None,
+        verify_s: float,
+        round_s: float,
         fallback: bool,
     ) -> None:
         """Records one round; ``draft_s`` is None when the round did not call a draft."""
@@ -162,11 +182,13 @@ class _CacheCollector(Collector):
     def _families(self, active: float, kv_bytes: float, evictions: float) -> Iterator[Metric]:
         yield GaugeMetricFamily(f"{PREFIX}active_sessions", "Session caches held.", value=active)
         yield GaugeMetricFamily(
-            f"{PREFIX}kv_cache_bytes", "Bytes of the key and value buffers of all session caches (capacity, not fill).",
+            f"{PREFIX}kv_cache_bytes",
+            "Bytes of the key and value buffers of all session caches (capacity, not fill).",
             value=kv_bytes,
         )
         yield CounterMetricFamily(
-            f"{PREFIX}kv_cache_evictions", "Session caches evicted (least recently used) to make room.",
+            f"{PREFIX}kv_cache_evictions",
+            "Session caches evicted (least recently used) to make room.",
             value=evictions,
         )
 
@@ -196,14 +218,17 @@ class _PassCollector(Collector):
     def __init__(self, engine: PassStats) -> None:
         self._engine = engine
 
-    def _families(self, passes: float, rounds: float, seconds: float, round_rows: float,
-                  prompt_rows: float) -> Iterator[Metric]:
+    def _families(
+        self, passes: float, rounds: float, seconds: float, round_rows: float, prompt_rows: float
+    ) -> Iterator[Metric]:
         yield CounterMetricFamily(f"{PREFIX}target_passes", "Batched forward passes of the target.", value=passes)
         yield CounterMetricFamily(f"{PREFIX}target_rounds_verified", "Rounds verified in those passes.", value=rounds)
         yield CounterMetricFamily(f"{PREFIX}target_pass_seconds", "Seconds those passes took.", value=seconds)
         rows = CounterMetricFamily(
-            f"{PREFIX}target_pass_rows", "Token rows those passes fed: for rounds (pending + draft tokens) or "
-            "for prompts (folded into a round, or fed a chunk a pass).", labels=["kind"],
+            f"{PREFIX}target_pass_rows",
+            "Token rows those passes fed: for rounds (pending + draft tokens) or "
+            "for prompts (folded into a round, or fed a chunk a pass).",
+            labels=["kind"],
         )
         rows.add_metric(["round"], round_rows)
         rows.add_metric(["prompt"], prompt_rows)
@@ -222,8 +247,9 @@ class _PassCollector(Collector):
 class CacheServiceMetrics:
     """A draft or target service's metrics: its session caches (and a target's passes), read when scraped."""
 
-    def __init__(self, caches: CacheStats, registry: CollectorRegistry | None = None,
-                 passes: PassStats | None = None) -> None:
+    def __init__(
+        self, caches: CacheStats, registry: CollectorRegistry | None = None, passes: PassStats | None = None
+    ) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         ProcessCollector(registry=self.registry)
         self.registry.register(_CacheCollector(caches))

@@ -140,8 +140,9 @@ def eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def load_model(spec: str, cache_dir: Path, dtype: str | torch.dtype = "auto", pack: bool = False,
-               device: str = "cpu") -> LoadedModel:
+def load_model(
+    spec: str, cache_dir: Path, dtype: str | torch.dtype = "auto", pack: bool = False, device: str = "cpu"
+) -> LoadedModel:
     """Loads a Hugging Face causal LM (folder or GGUF file) for inference on ``device`` in ``dtype``
     (a torch dtype or a ``--dtype`` value, see ``resolve_dtype``).
 

@@ -68,8 +68,9 @@ class FusedProjections(nn.Module):
         biases = [lin.bias for lin in linears]
         bias = None
         if any(b is not None for b in biases):
-            bias = torch.cat([b.detach() if b is not None else torch.zeros(lin.out_features)
-                              for b, lin in zip(biases, linears)])
+            bias = torch.cat(
+                [b.detach() if b is not None else torch.zeros(lin.out_features) for b, lin in zip(biases, linears)]
+            )
         self.product = PackedLinear(weight, bias)
         self.sizes = [lin.out_features for lin in linears]
         self._input: torch.Tensor | None = None

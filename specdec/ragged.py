@@ -122,8 +122,14 @@ class RaggedLayout:
     windowed: dict[int, list[torch.Tensor | None]] | None = None
 
     @classmethod
-    def of(cls, lengths: list[int], pasts: list[int], starts: list[int] | None = None,
-           device: torch.device | str = "cpu", windows: tuple[int | None, ...] = ()) -> RaggedLayout:
+    def of(
+        cls,
+        lengths: list[int],
+        pasts: list[int],
+        starts: list[int] | None = None,
+        device: torch.device | str = "cpu",
+        windows: tuple[int | None, ...] = (),
+    ) -> RaggedLayout:
         """The layout of sessions feeding ``lengths`` rows on top of ``pasts`` cached entries, its
         tensors on the model's ``device``.
 
@@ -136,8 +142,10 @@ class RaggedLayout:
             bounds.append(bounds[-1] + n)
         starts = pasts if starts is None else starts
         positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])
-        windowed = {w: [_causal_mask(n, p, device, w) for n, p in zip(lengths, pasts)]
-                    for w in sorted({w for w in windows if w is not None})}
+        windowed = {
+            w: [_causal_mask(n, p, device, w) for n, p in zip(lengths, pasts)]
+            for w in sorted({w for w in windows if w is not None})
+        }
         return cls(bounds, [_causal_mask(n, p, device) for n, p in zip(lengths, pasts)], positions, windowed or None)
 
     def masks_for(self, window: int | None) -> list[torch.Tensor | None]:
@@ -166,8 +174,15 @@ def project_qkv(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return q, k, v
 
 
-def ragged_decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], caches: list[Cache],
-                         layout: RaggedLayout, layer_idx: int, window: int | None = None) -> torch.Tensor:
+def ragged_decoder_layer(
+    layer,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    caches: list[Cache],
+    layout: RaggedLayout,
+    layer_idx: int,
+    window: int | None = None,
+) -> torch.Tensor:
     """One decoder layer over a ragged block ``x [N, D]``; each session attends to its own cache, within
     the layer's sliding ``window`` when it has one.
 
@@ -202,8 +217,12 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
     decoder = model.get_decoder()
     device = model.device
     windows = layer_windows(model.config)
-    layout = RaggedLayout.of([len(item.tokens) for item in items], [item.cache.get_seq_length() for item in items],
-                             device=device, windows=windows)
+    layout = RaggedLayout.of(
+        [len(item.tokens) for item in items],
+        [item.cache.get_seq_length() for item in items],
+        device=device,
+        windows=windows,
+    )
     input_ids = torch.tensor([t for item in items for t in item.tokens], dtype=torch.long, device=device)  # [N]
     caches = [item.cache for item in items]
 
@@ -221,6 +240,8 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
     keep = torch.cat([torch.arange(hi - item.logits_to_keep, hi, device=device) for item, hi in zip(items, bounds[1:])])
     logits = model.get_output_embeddings()(hidden[keep]).float()  # [sum keep, V]
     per_item_logits = list(torch.split(logits, [item.logits_to_keep for item in items]))
-    per_item_hidden = [with_sides(hidden[lo:hi], {j: out[lo:hi] for j, out in sides.items()}, item.side_layers)
-                       for item, (lo, hi) in zip(items, itertools.pairwise(bounds))]
+    per_item_hidden = [
+        with_sides(hidden[lo:hi], {j: out[lo:hi] for j, out in sides.items()}, item.side_layers)
+        for item, (lo, hi) in zip(items, itertools.pairwise(bounds))
+    ]
     return per_item_logits, per_item_hidden

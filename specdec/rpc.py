@@ -21,7 +21,11 @@ from opentelemetry import trace
 
 # The client-side channel helpers; the services import them from here too.
 from specdec.channels import (  # noqa: F401
-    RECONNECT_BACKOFF, aio_channel, channel_credentials, channel_options, read_pem,
+    RECONNECT_BACKOFF,
+    aio_channel,
+    channel_credentials,
+    channel_options,
+    read_pem,
 )
 from specdec.config import ServerConfig
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
@@ -247,8 +251,9 @@ async def serve_forever(
         provider.shutdown()
 
 
-async def wait_ready(address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None,
-                     tls_name: str | None = None) -> None:
+async def wait_ready(
+    address: str, timeout_s: float, credentials: grpc.ChannelCredentials | None = None, tls_name: str | None = None
+) -> None:
     """Polls an address's health service until it reports SERVING, or raises TimeoutError.
 
     The short reconnect backoff matters here: with gRPC's default, a replica still loading its model

@@ -123,9 +123,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> Verdi
     return Verdict(accepted, target_tokens[: accepted + 1])
 
 
-def verify_sampled(
-    p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int], generator: torch.Generator
-) -> Verdict:
+def verify_sampled(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int], generator: torch.Generator) -> Verdict:
     """Speculative sampling: accept draft token x with probability min(1, p(x) / q(x)).
 
     ``p`` is the target's ``[k + 1, V]`` and ``q`` the draft's ``[k, V]``, both after the same

@@ -186,18 +186,42 @@ class LocalStack:
             self.target_address, self.draft_address = f"127.0.0.1:{target_port}", f"127.0.0.1:{draft_port}"
             target = self._spawn(
                 "target",
-                [*exe, "serve-target", "--port", str(target_port), "--model", c.target_model,
-                 "--threads", str(c.target_threads), "--tp", str(c.target_tp),
-                 "--prefill-chunk", str(c.prefill_chunk), *([] if c.fold_prefills else ["--no-fold-prefills"]),
-                 *common],
+                [
+                    *exe,
+                    "serve-target",
+                    "--port",
+                    str(target_port),
+                    "--model",
+                    c.target_model,
+                    "--threads",
+                    str(c.target_threads),
+                    "--tp",
+                    str(c.target_tp),
+                    "--prefill-chunk",
+                    str(c.prefill_chunk),
+                    *([] if c.fold_prefills else ["--no-fold-prefills"]),
+                    *common,
+                ],
                 c.target_threads,
                 passive=False,
             )
             draft = self._spawn(
                 "draft",
-                [*exe, "serve-draft", "--port", str(draft_port), "--kind", c.draft_kind,
-                 "--model", c.draft_model or default_draft_model(c.draft_kind), "--target-model", c.target_model,
-                 "--threads", str(c.draft_threads), *common],
+                [
+                    *exe,
+                    "serve-draft",
+                    "--port",
+                    str(draft_port),
+                    "--kind",
+                    c.draft_kind,
+                    "--model",
+                    c.draft_model or default_draft_model(c.draft_kind),
+                    "--target-model",
+                    c.target_model,
+                    "--threads",
+                    str(c.draft_threads),
+                    *common,
+                ],
                 c.draft_threads,
             )
             coordinators = []
@@ -209,12 +233,29 @@ class LocalStack:
                 port = c.coordinator_port if i == 0 else 0
                 coordinator = self._spawn(
                     f"coordinator{i}",
-                    [*exe, "serve-coordinator", "--port", str(port), "--draft", self.draft_address,
-                     "--target", self.target_address, "--redis-url", self.redis_url, "--tokenizer", c.target_model,
-                     "--default-k", "auto" if c.default_k is None else str(c.default_k),
-                     # Every process of a local stack shares this machine's cores.
-                     "--draft-colocated", *([] if c.confidence_cutoff else ["--no-confidence-cutoff"]),
-                     "--draft-ahead", str(c.draft_ahead), *(http if i == 0 else []), *common],
+                    [
+                        *exe,
+                        "serve-coordinator",
+                        "--port",
+                        str(port),
+                        "--draft",
+                        self.draft_address,
+                        "--target",
+                        self.target_address,
+                        "--redis-url",
+                        self.redis_url,
+                        "--tokenizer",
+                        c.target_model,
+                        "--default-k",
+                        "auto" if c.default_k is None else str(c.default_k),
+                        # Every process of a local stack shares this machine's cores.
+                        "--draft-colocated",
+                        *([] if c.confidence_cutoff else ["--no-confidence-cutoff"]),
+                        "--draft-ahead",
+                        str(c.draft_ahead),
+                        *(http if i == 0 else []),
+                        *common,
+                    ],
                 )
                 coordinators.append(coordinator)
             self._wait_for_line(target, "READY ")

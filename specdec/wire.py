@@ -19,7 +19,10 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
 def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
     """Wire form of sampling settings."""
     return common_pb2.SamplingParams(
-        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
         coupled=sampling.coupled,
     )
 
@@ -53,12 +56,26 @@ def facts_from_pb(msg: common_pb2.ModelInfo) -> ModelFacts:
 def pass_load_to_pb(load: PassLoad) -> target_pb2.PassLoad:
     """A verdict's pass load for the wire."""
     return target_pb2.PassLoad(
-        sessions=load.sessions, rows=load.rows, others_committed=load.others_committed, pass_ms=load.pass_ms,
-        curve_ms=load.curve_ms, alone_ms=load.alone_ms, queue_ms=load.queue_ms, fed_rows=load.fed_rows,
+        sessions=load.sessions,
+        rows=load.rows,
+        others_committed=load.others_committed,
+        pass_ms=load.pass_ms,
+        curve_ms=load.curve_ms,
+        alone_ms=load.alone_ms,
+        queue_ms=load.queue_ms,
+        fed_rows=load.fed_rows,
     )
 
 
 def pass_load_from_pb(msg: target_pb2.PassLoad) -> PassLoad:
     """A verdict's pass load from the wire."""
-    return PassLoad(msg.sessions, msg.rows, msg.others_committed, msg.pass_ms, list(msg.curve_ms),
-                    list(msg.alone_ms), msg.queue_ms, msg.fed_rows)
+    return PassLoad(
+        msg.sessions,
+        msg.rows,
+        msg.others_committed,
+        msg.pass_ms,
+        list(msg.curve_ms),
+        list(msg.alone_ms),
+        msg.queue_ms,
+        msg.fed_rows,
+    )

@@ -20,24 +20,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         return
     p = subparsers.add_parser("serve-target", help="run the target service")
     add_server(p, 50052)
-    p.add_argument("--model", default=env("TARGET_MODEL", "default"),
-                   help="'default', a HF folder or a .gguf file (env SPECDEC_TARGET_MODEL)")
+    p.add_argument(
+        "--model",
+        default=env("TARGET_MODEL", "default"),
+        help="'default', a HF folder or a .gguf file (env SPECDEC_TARGET_MODEL)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     add_device(p, "DEVICE")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
     add_cache_limits(p)
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
-    p.add_argument("--max-batch-rows", type=int, default=256,
-                   help="most token rows one batched verify pass feeds (all sessions together)")
-    p.add_argument("--no-fold-prefills", dest="fold_prefills", action="store_false",
-                   help="give every prompt a pass of its own, even while other sessions' passes run")
-    p.add_argument("--prefill-chunk", type=int, default=128,
-                   help="feed a longer prompt this many tokens a pass, in passes shared with running sessions "
-                        "(0: in one pass of its own, which they all wait for); with none running, up to "
-                        "--max-batch-rows - 1 a pass")
-    p.add_argument("--tp", type=int, default=int(env("TENSOR_PARALLEL", "1")),
-                   help="shard the target over N processes (tensor parallelism; env SPECDEC_TENSOR_PARALLEL); this process "
-                        "serves and starts the others unless torchrun did (RANK / WORLD_SIZE set)")
+    p.add_argument(
+        "--max-batch-rows",
+        type=int,
+        default=256,
+        help="most token rows one batched verify pass feeds (all sessions together)",
+    )
+    p.add_argument(
+        "--no-fold-prefills",
+        dest="fold_prefills",
+        action="store_false",
+        help="give every prompt a pass of its own, even while other sessions' passes run",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=128,
+        help="feed a longer prompt this many tokens a pass, in passes shared with running sessions "
+        "(0: in one pass of its own, which they all wait for); with none running, up to "
+        "--max-batch-rows - 1 a pass",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=int(env("TENSOR_PARALLEL", "1")),
+        help="shard the target over N processes (tensor parallelism; env SPECDEC_TENSOR_PARALLEL); this process "
+        "serves and starts the others unless torchrun did (RANK / WORLD_SIZE set)",
+    )
     p.set_defaults(run=serve)
 
 
@@ -55,9 +74,11 @@ def tensor_parallel(args: argparse.Namespace) -> TensorParallelConfig:
                 raise ValueError(f"--tp {args.tp} but the launcher started {world_size} ranks (WORLD_SIZE)")
             launcher = os.environ.get("SPECDEC_TP_LAUNCHER_PID")
             return TensorParallelConfig(
-                world_size=world_size, rank=int(os.environ.get("RANK", "0")),
+                world_size=world_size,
+                rank=int(os.environ.get("RANK", "0")),
                 master_addr=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                master_port=int(os.environ.get("MASTER_PORT", "0")), launched=True,
+                master_port=int(os.environ.get("MASTER_PORT", "0")),
+                launched=True,
                 launcher_pid=int(launcher) if launcher else None,
             )
         return TensorParallelConfig(world_size=args.tp)
@@ -70,9 +91,14 @@ def serve(args: argparse.Namespace) -> None:
     from target_service.server import main
 
     try:
-        config = TargetConfig(server=server_config(args), model=model_config(args, args.model),
-                              max_batch_rows=args.max_batch_rows, fold_prefills=args.fold_prefills,
-                              prefill_chunk=args.prefill_chunk, tp=tensor_parallel(args))
+        config = TargetConfig(
+            server=server_config(args),
+            model=model_config(args, args.model),
+            max_batch_rows=args.max_batch_rows,
+            fold_prefills=args.fold_prefills,
+            prefill_chunk=args.prefill_chunk,
+            tp=tensor_parallel(args),
+        )
     except ValueError as exc:  # --device, alone or with --tp
         raise SystemExit(f"specdec: {exc}") from None
     if config.tp.world_size > 1 and not config.tp.launched:

@@ -16,19 +16,19 @@ from specdec.config import MAX_K
 from specdec.errors import CacheBudgetExceeded
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel
-from specdec.vocab import ModelFacts
 from specdec.ragged import RaggedItem, ragged_forward, ragged_unsupported
-from specdec.side_layers import check_side_layers
 from specdec.sampling import (
     Sampling,
     Verdict,
     round_generator,
     sparse_to_dense,
-    verify_greedy,
     verify_coupled,
+    verify_greedy,
     verify_sampled,
     warp_probs,
 )
+from specdec.side_layers import check_side_layers
+from specdec.vocab import ModelFacts
 from target_service.pass_costs import PassCosts
 
 log = logging.getLogger("specdec.target")
@@ -86,18 +86,34 @@ def newest_hidden(rows: list[HiddenRows]) -> HiddenRows | None:
     if not rows:
         return None
     kept = rows[0].rows if len(rows) == 1 else torch.cat([r.rows for r in rows])
-    kept = kept[-min(PREFILL_HIDDEN_ROWS, PREFILL_HIDDEN_BYTES // (2 * kept.shape[1])):]  # [n, W]
+    kept = kept[-min(PREFILL_HIDDEN_ROWS, PREFILL_HIDDEN_BYTES // (2 * kept.shape[1])) :]  # [n, W]
     return HiddenRows(rows[-1].start + len(rows[-1].rows) - len(kept), kept)
 
 
-def feed_call(cache_id: str, rows: int, with_hidden: bool = False, sync: VerifyCall | None = None,
-              side_layers: tuple[int, ...] = ()) -> VerifyCall:
+def feed_call(
+    cache_id: str,
+    rows: int,
+    with_hidden: bool = False,
+    sync: VerifyCall | None = None,
+    side_layers: tuple[int, ...] = (),
+) -> VerifyCall:
     """A call that feeds the next ``rows`` pending tokens of a long prompt (or a long new turn) into its
     cache, beside other sessions' rounds in a shared pass; its outcome commits nothing and carries the
     fed rows' hidden states. With ``sync`` (a round's call) it first syncs the cache as that call would."""
     start, tokens, fence = (sync.start, sync.new_tokens, sync.fence) if sync is not None else (0, [], 0)
-    return VerifyCall(cache_id, start, list(tokens), [], [], Sampling(), 0, with_hidden, fence, feed_rows=rows,
-                      side_layers=side_layers)
+    return VerifyCall(
+        cache_id,
+        start,
+        list(tokens),
+        [],
+        [],
+        Sampling(),
+        0,
+        with_hidden,
+        fence,
+        feed_rows=rows,
+        side_layers=side_layers,
+    )
 
 
 @dataclass(frozen=True)
@@ -141,8 +157,15 @@ class TargetEngine:
     supports it, so a batch costs about one weight read instead of one per session.
     """
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, curve_rows: int = CURVE_ROWS, *,
-                 budget_bytes: int = 0, idle_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_sessions: int,
+        curve_rows: int = CURVE_ROWS,
+        *,
+        budget_bytes: int = 0,
+        idle_s: float = 0.0,
+    ) -> None:
         """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches (see CacheTable)."""
         self._loaded = loaded
         self._caches = CacheTable(max_sessions, budget_bytes=budget_bytes, idle_s=idle_s)
@@ -150,8 +173,11 @@ class TargetEngine:
         self._ragged = unsupported is None
         if unsupported is not None:
             # Still exact, only slower under load: say so where an operator looks first.
-            log.warning("target %s: %s; verifying one pass per session, without batching or prompt folding",
-                        loaded.name, unsupported)
+            log.warning(
+                "target %s: %s; verifying one pass per session, without batching or prompt folding",
+                loaded.name,
+                unsupported,
+            )
         self._costs = PassCosts()
         self._warming = False  # passes now are warm-up's (PassCosts.record)
         self._curve_rows = curve_rows
@@ -185,8 +211,13 @@ class TargetEngine:
             raise ValueError(f"{what}: token ids must lie in [0, {vocab})")
 
     def prefill(
-        self, tokens: list[int], with_hidden: bool = False, fence: int = 0, cache_id: str | None = None,
-        defer: bool = False, side_layers: tuple[int, ...] = (),
+        self,
+        tokens: list[int],
+        with_hidden: bool = False,
+        fence: int = 0,
+        cache_id: str | None = None,
+        defer: bool = False,
+        side_layers: tuple[int, ...] = (),
     ) -> tuple[str, int, HiddenRows | None]:
         """Creates a session cache over ``tokens`` (under ``cache_id``, or a fresh id); returns its id,
         committed length and, when asked, the hidden states of the positions it fed (followed by the
@@ -229,8 +260,9 @@ class TargetEngine:
         With ``with_hidden``, the outcome carries the hidden states of the committed positions fed
         (followed by the outputs of ``side_layers``).
         """
-        call = VerifyCall(cache_id, start, new_tokens, draft_tokens, q, sampling, round_index, with_hidden,
-                          side_layers=side_layers)
+        call = VerifyCall(
+            cache_id, start, new_tokens, draft_tokens, q, sampling, round_index, with_hidden, side_layers=side_layers
+        )
         outcome = self.verify_batch([call])[0]
         if isinstance(outcome, Exception):
             raise outcome
@@ -319,8 +351,15 @@ class TargetEngine:
         if self._ragged:
             logits, hidden = ragged_forward(
                 model,
-                [RaggedItem(p.cache.kv, p.fed, 0 if p.call.feed_rows else len(p.call.draft_tokens) + 1,
-                            p.call.side_layers if p.call.with_hidden else ()) for p in batch],
+                [
+                    RaggedItem(
+                        p.cache.kv,
+                        p.fed,
+                        0 if p.call.feed_rows else len(p.call.draft_tokens) + 1,
+                        p.call.side_layers if p.call.with_hidden else (),
+                    )
+                    for p in batch
+                ],
             )
             for p in batch:
                 p.cache.kv_tokens.extend(p.fed)
@@ -330,8 +369,9 @@ class TargetEngine:
             for p in batch:
                 keep = len(p.call.draft_tokens) + 1
                 if p.call.with_hidden:
-                    item_logits, rows = p.cache.forward_with_hidden(model, p.call.draft_tokens, keep,
-                                                                    p.call.side_layers)
+                    item_logits, rows = p.cache.forward_with_hidden(
+                        model, p.call.draft_tokens, keep, p.call.side_layers
+                    )
                     hidden.append(rows.rows)
                     starts.append(rows.start)
                 else:
@@ -368,8 +408,9 @@ class TargetEngine:
                 if call.sampling.greedy:
                     verdict = verify_greedy(item_logits, call.draft_tokens)
                 else:
-                    verdict = self._verify_sampled(item_logits, call.draft_tokens, call.q, call.sampling,
-                                                   call.round_index, len(cache.committed))
+                    verdict = self._verify_sampled(
+                        item_logits, call.draft_tokens, call.q, call.sampling, call.round_index, len(cache.committed)
+                    )
             except Exception as exc:  # noqa: BLE001 - one session's verdict never fails the others in its pass
                 cache.trim()  # the draft rows this pass cached follow no committed token
                 outcomes.append((p, exc))
@@ -383,20 +424,33 @@ class TargetEngine:
         committed_all = sum(len(o.tokens) for _, o in outcomes if not isinstance(o, Exception))
         alone = self._costs.curve(0, self._curve_rows)
         return [
-            (p.index, o if isinstance(o, Exception) else replace(o, load=PassLoad(
-                sessions=len(batch),
-                rows=rows,
-                others_committed=committed_all - len(o.tokens),
-                pass_ms=pass_ms,
-                curve_ms=self._costs.curve(rows - len(p.fed), self._curve_rows),
-                alone_ms=alone,
-                fed_rows=len(p.fed),
-            )))
+            (
+                p.index,
+                o
+                if isinstance(o, Exception)
+                else replace(
+                    o,
+                    load=PassLoad(
+                        sessions=len(batch),
+                        rows=rows,
+                        others_committed=committed_all - len(o.tokens),
+                        pass_ms=pass_ms,
+                        curve_ms=self._costs.curve(rows - len(p.fed), self._curve_rows),
+                        alone_ms=alone,
+                        fed_rows=len(p.fed),
+                    ),
+                ),
+            )
             for p, o in outcomes
         ]
 
     def _verify_sampled(
-        self, logits: torch.Tensor, draft_tokens: list[int], q: list[SparseQ], sampling: Sampling, round_index: int,
+        self,
+        logits: torch.Tensor,
+        draft_tokens: list[int],
+        q: list[SparseQ],
+        sampling: Sampling,
+        round_index: int,
         position: int,
     ) -> Verdict:
         """``position``: the sequence position of the first draft token (coupled sampling's noise)."""
@@ -444,8 +498,10 @@ class TargetEngine:
         # nothing measurable, while a prefill per session per pass made warm-up minutes long on slow
         # (tensor-parallel) targets.
         prompt = [0, 1, 2, 3]
-        ids = [self.prefill(prompt, defer=self._ragged)[0]
-               for _ in range(max((-(-rows // 3) for rows in sizes), default=0))]
+        ids = [
+            self.prefill(prompt, defer=self._ragged)[0]
+            for _ in range(max((-(-rows // 3) for rows in sizes), default=0))
+        ]
         if self._ragged and ids:  # their prompts fed together, as folded prompts are, not a pass each
             self.verify_batch([VerifyCall(i, len(prompt), [], [], [], Sampling(), 0) for i in ids])
         # One pass per size: a shape's first pass costs what its later ones do (default target, 2 cores:

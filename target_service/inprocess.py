@@ -48,7 +48,12 @@ class InProcessTarget:
         return ref
 
     async def prefill_with_hidden(
-        self, tokens: list[int], remaining_s: float | None, with_hidden: bool, fence: int = 0, feed_now: bool = False,
+        self,
+        tokens: list[int],
+        remaining_s: float | None,
+        with_hidden: bool,
+        fence: int = 0,
+        feed_now: bool = False,
         side_layers: tuple[int, ...] = (),
     ) -> tuple[CacheRef, HiddenChunk | None]:
         """``prefill``, also returning the fed positions' hidden states when ``with_hidden``. The
@@ -59,14 +64,31 @@ class InProcessTarget:
         return CacheRef(self.address, cache_id, committed, fence), hidden_chunk(hidden) if with_hidden else None
 
     async def verify(
-        self, ref: CacheRef, committed: list[int], draft: DraftResult | None, sampling: Sampling, round_index: int,
-        remaining_s: float | None, with_hidden: bool = False, side_layers: tuple[int, ...] = (),
+        self,
+        ref: CacheRef,
+        committed: list[int],
+        draft: DraftResult | None,
+        sampling: Sampling,
+        round_index: int,
+        remaining_s: float | None,
+        with_hidden: bool = False,
+        side_layers: tuple[int, ...] = (),
     ) -> VerifyResult:
         """Syncs the cache to ``committed``, verifies the draft's tokens and commits accepted + 1."""
         start = min(ref.committed, len(committed))
         tokens, q = (list(draft.tokens), [SparseQ(ids, probs) for ids, probs in draft.q]) if draft else ([], [])
-        call = VerifyCall(ref.cache_id, start, committed[start:], tokens, q, sampling, round_index, with_hidden,
-                          ref.fence, side_layers=side_layers)
+        call = VerifyCall(
+            ref.cache_id,
+            start,
+            committed[start:],
+            tokens,
+            q,
+            sampling,
+            round_index,
+            with_hidden,
+            ref.fence,
+            side_layers=side_layers,
+        )
 
         def verify_one():
             outcome = self._engine.verify_batch([call])[0]

@@ -60,8 +60,14 @@ class TargetScheduler:
     Runs on the event loop; model work goes to ``executor``, the engine's one worker thread.
     """
 
-    def __init__(self, engine: TargetEngine | LeaderEngine, executor: Executor, max_batch_rows: int,
-                 fold_prefills: bool = True, prefill_chunk: int = 0) -> None:
+    def __init__(
+        self,
+        engine: TargetEngine | LeaderEngine,
+        executor: Executor,
+        max_batch_rows: int,
+        fold_prefills: bool = True,
+        prefill_chunk: int = 0,
+    ) -> None:
         """``max_batch_rows`` is a pass's row budget; ``fold_prefills`` and ``prefill_chunk`` are
         ``TargetConfig``'s. An engine that does not batch (no ragged pass) neither folds nor chunks."""
         self._engine = engine
@@ -74,8 +80,11 @@ class TargetScheduler:
         # Prompts of at most this many tokens that arrive while passes run are fed by their session's
         # first verify pass (0: never); their caches' unfed rows count in that pass's row budget, and
         # their hidden rows return in one reply, as a prefill's would.
-        self.fold_rows = (min(max_batch_rows - 1, PREFILL_HIDDEN_ROWS, self.chunk_rows or max_batch_rows)
-                          if fold_prefills and engine.batches else 0)
+        self.fold_rows = (
+            min(max_batch_rows - 1, PREFILL_HIDDEN_ROWS, self.chunk_rows or max_batch_rows)
+            if fold_prefills and engine.batches
+            else 0
+        )
         self._prefilling = 0  # prefills running or queued with a pass of their own
         self._rounds_in_flight = 0
         self._last_round_end = float("-inf")  # event-loop time
@@ -99,8 +108,9 @@ class TargetScheduler:
         chunked = 0 < self.chunk_rows < tokens
         return PrefillPlan(chunked, fold and (chunked or tokens <= self.fold_rows))
 
-    async def prefill(self, tokens: list[int], return_hidden: bool, fence: int, plan: PrefillPlan,
-                      side_layers: tuple[int, ...] = ()) -> tuple[str, int, HiddenRows | None]:
+    async def prefill(
+        self, tokens: list[int], return_hidden: bool, fence: int, plan: PrefillPlan, side_layers: tuple[int, ...] = ()
+    ) -> tuple[str, int, HiddenRows | None]:
         """Creates a session cache over ``tokens`` fed as ``plan`` says; returns its id, committed length
         and, when asked, the hidden states of the rows fed (none for a folded prompt: its first round
         returns them). A chunked prompt whose feeding fails (or whose caller gives up) is released."""
@@ -128,8 +138,9 @@ class TargetScheduler:
         first, like a long prompt, and its rows' hidden states join the round's."""
         rows = []
         if self.chunk_rows and (pending := self._pending_after(call)) > self.chunk_rows:
-            rows = await self._feed_chunks(call.cache_id, pending, self.chunk_rows, call.with_hidden, call,
-                                           call.side_layers)
+            rows = await self._feed_chunks(
+                call.cache_id, pending, self.chunk_rows, call.with_hidden, call, call.side_layers
+            )
         self._rounds_in_flight += 1
         try:
             outcome = await self._batcher.submit(call)
@@ -138,7 +149,8 @@ class TargetScheduler:
             self._last_round_end = asyncio.get_running_loop().time()
         if rows and outcome.hidden is not None:
             joined = await asyncio.get_running_loop().run_in_executor(
-                self._executor, newest_hidden, [*rows, outcome.hidden])
+                self._executor, newest_hidden, [*rows, outcome.hidden]
+            )
             outcome = replace(outcome, hidden=joined)
         return outcome
 
@@ -151,16 +163,24 @@ class TargetScheduler:
         idle = not self._rounds_in_flight and ended > RUNNING_WINDOW_S
         return self.pass_rows if idle else self.chunk_rows
 
-    async def _feed_chunks(self, cache_id: str, pending: int, leave: int, with_hidden: bool,
-                           sync: VerifyCall | None = None, side_layers: tuple[int, ...] = ()) -> list[HiddenRows]:
+    async def _feed_chunks(
+        self,
+        cache_id: str,
+        pending: int,
+        leave: int,
+        with_hidden: bool,
+        sync: VerifyCall | None = None,
+        side_layers: tuple[int, ...] = (),
+    ) -> list[HiddenRows]:
         """Feeds a cache's ``pending`` tokens through the batcher, a chunk a pass, until ``leave`` are
         left, so running sessions' rounds share those passes instead of waiting for all of them (the
         first chunk applies ``sync``, a round's call, first). Returns the fed rows' hidden states."""
         rows, first = [], True
         while pending > leave:
             n = min(self.next_chunk(), pending - 1)  # the last committed token is always a round's to feed
-            outcome = await self._batcher.submit(feed_call(cache_id, n, with_hidden, sync if first else None,
-                                                           side_layers))
+            outcome = await self._batcher.submit(
+                feed_call(cache_id, n, with_hidden, sync if first else None, side_layers)
+            )
             first, pending = False, pending - n
             if outcome.hidden is not None:
                 rows.append(outcome.hidden)

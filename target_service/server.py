@@ -55,8 +55,15 @@ def verify_call_from_pb(request: target_pb2.VerifyRequest) -> VerifyCall:
 class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     """Thin servicer over a TargetScheduler (which passes feed what) and its TargetEngine."""
 
-    def __init__(self, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer, max_batch_rows: int,
-                 fold_prefills: bool = True, prefill_chunk: int = 0, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self,
+        engine: TargetEngine | LeaderEngine,
+        tracer: trace.Tracer,
+        max_batch_rows: int,
+        fold_prefills: bool = True,
+        prefill_chunk: int = 0,
+        executor: ThreadPoolExecutor | None = None,
+    ) -> None:
         super().__init__(engine, tracer, "TargetService", executor)
         self._scheduler = TargetScheduler(engine, self._executor, max_batch_rows, fold_prefills, prefill_chunk)
 
@@ -65,12 +72,14 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
             tokens = list(request.tokens)
             plan = self._scheduler.plan_prefill(len(tokens), request.feed_now)
-            span.set_attributes({"specdec.tokens": len(tokens), "specdec.deferred": plan.deferred,
-                                 "specdec.chunked": plan.chunked})
+            span.set_attributes(
+                {"specdec.tokens": len(tokens), "specdec.deferred": plan.deferred, "specdec.chunked": plan.chunked}
+            )
             cache_id, committed, hidden = await guarded(
                 context,
-                self._scheduler.prefill(tokens, request.return_hidden, request.fence, plan,
-                                        tuple(request.hidden_side_layers)),
+                self._scheduler.prefill(
+                    tokens, request.return_hidden, request.fence, plan, tuple(request.hidden_side_layers)
+                ),
                 "TargetService/Prefill",
             )
             reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
@@ -88,7 +97,9 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             span.set_attribute("specdec.k", len(request.draft_tokens))
             outcome = await guarded(context, self._verify(request), "TargetService/Verify")
             span.set_attribute("specdec.accepted", outcome.accepted)
-            reply = target_pb2.VerifyReply(accepted=outcome.accepted, tokens=outcome.tokens, committed=outcome.committed)
+            reply = target_pb2.VerifyReply(
+                accepted=outcome.accepted, tokens=outcome.tokens, committed=outcome.committed
+            )
             if outcome.load is not None:
                 load = outcome.load
                 span.set_attributes({"specdec.batch_sessions": load.sessions, "specdec.batch_rows": load.rows})
@@ -98,14 +109,20 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             return reply
 
 
-async def start_target(config: TargetConfig, engine: TargetEngine | LeaderEngine, tracer: trace.Tracer,
-                       executor: ThreadPoolExecutor | None = None) -> RunningServer:
+async def start_target(
+    config: TargetConfig,
+    engine: TargetEngine | LeaderEngine,
+    tracer: trace.Tracer,
+    executor: ThreadPoolExecutor | None = None,
+) -> RunningServer:
     """Starts the target gRPC server over a loaded engine (on ``executor``'s thread, see
     ``specdec.model_thread``) and reports it ready."""
-    servicer = TargetServicer(engine, tracer, config.max_batch_rows, config.fold_prefills, config.prefill_chunk,
-                              executor)
+    servicer = TargetServicer(
+        engine, tracer, config.max_batch_rows, config.fold_prefills, config.prefill_chunk, executor
+    )
     running = await start_server(
-        config.server, lenient_service(servicer, target_pb2.DESCRIPTOR.services_by_name["TargetService"]),
+        config.server,
+        lenient_service(servicer, target_pb2.DESCRIPTOR.services_by_name["TargetService"]),
         (SERVICE_NAME,),
     )
     servicer.sweep_idle_caches(config.model.cache_idle_s)
@@ -157,8 +174,9 @@ def main(config: TargetConfig) -> None:
         if config.server.metrics_port is not None:
             metrics = CacheServiceMetrics(core.caches, passes=core)
             start_metrics_server(metrics.registry, config.server.host, config.server.metrics_port)
-        asyncio.run(serve_forever(config.server, "target",
-                                  lambda tracer: start_target(config, engine, tracer, executor)))
+        asyncio.run(
+            serve_forever(config.server, "target", lambda tracer: start_target(config, engine, tracer, executor))
+        )
     finally:
         if isinstance(engine, LeaderEngine):
             executor.submit(engine.close).result()

@@ -202,7 +202,11 @@ class LeaderEngine:
         self._last_call = time.monotonic()
 
     def prefill(
-        self, tokens: list[int], with_hidden: bool = False, fence: int = 0, defer: bool = False,
+        self,
+        tokens: list[int],
+        with_hidden: bool = False,
+        fence: int = 0,
+        defer: bool = False,
         side_layers: tuple[int, ...] = (),
     ) -> tuple[str, int, HiddenRows | None]:
         """TargetEngine.prefill on every rank, under one cache id."""
@@ -286,9 +290,15 @@ def launch_followers(tp: TensorParallelConfig, argv: list[str]) -> list[subproce
     MASTER_ADDR / MASTER_PORT set. They die with this process."""
     procs = []
     for rank in range(1, tp.world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(tp.world_size),
-                   MASTER_ADDR=tp.master_addr, MASTER_PORT=str(tp.master_port),
-                   SPECDEC_TP_LAUNCHER_PID=str(os.getpid()))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(tp.world_size),
+            MASTER_ADDR=tp.master_addr,
+            MASTER_PORT=str(tp.master_port),
+            SPECDEC_TP_LAUNCHER_PID=str(os.getpid()),
+        )
         procs.append(subprocess.Popen([sys.executable, "-m", "specdec.cli", *argv], env=env))
     return procs
 
@@ -328,6 +338,9 @@ def join_group(tp: TensorParallelConfig) -> None:
     # gloo: the engine computes on CPU tensors. A GPU engine would join with "nccl" here, each rank on
     # cuda:LOCAL_RANK; the engine's tensors are not device-placed yet, so that is not offered.
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{tp.master_addr}:{tp.master_port}", rank=tp.rank,
-        world_size=tp.world_size, timeout=GROUP_TIMEOUT,
+        "gloo",
+        init_method=f"tcp://{tp.master_addr}:{tp.master_port}",
+        rank=tp.rank,
+        world_size=tp.world_size,
+        timeout=GROUP_TIMEOUT,
     )

@@ -19,8 +19,14 @@ from kubernetes import client
 SERVICE_LABEL = "kubernetes.io/service-name"
 
 
-def endpoint_slice(name: str, service: str, endpoints: list[tuple[str, bool | None, bool | None]], port: int,
-                   port_name: str = "grpc", address_type: str = "IPv4") -> dict:
+def endpoint_slice(
+    name: str,
+    service: str,
+    endpoints: list[tuple[str, bool | None, bool | None]],
+    port: int,
+    port_name: str = "grpc",
+    address_type: str = "IPv4",
+) -> dict:
     """An EndpointSlice of ``service``: one endpoint per (address, ready, terminating); None leaves
     a condition unset."""
     items = []
@@ -98,8 +104,14 @@ class FakeKubernetesApi:
 
     def expire_watches(self) -> None:
         """Ends open watches with the 410 Gone error of an expired resourceVersion."""
-        status = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired",
-                  "message": "too old resource version", "code": 410}
+        status = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "reason": "Expired",
+            "message": "too old resource version",
+            "code": 410,
+        }
         with self._changed:
             self._version += 1
             self._events.append((self._version, "ERROR", status))
@@ -138,8 +150,16 @@ class FakeKubernetesApi:
             return
         key, _, service = query.get("labelSelector", "").partition("=")
         if key != SERVICE_LABEL or not service:
-            self._reply(request, 400, {"kind": "Status", "code": 400, "reason": "BadRequest",
-                                       "message": "discovery must select one service's slices"})
+            self._reply(
+                request,
+                400,
+                {
+                    "kind": "Status",
+                    "code": 400,
+                    "reason": "BadRequest",
+                    "message": "discovery must select one service's slices",
+                },
+            )
             return
         if query.get("watch") == "true":
             self._watch(request, service, int(query.get("resourceVersion", "0")))
@@ -148,8 +168,16 @@ class FakeKubernetesApi:
             self.lists += 1
             items = [s for s in self._slices.values() if s["metadata"]["labels"][SERVICE_LABEL] == service]
             version = self._version
-        self._reply(request, 200, {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSliceList",
-                                   "metadata": {"resourceVersion": str(version)}, "items": items})
+        self._reply(
+            request,
+            200,
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSliceList",
+                "metadata": {"resourceVersion": str(version)},
+                "items": items,
+            },
+        )
 
     @staticmethod
     def _reply(request: BaseHTTPRequestHandler, code: int, body: dict) -> None:

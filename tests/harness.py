@@ -30,8 +30,13 @@ class InProcessStack:
     """Target, draft and any number of coordinators on a private event loop thread."""
 
     def __init__(
-        self, target: TargetEngine, draft: DraftEngine, tokenizer_path: Path, redis_url: str,
-        services: ServerConfig | None = None, target_config: TargetConfig | None = None,
+        self,
+        target: TargetEngine,
+        draft: DraftEngine,
+        tokenizer_path: Path,
+        redis_url: str,
+        services: ServerConfig | None = None,
+        target_config: TargetConfig | None = None,
     ) -> None:
         """``services`` is how target and draft listen (for example over TLS); default: plaintext loopback.
         ``target_config`` sets the target servers' other settings (its ``server`` is ``services``)."""

@@ -9,15 +9,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
+from harness import InProcessStack
 
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import hash_key
 from coordinator.identity import caller_of
-from coordinator.turns import Chunk, Stats
 from coordinator.server import SERVICE_NAME, CoordinatorServicer, register
 from coordinator.sessions import MemorySessionStore, RedisSessionStore
+from coordinator.turns import Chunk, Stats
 from draft_service.engine import ModelDrafter
-from harness import InProcessStack
 from specdec import Client
 from specdec.client import ResourceExhausted, RetryPolicy, Unavailable
 from specdec.config import AdmissionLimits, ServerConfig
@@ -52,6 +52,7 @@ def test_slots_bound_the_running_requests_and_the_queue():
 
 def test_a_burst_from_one_client_does_not_starve_another():
     """Client A queues five requests, then B one: B's runs second, not sixth."""
+
     async def run():
         admission = Admission(AdmissionLimits(max_active=1, max_queued=10))
         order = []
@@ -162,8 +163,9 @@ def test_sessions_per_client_over_grpc(tiny_target, tiny_draft, tiny_dir, redis_
     """The limit counts the sessions of one API key; another key has its own, and a header the client
     sets itself changes neither."""
     mine, theirs = f"sessions-{time.time()}", f"someone-else-{time.time()}"
-    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
-                           redis_url)
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target", redis_url
+    )
     stack.start(admission=AdmissionLimits(max_sessions_per_client=2), api_key_hashes=(hash_key(mine), hash_key(theirs)))
     try:
         with Client(stack.address, timeout=30, api_key=mine, client_id="a") as client:
@@ -179,13 +181,13 @@ def test_sessions_per_client_over_grpc(tiny_target, tiny_draft, tiny_dir, redis_
         stack.close()
 
 
-def test_a_new_session_that_never_streamed_does_not_count_for_its_client(tiny_target, tiny_draft, tiny_dir,
-                                                                         redis_url):
+def test_a_new_session_that_never_streamed_does_not_count_for_its_client(tiny_target, tiny_draft, tiny_dir, redis_url):
     """A new session's id reaches its client only with a chunk. When the request fails before one (here
     the target is unreachable), the session can never be continued, so it leaves the client's session
     limit as it was: the SDK's retries end UNAVAILABLE, not "too many live sessions"."""
-    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
-                           redis_url)
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target", redis_url
+    )
     key = f"unreached-{time.time()}"
     stack.start(admission=AdmissionLimits(max_sessions_per_client=1), api_key_hashes=(hash_key(key),))
     try:

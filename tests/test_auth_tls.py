@@ -21,13 +21,13 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from harness import InProcessStack
 
 from coordinator.auth import ApiKeyInterceptor, hash_key, parse_key_entries, read_api_key_hashes
 from coordinator.cli import coordinator_config
 from coordinator.server import SERVICE_NAME
 from coordinator.sessions import StoreUnavailable, open_store
 from draft_service.engine import ModelDrafter
-from harness import InProcessStack
 from specdec import AsyncClient, Client, SpecdecError, TlsClientConfig, Unauthenticated, Unavailable
 from specdec.cli import _parser
 from specdec.config import DnsDiscovery, ServerConfig
@@ -47,15 +47,44 @@ def _openssl(folder: Path, *args: str) -> None:
 
 
 def _make_ca(folder: Path, name: str) -> None:
-    _openssl(folder, "req", "-x509", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.pem", "-days", "1",
-             "-subj", f"/CN=specdec test {name}")
+    _openssl(
+        folder,
+        "req",
+        "-x509",
+        *EC_KEY,
+        "-keyout",
+        f"{name}.key",
+        "-out",
+        f"{name}.pem",
+        "-days",
+        "1",
+        "-subj",
+        f"/CN=specdec test {name}",
+    )
 
 
 def _make_cert(folder: Path, name: str, ca: str, serial: int, extensions: str) -> None:
     _openssl(folder, "req", *EC_KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
     (folder / f"{name}.ext").write_text(extensions)
-    _openssl(folder, "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-             "-set_serial", str(serial), "-days", "1", "-out", f"{name}.pem", "-extfile", f"{name}.ext")
+    _openssl(
+        folder,
+        "x509",
+        "-req",
+        "-in",
+        f"{name}.csr",
+        "-CA",
+        f"{ca}.pem",
+        "-CAkey",
+        f"{ca}.key",
+        "-set_serial",
+        str(serial),
+        "-days",
+        "1",
+        "-out",
+        f"{name}.pem",
+        "-extfile",
+        f"{name}.ext",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +100,13 @@ def certs(tmp_path_factory) -> SimpleNamespace:
     _make_cert(folder, "rogue", "rogue-ca", 4, "extendedKeyUsage=clientAuth\n")
     # Names a host only, as a certificate issued for a Service does: dialling its IP does not match it.
     _make_cert(folder, "named", "ca", 5, "subjectAltName=DNS:localhost\nextendedKeyUsage=serverAuth\n")
-    return SimpleNamespace(**{
-        f"{name}_{part}": folder / f"{name}.{ext}"
-        for name in ("ca", "server", "client", "rogue", "named") for part, ext in (("cert", "pem"), ("key", "key"))
-    })
+    return SimpleNamespace(
+        **{
+            f"{name}_{part}": folder / f"{name}.{ext}"
+            for name in ("ca", "server", "client", "rogue", "named")
+            for part, ext in (("cert", "pem"), ("key", "key"))
+        }
+    )
 
 
 def reference(loaded, prompt: str, max_new_tokens: int) -> list[int]:
@@ -82,7 +114,7 @@ def reference(loaded, prompt: str, max_new_tokens: int) -> list[int]:
     ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
     with torch.inference_mode():
         out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def _health(channel: grpc.Channel) -> int:
@@ -117,11 +149,27 @@ def test_cli_reads_keys_and_tls_once(tmp_path, monkeypatch):
     keys_file.write_text(KEY + "\n")
     monkeypatch.setenv("SPECDEC_API_KEYS", OTHER_KEY)
     pem = [str(tmp_path / f"{name}.pem") for name in ("cert", "key", "ca", "client-cert", "client-key")]
-    args = _parser().parse_args([
-        "serve-coordinator", "--draft", "d:1", "--target", "t:2", "--api-keys-file", str(keys_file),
-        "--tls-cert", pem[0], "--tls-key", pem[1], "--tls-ca", pem[2], "--tls-client-cert", pem[3],
-        "--tls-client-key", pem[4],
-    ])
+    args = _parser().parse_args(
+        [
+            "serve-coordinator",
+            "--draft",
+            "d:1",
+            "--target",
+            "t:2",
+            "--api-keys-file",
+            str(keys_file),
+            "--tls-cert",
+            pem[0],
+            "--tls-key",
+            pem[1],
+            "--tls-ca",
+            pem[2],
+            "--tls-client-cert",
+            pem[3],
+            "--tls-client-key",
+            pem[4],
+        ]
+    )
     config = coordinator_config(args)
     assert config.api_key_hashes == (hash_key(KEY), hash_key(OTHER_KEY))
     assert config.server.tls_cert == Path(pem[0]) and config.server.tls_client_ca is None
@@ -141,8 +189,9 @@ def test_cli_reads_keys_and_tls_once(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def keyed(tiny_target, tiny_draft, tiny_dir, redis_url):
     """A coordinator that requires KEY or OTHER_KEY, and an open one over the same services."""
-    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
-                           redis_url)
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target", redis_url
+    )
     stack.start(api_key_hashes=(hash_key(KEY), hash_key(OTHER_KEY)))
     open_address = stack.add_coordinator()
     yield SimpleNamespace(stack=stack, address=stack.address, open_address=open_address)
@@ -216,8 +265,13 @@ def test_keys_never_reach_the_logs(keyed, caplog):
 def secure(certs, tiny_target, tiny_draft, tiny_dir, redis_url):
     """Draft and target demand client certificates; the coordinator serves TLS and requires KEY."""
     services = ServerConfig(tls_cert=certs.server_cert, tls_key=certs.server_key, tls_client_ca=certs.ca_cert)
-    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
-                           redis_url, services=services)
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 16),
+        ModelDrafter(tiny_draft, 16, 64),
+        tiny_dir / "target",
+        redis_url,
+        services=services,
+    )
     stack.start(
         server=ServerConfig(tls_cert=certs.server_cert, tls_key=certs.server_key),
         backend_tls=TlsClientConfig(ca=certs.ca_cert, cert=certs.client_cert, key=certs.client_key),
@@ -279,9 +333,11 @@ def test_redis_password_from_the_environment(tmp_path, monkeypatch):
     try:
         wait_for_port(port)
         monkeypatch.setenv("SPECDEC_REDIS_PASSWORD", "s3cret")
-        config = coordinator_config(_parser().parse_args(
-            ["serve-coordinator", "--redis-url", f"redis://127.0.0.1:{port}/0", "--draft", "d:1", "--target", "t:1"]
-        ))
+        config = coordinator_config(
+            _parser().parse_args(
+                ["serve-coordinator", "--redis-url", f"redis://127.0.0.1:{port}/0", "--draft", "d:1", "--target", "t:1"]
+            )
+        )
         assert "s3cret" not in repr(config)
 
         async def ping(password):
@@ -324,8 +380,9 @@ def test_plaintext_health_port_beside_a_tls_server(certs):
                 status = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)).status
                 assert status == health_pb2.HealthCheckResponse.NOT_SERVING
                 await running.set_serving()
-                status = (await stub.Check(health_pb2.HealthCheckRequest(service="specdec.v1.TargetService"),
-                                           timeout=5)).status
+                status = (
+                    await stub.Check(health_pb2.HealthCheckRequest(service="specdec.v1.TargetService"), timeout=5)
+                ).status
                 assert status == health_pb2.HealthCheckResponse.SERVING
                 reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -343,13 +400,19 @@ def test_plaintext_health_port_beside_a_tls_server(certs):
     asyncio.run(scenario())
 
 
-def test_discovered_replicas_are_checked_against_their_service_name(certs, tiny_target, tiny_draft, tiny_dir,
-                                                                    redis_url):
+def test_discovered_replicas_are_checked_against_their_service_name(
+    certs, tiny_target, tiny_draft, tiny_dir, redis_url
+):
     """Discovery dials replicas by IP, but their certificates name the Service: the coordinator checks
     each certificate against the discovered name, not the IP."""
     services = ServerConfig(tls_cert=certs.named_cert, tls_key=certs.named_key)
-    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
-                           redis_url, services=services)
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 16),
+        ModelDrafter(tiny_draft, 16, 64),
+        tiny_dir / "target",
+        redis_url,
+        services=services,
+    )
     try:
         stack.target_address = stack.add_target(stack.target_engine)
         stack.draft_address = stack.add_draft(stack.draft_engine)
@@ -358,7 +421,10 @@ def test_discovered_replicas_are_checked_against_their_service_name(certs, tiny_
             stack.add_coordinator(backend_tls=tls, startup_timeout_s=2.0)
         port = {role: int(getattr(stack, f"{role}_address").rsplit(":", 1)[1]) for role in ("draft", "target")}
         address = stack.add_coordinator(
-            draft_addresses=(), target_addresses=(), backend_tls=tls, discovery_interval_s=0.5,
+            draft_addresses=(),
+            target_addresses=(),
+            backend_tls=tls,
+            discovery_interval_s=0.5,
             draft_discovery=DnsDiscovery("localhost", port["draft"]),
             target_discovery=DnsDiscovery("localhost", port["target"]),
         )

@@ -6,11 +6,10 @@ import asyncio
 import copy
 import threading
 import time
-from dataclasses import replace
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import grpc
-
 import pytest
 import torch
 from harness import InProcessStack
@@ -76,8 +75,13 @@ def test_a_lone_session_ragged_is_bit_identical_to_transformers_forward(which, r
     assert torch.equal(logits[0], want_logits) and torch.equal(hidden[0], want_hidden.rows)
 
 
-def _calls(engine: TargetEngine, prompts: list[list[int]], drafts: list[list[int]], sampling: Sampling,
-           with_hidden: bool = False) -> list[VerifyCall]:
+def _calls(
+    engine: TargetEngine,
+    prompts: list[list[int]],
+    drafts: list[list[int]],
+    sampling: Sampling,
+    with_hidden: bool = False,
+) -> list[VerifyCall]:
     ids = [engine.prefill(p)[0] for p in prompts]
     return [VerifyCall(i, len(p), [], d, [], sampling, 3, with_hidden) for i, p, d in zip(ids, prompts, drafts)]
 
@@ -151,13 +155,14 @@ def test_a_deferred_prefill_is_fed_by_its_sessions_first_verify_pass(tiny_target
     assert all(r.load.alone_ms == [] for r in results)  # nothing recorded: no curve yet
     assert results[0].load.rows == sum(len(p) - 1 for p in PROMPTS[2:]) + sum(len(d) + 1 for d in DRAFTS)
     assert [r.load.fed_rows for r in results] == [len(DRAFTS[0]) + 1, len(DRAFTS[1]) + 1] + [
-        len(p) - 1 + len(d) + 1 for p, d in zip(PROMPTS[2:], DRAFTS[2:])]
+        len(p) - 1 + len(d) + 1 for p, d in zip(PROMPTS[2:], DRAFTS[2:])
+    ]
     for i, call in enumerate(_calls(plain, PROMPTS, DRAFTS, Sampling(), with_hidden=True)):
         want, got, prompt = plain.verify_batch([call])[0], results[i], PROMPTS[i]
         assert (got.accepted, got.tokens, got.committed) == (want.accepted, want.tokens, want.committed)
         if i >= 2:
             assert got.hidden.start == 0 and len(got.hidden.rows) == len(prompt) - 1 + len(want.hidden.rows)
-            torch.testing.assert_close(got.hidden.rows[len(prompt) - 1:], want.hidden.rows, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(got.hidden.rows[len(prompt) - 1 :], want.hidden.rows, atol=1e-4, rtol=1e-4)
     # The next pass, one pending token per session, is a verify's: it is recorded.
     again = [VerifyCall(c.cache_id, r.committed, [], [], [], Sampling(), 4) for c, r in zip(running + late, results)]
     assert all(r.load.alone_ms != [] for r in folded.verify_batch(again))
@@ -206,8 +211,10 @@ def test_newest_hidden_joins_consecutive_rows_and_keeps_the_newest():
     assert kept.start == 10 and len(kept.rows) == PREFILL_HIDDEN_ROWS and kept.rows[-10:].eq(1).all()
     # Rows with four side layers of the default target's width: a reply stays inside 6 MiB.
     wide = newest_hidden([HiddenRows(0, torch.zeros(PREFILL_HIDDEN_ROWS, 5 * 576, dtype=torch.float16))])
-    assert wide.start + len(wide.rows) == PREFILL_HIDDEN_ROWS and wide.rows.numel() * 2 <= 6 * 1024 * 1024 < (
-        len(wide.rows) + 1) * 5 * 576 * 2
+    assert (
+        wide.start + len(wide.rows) == PREFILL_HIDDEN_ROWS
+        and wide.rows.numel() * 2 <= 6 * 1024 * 1024 < (len(wide.rows) + 1) * 5 * 576 * 2
+    )
 
 
 class _GatedEngine(TargetEngine):
@@ -235,8 +242,11 @@ class _GatedEngine(TargetEngine):
 
 
 def _deferred_flags(stack: InProcessStack) -> list[bool]:
-    return [s.attributes["specdec.deferred"] for s in stack.exporter.get_finished_spans()
-            if s.name == "TargetService/Prefill"]
+    return [
+        s.attributes["specdec.deferred"]
+        for s in stack.exporter.get_finished_spans()
+        if s.name == "TargetService/Prefill"
+    ]
 
 
 def test_a_prompt_that_arrives_during_a_pass_is_fed_by_the_next_one(tiny_target, tiny_dir, redis_url):
@@ -251,8 +261,12 @@ def test_a_prompt_that_arrives_during_a_pass_is_fed_by_the_next_one(tiny_target,
         first = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[0], return_hidden=True))
         assert first.hidden.fp16
         with ThreadPoolExecutor(2) as pool:
-            running = pool.submit(stub.Verify, target_pb2.VerifyRequest(
-                sync=common_pb2.CacheSync(cache_id=first.cache_id, start=len(PROMPTS[0])), sampling=greedy))
+            running = pool.submit(
+                stub.Verify,
+                target_pb2.VerifyRequest(
+                    sync=common_pb2.CacheSync(cache_id=first.cache_id, start=len(PROMPTS[0])), sampling=greedy
+                ),
+            )
             assert engine.entered.wait(30)
             late = pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=PROMPTS[3], return_hidden=True))
             time.sleep(1.0)  # the Prefill reaches the service while the pass still runs
@@ -260,9 +274,15 @@ def test_a_prompt_that_arrives_during_a_pass_is_fed_by_the_next_one(tiny_target,
             running.result(30)
             late = late.result(30)
         assert late.committed == len(PROMPTS[3]) and not late.hidden.fp16
-        got = stub.Verify(target_pb2.VerifyRequest(
-            sync=common_pb2.CacheSync(cache_id=late.cache_id, start=len(PROMPTS[3])), draft_tokens=DRAFTS[3],
-            sampling=greedy, round=3, return_hidden=True))
+        got = stub.Verify(
+            target_pb2.VerifyRequest(
+                sync=common_pb2.CacheSync(cache_id=late.cache_id, start=len(PROMPTS[3])),
+                draft_tokens=DRAFTS[3],
+                sampling=greedy,
+                round=3,
+                return_hidden=True,
+            )
+        )
     finally:
         stack.close()
     want = plain.verify(plain.prefill(PROMPTS[3])[0], len(PROMPTS[3]), [], DRAFTS[3], [], Sampling(), 3, True)
@@ -298,8 +318,9 @@ def test_a_long_prompt_is_fed_beside_running_sessions_a_chunk_a_pass(tiny_target
         cache_id = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[0])).cache_id  # shorter than a chunk
         committed, rounds = len(PROMPTS[0]), 0
         while not done.is_set():
-            committed = stub.Verify(target_pb2.VerifyRequest(
-                sync=common_pb2.CacheSync(cache_id=cache_id, start=committed), sampling=greedy)).committed
+            committed = stub.Verify(
+                target_pb2.VerifyRequest(sync=common_pb2.CacheSync(cache_id=cache_id, start=committed), sampling=greedy)
+            ).committed
             rounds += 1
         return rounds
 
@@ -312,9 +333,15 @@ def test_a_long_prompt_is_fed_beside_running_sessions_a_chunk_a_pass(tiny_target
             reply = stub.Prefill(common_pb2.PrefillRequest(tokens=prompt, return_hidden=True))
             done.set()
             assert running.result(30) > 0
-        got = stub.Verify(target_pb2.VerifyRequest(
-            sync=common_pb2.CacheSync(cache_id=reply.cache_id, start=len(prompt)), draft_tokens=DRAFTS[3],
-            sampling=greedy, round=3, return_hidden=True))
+        got = stub.Verify(
+            target_pb2.VerifyRequest(
+                sync=common_pb2.CacheSync(cache_id=reply.cache_id, start=len(prompt)),
+                draft_tokens=DRAFTS[3],
+                sampling=greedy,
+                round=3,
+                return_hidden=True,
+            )
+        )
     finally:
         stack.close()
     feeds = [p for p in engine.log if any(p)]
@@ -340,12 +367,21 @@ def test_a_long_new_turn_is_fed_a_chunk_a_pass_before_its_round(tiny_target, tin
     try:
         stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
         cache_id = stub.Prefill(common_pb2.PrefillRequest(tokens=PROMPTS[1])).cache_id
-        committed = stub.Verify(target_pb2.VerifyRequest(
-            sync=common_pb2.CacheSync(cache_id=cache_id, start=len(PROMPTS[1])), sampling=greedy)).committed
+        committed = stub.Verify(
+            target_pb2.VerifyRequest(
+                sync=common_pb2.CacheSync(cache_id=cache_id, start=len(PROMPTS[1])), sampling=greedy
+            )
+        ).committed
         engine.log.clear()
-        got = stub.Verify(target_pb2.VerifyRequest(
-            sync=common_pb2.CacheSync(cache_id=cache_id, start=committed, tokens=turn), draft_tokens=DRAFTS[3],
-            sampling=greedy, round=1, return_hidden=True))
+        got = stub.Verify(
+            target_pb2.VerifyRequest(
+                sync=common_pb2.CacheSync(cache_id=cache_id, start=committed, tokens=turn),
+                draft_tokens=DRAFTS[3],
+                sampling=greedy,
+                round=1,
+                return_hidden=True,
+            )
+        )
     finally:
         stack.close()
     # 61 pending tokens (the last committed one and the turn): 7 chunks of 8, then the round feeds 5.
@@ -371,8 +407,11 @@ def test_a_long_prompt_takes_whole_passes_while_no_session_runs(tiny_target, tin
         stub = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(engine)))
         alone = stub.Prefill(common_pb2.PrefillRequest(tokens=prompt))
         assert engine.log == [[63], [56]]  # 119 rows in passes of the whole budget; the last token is a round's
-        stub.Verify(target_pb2.VerifyRequest(
-            sync=common_pb2.CacheSync(cache_id=alone.cache_id, start=len(prompt)), sampling=greedy))
+        stub.Verify(
+            target_pb2.VerifyRequest(
+                sync=common_pb2.CacheSync(cache_id=alone.cache_id, start=len(prompt)), sampling=greedy
+            )
+        )
         engine.log.clear()
         stub.Prefill(common_pb2.PrefillRequest(tokens=prompt))  # a round just ended
     finally:
@@ -413,8 +452,10 @@ def test_a_burst_of_prompts_gets_one_prefill_pass_and_defers_the_rest(tiny_targe
         with ThreadPoolExecutor(4) as pool:
             first = pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=PROMPTS[0], return_hidden=True))
             assert engine.entered.wait(30)
-            rest = [pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=p, return_hidden=True, feed_now=now))
-                    for p, now in zip(PROMPTS[1:4], [False, False, True])]
+            rest = [
+                pool.submit(stub.Prefill, common_pb2.PrefillRequest(tokens=p, return_hidden=True, feed_now=now))
+                for p, now in zip(PROMPTS[1:4], [False, False, True])
+            ]
             time.sleep(1.0)  # all reach the service while the first prompt's pass still runs
             engine.gate.set()
             replies = [f.result(30) for f in [first, *rest]]
@@ -477,8 +518,12 @@ def test_batcher_merges_calls_that_arrive_together(tiny_target):
     expected = [reference.verify_batch([c])[0].tokens for c in _calls(reference, prompts, drafts, Sampling())]
 
     async def run():
-        batcher = PassBatcher(engine.verify_batch, ThreadPoolExecutor(max_workers=1),
-                              lambda call: len(call.draft_tokens) + 1, max_batch_rows=6)
+        batcher = PassBatcher(
+            engine.verify_batch,
+            ThreadPoolExecutor(max_workers=1),
+            lambda call: len(call.draft_tokens) + 1,
+            max_batch_rows=6,
+        )
         results = await asyncio.gather(*(batcher.submit(c) for c in calls))
         await asyncio.sleep(0.05)  # let the batcher's gathering window close before the loop does
         return results
@@ -544,8 +589,14 @@ def test_cost_model_uses_the_targets_curve_and_tells_load_from_a_poor_draft():
     good = AcceptanceTracker()
     for _ in range(50):
         good.record(4, 3)
-    busy = PassLoad(sessions=16, rows=16, others_committed=15, pass_ms=82.0, curve_ms=_flat_then_steep(15),
-                      alone_ms=_flat_then_steep(0))
+    busy = PassLoad(
+        sessions=16,
+        rows=16,
+        others_committed=15,
+        pass_ms=82.0,
+        curve_ms=_flat_then_steep(15),
+        alone_ms=_flat_then_steep(0),
+    )
     assert model.choose(good, busy) == 0
     assert model.choose_unloaded(good, busy) > 0  # the load holds k at 0, not the draft
     poor = AcceptanceTracker()
@@ -562,8 +613,12 @@ def test_concurrent_sessions_share_passes_and_stay_exact(tiny_target, tiny_draft
     stack = InProcessStack(engine, ModelDrafter(tiny_draft, 64, 64), tiny_dir / "target", redis_url).start()
     try:
         with Client(stack.address, timeout=120) as client, ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda ik: client.complete(prompts[ik[0]], max_new_tokens=30, k=ik[1]),
-                                    [(i, [None, 0, 2][i % 3]) for i in range(len(prompts))]))
+            results = list(
+                pool.map(
+                    lambda ik: client.complete(prompts[ik[0]], max_new_tokens=30, k=ik[1]),
+                    [(i, [None, 0, 2][i % 3]) for i in range(len(prompts))],
+                )
+            )
     finally:
         stack.close()
     assert [r.token_ids for r in results] == expected
@@ -576,8 +631,14 @@ def test_a_draft_on_the_targets_own_cores_is_off_under_load():
     tracker = AcceptanceTracker()
     for i in range(40):
         tracker.record(1, i % 2)  # the first draft token passes half the time
-    load = PassLoad(sessions=2, rows=2, others_committed=1, pass_ms=130.0,
-                      curve_ms=[130.0 + 2.0 * n for n in range(9)], alone_ms=[110.0 + 2.0 * n for n in range(9)])
+    load = PassLoad(
+        sessions=2,
+        rows=2,
+        others_committed=1,
+        pass_ms=130.0,
+        curve_ms=[130.0 + 2.0 * n for n in range(9)],
+        alone_ms=[110.0 + 2.0 * n for n in range(9)],
+    )
     separate, shared = CostModel(k_max=8), CostModel(k_max=8, colocated=True)
     for costs in (separate, shared):
         for _ in range(10):
@@ -593,8 +654,9 @@ def test_a_draft_on_the_targets_own_cores_is_off_under_load():
 def test_the_load_table_forgets_targets_that_left(tiny_target, tiny_draft, tiny_dir, redis_url):
     """Discovered targets come and go under new addresses: once the coordinator's table of their
     latest passes outgrows the live replicas, the stale entries go and the fresh ones stay."""
-    stack = InProcessStack(TargetEngine(tiny_target, 4), ModelDrafter(tiny_draft, 4, 4), tiny_dir / "target",
-                           redis_url).start()
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 4), ModelDrafter(tiny_draft, 4, 4), tiny_dir / "target", redis_url
+    ).start()
     try:
         loop = stack.round_loops[0]
         load = PassLoad(1, 1, 0, 1.0, [1.0], [1.0])

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from harness import InProcessStack
+from test_e2e_tiny import hf_greedy
+
 from bench.single import BenchPrompt, ModeResult, hf_runner, run_interleaved, specdec_runner, summarize
 from draft_service.engine import ModelDrafter
-from harness import InProcessStack
 from specdec.client import Client
 from target_service.engine import TargetEngine
-from test_e2e_tiny import hf_greedy
 
 PROMPTS = [BenchPrompt(str(i), f"w{i} w{i + 3} w{(7 * i) % 30}") for i in range(4)]
 
@@ -20,6 +21,7 @@ def test_modes_take_turns_prompt_by_prompt_in_a_b_b_a_order():
             calls.append((mode, index))
             result.tokens += 2
             result.seconds += 0.5
+
         return run
 
     results = run_interleaved({"a": runner("a"), "b": runner("b")}, PROMPTS, progress=False)
@@ -28,8 +30,9 @@ def test_modes_take_turns_prompt_by_prompt_in_a_b_b_a_order():
 
 
 def test_every_mode_matches_target_greedy_output_through_a_real_stack(tiny_target, tiny_draft, tiny_dir, redis_url):
-    stack = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target",
-                           redis_url).start()
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url
+    ).start()
     try:
         with Client(stack.address, timeout=120) as client:
             runners = {
@@ -66,8 +69,17 @@ def test_the_formula_reads_acceptance_per_judged_token_and_prefill_on_both_sides
     tokens on average and commits 1.75. Over drafted tokens the acceptance would read 0.375 and the
     formula would commit 1.52 a round; over judged ones it reads 0.5, the true a."""
     rounds = 400
-    spec = ModeResult(tokens=700, seconds=7.0, rounds=rounds, drafted=2 * rounds, accepted=300, judged=600,
-                      draft_ms=10.0 * rounds, verify_ms=110.0 * rounds, prefill_ms=500.0)
+    spec = ModeResult(
+        tokens=700,
+        seconds=7.0,
+        rounds=rounds,
+        drafted=2 * rounds,
+        accepted=300,
+        judged=600,
+        draft_ms=10.0 * rounds,
+        verify_ms=110.0 * rounds,
+        prefill_ms=500.0,
+    )
     k0 = ModeResult(tokens=700, seconds=7.0 * 1.1, rounds=700, verify_ms=100.0 * 700, prefill_ms=500.0)
     spec.outputs = k0.outputs = {"0": [1]}
     entry = summarize({"specdec-k0": k0, "specdec": spec}, greedy=False)["specdec"]

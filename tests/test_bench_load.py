@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from harness import InProcessStack
+from test_e2e_tiny import hf_greedy
+
 from bench.load import LevelResult, level_prompts, run_hf_batched_level, run_specdec_level, summarize_load
 from bench.single import BenchPrompt
 from draft_service.engine import ModelDrafter
-from harness import InProcessStack
 from target_service.engine import TargetEngine
-from test_e2e_tiny import hf_greedy
 
 PROMPTS = [BenchPrompt(str(i), f"w{i} w{i + 2} w{(5 * i) % 30}") for i in range(6)]
 
@@ -44,8 +45,13 @@ def test_every_client_of_a_level_sends_as_many_requests():
 
 def test_report_has_percentiles_exactness_and_ratios():
     def level(tokens: int, seconds: float, outputs: dict) -> LevelResult:
-        return LevelResult(tokens=tokens, seconds=seconds, ttft_ms=[10.0, 20.0, 30.0, 40.0],
-                           per_token_ms=[5.0, 5.0, 6.0, 9.0], outputs=outputs)
+        return LevelResult(
+            tokens=tokens,
+            seconds=seconds,
+            ttft_ms=[10.0, 20.0, 30.0, 40.0],
+            per_token_ms=[5.0, 5.0, 6.0, 9.0],
+            outputs=outputs,
+        )
 
     reference = {"a": [1, 2], "b": [3]}
     results = {
@@ -61,10 +67,10 @@ def test_report_has_percentiles_exactness_and_ratios():
 
 def test_repeated_runs_sum_tokens_and_seconds_and_check_every_output():
     reference = {"a": [1, 2], "b": [3]}
-    first = LevelResult(tokens=3, seconds=1.0, ttft_ms=[10.0], outputs=dict(reference), drafted=2, accepted=1,
-                        rounds=4)
-    second = LevelResult(tokens=3, seconds=2.0, ttft_ms=[30.0], outputs={"a": [1, 2], "b": [5]}, drafted=2,
-                         accepted=0, rounds=3)
+    first = LevelResult(tokens=3, seconds=1.0, ttft_ms=[10.0], outputs=dict(reference), drafted=2, accepted=1, rounds=4)
+    second = LevelResult(
+        tokens=3, seconds=2.0, ttft_ms=[30.0], outputs={"a": [1, 2], "b": [5]}, drafted=2, accepted=0, rounds=3
+    )
     first.absorb(second)
     entry = first.summary(reference)
     assert entry["tokens_per_s"] == 2.0  # 6 tokens over 3 s, not the mean of 3.0 and 1.5

@@ -33,9 +33,26 @@ def test_up_serves_and_sigterm_stops_everything(tiny_dir, tmp_path):
     model = str(tiny_dir / "target")
     log = open(tmp_path / "up.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specdec.cli", "up", "--port", str(port), "--cache-dir", marker,
-         "--target-model", model, "--draft-kind", "model", "--draft-model", model, "--target-threads", "1"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "specdec.cli",
+            "up",
+            "--port",
+            str(port),
+            "--cache-dir",
+            marker,
+            "--target-model",
+            model,
+            "--draft-kind",
+            "model",
+            "--draft-model",
+            model,
+            "--target-threads",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 120
@@ -67,6 +84,11 @@ def test_the_coordinator_needs_no_torch(tiny_dir):
         "tokenizer_fingerprint(load_tokenizer(Path(sys.argv[1]))); "
         "print(sorted(m for m in ('torch', 'transformers.modeling_utils') if m in sys.modules))"
     )
-    out = subprocess.run([sys.executable, "-c", code, str(tiny_dir / "target")], capture_output=True, text=True,
-                         check=True, cwd=Path(__file__).parent.parent)
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tiny_dir / "target")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).parent.parent,
+    )
     assert out.stdout.strip() == "[]", out.stdout

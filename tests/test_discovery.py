@@ -15,10 +15,10 @@ import torch
 from fake_kubernetes import FakeKubernetesApi, endpoint_slice
 from harness import InProcessStack
 
-from coordinator.replicas import CacheRef, ReplicaSet
 from coordinator.cli import coordinator_config
 from coordinator.discovery import DnsSource, KubernetesSource, join_host_port, parse_replicas, parse_spec
 from coordinator.membership import Membership, Refused
+from coordinator.replicas import CacheRef, ReplicaSet
 from coordinator.sessions import SessionRecord
 from draft_service.engine import NgramDrafter
 from specdec import Client
@@ -69,35 +69,41 @@ def follow(source, replicas: ReplicaSet, check=None, retry_s: float = 0.2) -> tu
 # --- spec strings ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("10.0.0.1:50052", "10.0.0.1:50052"),
-    ("target.serving.svc:50052", "target.serving.svc:50052"),
-    ("[::1]:50052", "[::1]:50052"),
-    ("dns:///spec-target.serving.svc.cluster.local:5", DnsDiscovery("spec-target.serving.svc.cluster.local", 5)),
-    ("dns:///[fd00::1]:7", DnsDiscovery("fd00::1", 7)),
-    ("k8s:///serving/spec-target:50052", KubernetesDiscovery("serving", "spec-target", 50052)),
-    ("k8s:///serving/spec-target:grpc", KubernetesDiscovery("serving", "spec-target", "grpc")),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("10.0.0.1:50052", "10.0.0.1:50052"),
+        ("target.serving.svc:50052", "target.serving.svc:50052"),
+        ("[::1]:50052", "[::1]:50052"),
+        ("dns:///spec-target.serving.svc.cluster.local:5", DnsDiscovery("spec-target.serving.svc.cluster.local", 5)),
+        ("dns:///[fd00::1]:7", DnsDiscovery("fd00::1", 7)),
+        ("k8s:///serving/spec-target:50052", KubernetesDiscovery("serving", "spec-target", 50052)),
+        ("k8s:///serving/spec-target:grpc", KubernetesDiscovery("serving", "spec-target", "grpc")),
+    ],
+)
 def test_specs_parse(text, expected):
     assert parse_spec(text) == expected
 
 
-@pytest.mark.parametrize("text, message", [
-    ("target", "expected host:port"),
-    ("target:", "expected host:port"),
-    ("target:http", "port must be a number"),
-    ("target:70000", "port must be a number from 1 to 65535"),
-    ("::1:50052", "IPv6 address in brackets"),
-    ("consul:///target:1", "unknown scheme 'consul'"),
-    ("dns://8.8.8.8/target:1", "naming a DNS server is not supported"),
-    ("dns:///target", "expected host:port"),
-    ("k8s://cluster/ns/svc:1", "naming a cluster is not supported"),
-    ("k8s:///spec-target:50052", "not a Kubernetes name"),
-    ("k8s:///Serving/spec-target:50052", "namespace 'Serving' is not a Kubernetes name"),
-    ("k8s:///serving/spec_target:50052", "service 'spec_target' is not a Kubernetes name"),
-    ("k8s:///serving/spec-target:0", "port must be a number from 1 to 65535"),
-    ("k8s:///serving/spec-target:Grpc!", "port must be a number or a Service port name"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("target", "expected host:port"),
+        ("target:", "expected host:port"),
+        ("target:http", "port must be a number"),
+        ("target:70000", "port must be a number from 1 to 65535"),
+        ("::1:50052", "IPv6 address in brackets"),
+        ("consul:///target:1", "unknown scheme 'consul'"),
+        ("dns://8.8.8.8/target:1", "naming a DNS server is not supported"),
+        ("dns:///target", "expected host:port"),
+        ("k8s://cluster/ns/svc:1", "naming a cluster is not supported"),
+        ("k8s:///spec-target:50052", "not a Kubernetes name"),
+        ("k8s:///Serving/spec-target:50052", "namespace 'Serving' is not a Kubernetes name"),
+        ("k8s:///serving/spec_target:50052", "service 'spec_target' is not a Kubernetes name"),
+        ("k8s:///serving/spec-target:0", "port must be a number from 1 to 65535"),
+        ("k8s:///serving/spec-target:Grpc!", "port must be a number or a Service port name"),
+    ],
+)
 def test_bad_specs_are_refused_clearly(text, message):
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("(", r"\(")):
         parse_spec(text)
@@ -118,10 +124,19 @@ def test_a_service_has_a_list_or_one_discovery_spec():
 
 def test_cli_reads_discovery_specs_and_names_the_bad_flag():
     parser = _parser()
-    config = coordinator_config(parser.parse_args([
-        "serve-coordinator", "--draft", "k8s:///serving/spec-draft:grpc",
-        "--target", "dns:///spec-target.serving.svc:50052", "--discovery-interval", "2.5",
-    ]))
+    config = coordinator_config(
+        parser.parse_args(
+            [
+                "serve-coordinator",
+                "--draft",
+                "k8s:///serving/spec-draft:grpc",
+                "--target",
+                "dns:///spec-target.serving.svc:50052",
+                "--discovery-interval",
+                "2.5",
+            ]
+        )
+    )
     assert config.draft_discovery == KubernetesDiscovery("serving", "spec-draft", "grpc")
     assert config.target_discovery == DnsDiscovery("spec-target.serving.svc", 50052)
     assert config.draft_addresses == config.target_addresses == () and config.discovery_interval_s == 2.5
@@ -178,6 +193,7 @@ def test_dns_follows_joins_and_leaves_and_keeps_the_last_set_through_blips():
         source = DnsSource(DnsDiscovery("spec-target.serving.svc", 50052), 0.05, resolve)
         membership, made = follow(source, replicas)
         try:
+
             def members() -> set[str]:
                 return set(replicas.by_address)
 
@@ -218,8 +234,11 @@ class ScriptedSource:
 
 
 def test_joining_replicas_are_checked_first_and_mismatches_skipped(caplog):
-    verdicts: dict[str, object] = {"good:1": FACTS, "other-model:1": Refused("tokenizer differs"),
-                                   "flaky:1": OSError("not ready")}
+    verdicts: dict[str, object] = {
+        "good:1": FACTS,
+        "other-model:1": Refused("tokenizer differs"),
+        "flaky:1": OSError("not ready"),
+    }
     checks: list[str] = []
 
     async def check(replica: FakeReplica) -> ModelFacts:
@@ -303,8 +322,9 @@ def test_kubernetes_watch_follows_ready_endpoints(kube):
             await until(lambda: members() == {"10.0.0.1:50052"}, what="the listed replica")
             await until(lambda: kube.open_watches == 1, what="the watch")
             # Joining: a new slice with one ready and one unready endpoint (an unset ready is ready).
-            kube.put(endpoint_slice("target-b", "spec-target",
-                                    [("10.0.0.2", None, None), ("10.0.0.3", False, False)], 50052))
+            kube.put(
+                endpoint_slice("target-b", "spec-target", [("10.0.0.2", None, None), ("10.0.0.3", False, False)], 50052)
+            )
             await until(lambda: members() == {"10.0.0.1:50052", "10.0.0.2:50052"}, what="the join")
             session = CacheRef("10.0.0.1:50052", "c1", 5)
             assert replicas.pick(session).address == "10.0.0.1:50052"
@@ -313,8 +333,9 @@ def test_kubernetes_watch_follows_ready_endpoints(kube):
             await until(lambda: members() == {"10.0.0.2:50052"}, what="the unready endpoint leaving")
             assert replicas.pick(session).address == "10.0.0.2:50052"
             # Terminating (even if still ready) leaves; a recovered endpoint joins again.
-            kube.put(endpoint_slice("target-b", "spec-target",
-                                    [("10.0.0.2", True, True), ("10.0.0.3", True, False)], 50052))
+            kube.put(
+                endpoint_slice("target-b", "spec-target", [("10.0.0.2", True, True), ("10.0.0.3", True, False)], 50052)
+            )
             await until(lambda: members() == {"10.0.0.3:50052"}, what="the terminating endpoint leaving")
             assert replicas.pick(CacheRef("10.0.0.2:50052", "c2", 5)).address == "10.0.0.3:50052"
             # Leaving: a deleted slice, then an endpoint removed from its slice.
@@ -347,8 +368,9 @@ def test_kubernetes_watch_relists_after_expiry_and_errors(kube):
             await until(lambda: seen == [frozenset({"[fd00::1]:7000"})], what="the named port of an IPv6 slice")
             await until(lambda: kube.open_watches == 1, what="the watch")
             # A change the watch never reports, then the watch expires: only a fresh list shows it.
-            kube.put_quietly(endpoint_slice("target-a", "spec-target", [("fd00::2", True, False)], 7001,
-                                            address_type="IPv6"))
+            kube.put_quietly(
+                endpoint_slice("target-a", "spec-target", [("fd00::2", True, False)], 7001, address_type="IPv6")
+            )
             kube.expire_watches()
             await until(lambda: seen[-1] == frozenset({"[fd00::2]:7001"}), what="the re-list")
             assert kube.lists == 2
@@ -394,7 +416,7 @@ def _record(redis_url: str, session_id: str) -> SessionRecord:
 def _greedy(loaded, ids: list[int], max_new_tokens: int) -> list[int]:
     with torch.inference_mode():
         out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def _port(address: str) -> int:
@@ -411,9 +433,12 @@ def test_coordinator_moves_sessions_when_replicas_leave(tiny_target, tiny_dir, r
         kube.put(endpoint_slice("target-a", "spec-target", [("127.0.0.1", True, False)], _port(target_a)))
         kube.put(endpoint_slice("draft-a", "spec-draft", [("127.0.0.1", True, False)], _port(draft_a)))
         address = stack.add_coordinator(
-            kubernetes_api=kube.api_client(), draft_addresses=(), target_addresses=(),
+            kubernetes_api=kube.api_client(),
+            draft_addresses=(),
+            target_addresses=(),
             draft_discovery=KubernetesDiscovery("serving", "spec-draft", "grpc"),
-            target_discovery=KubernetesDiscovery("serving", "spec-target", "grpc"), discovery_interval_s=0.2,
+            target_discovery=KubernetesDiscovery("serving", "spec-target", "grpc"),
+            discovery_interval_s=0.2,
         )
         (loop,) = stack.round_loops
         with Client(address, timeout=30) as client:

@@ -21,8 +21,16 @@ from draft_service.distill.collect import Sample
 from draft_service.distill.evaluate import evaluate, rounds_from_matches
 from draft_service.distill.prompts import Prompt, build_prompts, harvest_stdlib, split_prompts
 from draft_service.engine import ModelDrafter
-from draft_service.token_draft import (CARD_FILE, WEIGHTS_FILE, TokenDraftArch, build_token_draft, load_token_draft,
-                                       save_token_draft, target_weights_hash, wrap_token_draft)
+from draft_service.token_draft import (
+    CARD_FILE,
+    WEIGHTS_FILE,
+    TokenDraftArch,
+    build_token_draft,
+    load_token_draft,
+    save_token_draft,
+    target_weights_hash,
+    wrap_token_draft,
+)
 from specdec.config import shipped_draft
 from specdec.kvcache import SessionCache
 from specdec.models import LoadedModel
@@ -39,8 +47,11 @@ def _tiny_prompts(n: int, seed: int, stdlib=None) -> list[Prompt]:
 
 
 def _card_for(draft, target: LoadedModel) -> dict:
-    return {"kind": "token", "target": {"name": target.name, "weights_sha256": target_weights_hash(target.model)},
-            "architecture": draft.arch.to_json()}
+    return {
+        "kind": "token",
+        "target": {"name": target.name, "weights_sha256": target_weights_hash(target.model)},
+        "architecture": draft.arch.to_json(),
+    }
 
 
 def _write_draft(folder: Path, draft, target: LoadedModel) -> Path:
@@ -55,10 +66,44 @@ def distilled(tiny_dir, tmp_path_factory):
     orig_build, orig_harvest = pipeline.build_prompts, pipeline.harvest_stdlib
     pipeline.build_prompts, pipeline.harvest_stdlib = _tiny_prompts, lambda: []
     root = tmp_path_factory.mktemp("distill")
-    argv = ["--target", str(tiny_dir / "target"), "--out", str(root / "draft"), "--work", str(root / "work"),
-            "--cache-dir", str(tiny_dir), "--minutes", "1", "--tokens", "1500", "--prompts", "400", "--held-out", "24",
-            "--batch-size", "32", "--max-new", "24", "--eval-max-new", "32", "--layers", "1", "--init-from", "1",
-            "--head-size", "24", "--lr", "3e-3", "--epochs", "30", "--batch-tokens", "2048", "--threads", "1"]
+    argv = [
+        "--target",
+        str(tiny_dir / "target"),
+        "--out",
+        str(root / "draft"),
+        "--work",
+        str(root / "work"),
+        "--cache-dir",
+        str(tiny_dir),
+        "--minutes",
+        "1",
+        "--tokens",
+        "1500",
+        "--prompts",
+        "400",
+        "--held-out",
+        "24",
+        "--batch-size",
+        "32",
+        "--max-new",
+        "24",
+        "--eval-max-new",
+        "32",
+        "--layers",
+        "1",
+        "--init-from",
+        "1",
+        "--head-size",
+        "24",
+        "--lr",
+        "3e-3",
+        "--epochs",
+        "30",
+        "--batch-tokens",
+        "2048",
+        "--threads",
+        "1",
+    ]
     try:
         assert distill_cli.main(argv[:-2] + ["--threads", "1", "--collect-only", "--tokens", "600"]) == 0
         assert distill_cli.main(argv + ["--resume"]) == 0
@@ -143,8 +188,11 @@ def test_model_drafter_drop_in(tiny_target, tmp_path):
     draft = build_token_draft(tiny_target.model, head, TokenDraftArch(1, (0,), len(head)))
     loaded = load_token_draft(_write_draft(tmp_path / "d", draft, tiny_target), tiny_target)
     assert loaded.facts("model").fingerprint == tiny_target.fingerprint
-    assert (loaded.vocab_size, loaded.eos_token_ids, loaded.name) == (tiny_target.vocab_size, tiny_target.eos_token_ids,
-                                                                      str(tmp_path / "d"))
+    assert (loaded.vocab_size, loaded.eos_token_ids, loaded.name) == (
+        tiny_target.vocab_size,
+        tiny_target.eos_token_ids,
+        str(tmp_path / "d"),
+    )
     drafter = ModelDrafter(loaded, 8, 64)
     drafter.warmup()
     cache_id, committed = drafter.prefill([3, 4, 5, 6, 7])
@@ -211,9 +259,10 @@ def test_evaluate_counts_a_perfect_draft(tiny_target):
     draft = build_token_draft(tiny_target.model, torch.arange(32), TokenDraftArch(2, (0, 1), 32)).eval()
     prompt = [3, 4, 5]
     with torch.inference_mode():
-        out = tiny_target.model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
-                                         eos_token_id=None, pad_token_id=1)[0].tolist()
-    sample = Sample(out, len(prompt), out[len(prompt):], 0.0)
+        out = tiny_target.model.generate(
+            torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=1
+        )[0].tolist()
+    sample = Sample(out, len(prompt), out[len(prompt) :], 0.0)
     result = evaluate(draft, [sample])
     assert result["top1_agreement"] == 1.0
     assert result["acceptance_by_position"] == [1.0] * 4 and result["mean_accepted_length"] == 5.0
@@ -248,7 +297,11 @@ def test_shipped_draft_artifact():
     assert card["kind"] == "token"
     assert len(card["target"]["weights_sha256"]) == 64
     recipe = card["recipe"]
-    assert recipe["command"].startswith("specdec distill ") and "seed" in recipe and recipe["data"]["train_generated_tokens"] > 0
+    assert (
+        recipe["command"].startswith("specdec distill ")
+        and "seed" in recipe
+        and recipe["data"]["train_generated_tokens"] > 0
+    )
     assert card["training"]["seconds"] > 0
     held = card["metrics"]["held_out"]
     assert 0 < held["top1_agreement"] <= 1 and held["k"] == 4
@@ -283,16 +336,53 @@ def test_a_feature_distillation_can_start_from_a_draft_and_skip_its_prompts(tiny
     source = tmp_path / "source"
     draft = build_feature_draft(tiny_target.model, torch.arange(5, 29), FeatureDraftArch(head_size=24))
     save_feature_draft(draft, source)
-    card = {"kind": "feature", "target": {"name": "tiny", "weights_sha256": target_weights_hash(tiny_target.model)},
-            "architecture": draft.arch.to_json(), "recipe": {"command": "specdec distill --kind feature", "seed": 0}}
+    card = {
+        "kind": "feature",
+        "target": {"name": "tiny", "weights_sha256": target_weights_hash(tiny_target.model)},
+        "architecture": draft.arch.to_json(),
+        "recipe": {"command": "specdec distill --kind feature", "seed": 0},
+    }
     (source / CARD_FILE).write_text(json.dumps(card))
     orig_build, orig_harvest = pipeline.build_prompts, pipeline.harvest_stdlib
     pipeline.build_prompts, pipeline.harvest_stdlib = _tiny_prompts, lambda: []
-    argv = ["--target", str(tiny_dir / "target"), "--kind", "feature", "--out", str(tmp_path / "draft"),
-            "--work", str(tmp_path / "work"), "--cache-dir", str(tiny_dir), "--minutes", "0.5", "--tokens", "300",
-            "--prompts", "200", "--held-out", "12", "--batch-size", "16", "--max-new", "12", "--eval-max-new", "12",
-            "--epochs", "2", "--batch-tokens", "1024", "--threads", "1", "--side-layers", "0",
-            "--init-draft", str(source), "--prompt-offset", "40"]
+    argv = [
+        "--target",
+        str(tiny_dir / "target"),
+        "--kind",
+        "feature",
+        "--out",
+        str(tmp_path / "draft"),
+        "--work",
+        str(tmp_path / "work"),
+        "--cache-dir",
+        str(tiny_dir),
+        "--minutes",
+        "0.5",
+        "--tokens",
+        "300",
+        "--prompts",
+        "200",
+        "--held-out",
+        "12",
+        "--batch-size",
+        "16",
+        "--max-new",
+        "12",
+        "--eval-max-new",
+        "12",
+        "--epochs",
+        "2",
+        "--batch-tokens",
+        "1024",
+        "--threads",
+        "1",
+        "--side-layers",
+        "0",
+        "--init-draft",
+        str(source),
+        "--prompt-offset",
+        "40",
+    ]
     try:
         assert distill_cli.main(argv) == 0
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from draft_service.engine import ProposeCall, Proposal
+from draft_service.engine import Proposal, ProposeCall
 from draft_service.scheduler import DraftScheduler, rows_of
 from specdec.sampling import Sampling
 

@@ -92,9 +92,13 @@ def test_a_bfloat16_stack_with_a_bfloat16_feature_draft_equals_generate(half_dir
     target_folder = make_family_model(half_dir / "qwen3-stack", "qwen3", seed=0)
     draft_folder = _feature_draft_folder(target_folder, half_dir)
     target = load_model(str(target_folder), half_dir, dtype="bfloat16")
-    drafter = build_drafter(DraftConfig(kind=FEATURE_KIND, target_model=str(target_folder),
-                                        model=ModelConfig(model=str(draft_folder), cache_dir=half_dir,
-                                                          dtype="bfloat16")))
+    drafter = build_drafter(
+        DraftConfig(
+            kind=FEATURE_KIND,
+            target_model=str(target_folder),
+            model=ModelConfig(model=str(draft_folder), cache_dir=half_dir, dtype="bfloat16"),
+        )
+    )
     assert drafter._draft_model.fc.weight.dtype == torch.bfloat16
     references = [hf_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
     stack = InProcessStack(TargetEngine(target, 16), drafter, target_folder, redis_url).start()

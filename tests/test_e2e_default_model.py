@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import InProcessStack
 
 from coordinator.prompts import render_chat
 from draft_service.engine import ModelDrafter, NgramDrafter
-from harness import InProcessStack
 from specdec import Client
 from specdec.stack import LocalStack, StackConfig
 from target_service.engine import TargetEngine
@@ -19,26 +19,34 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 48
 
 PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "import json\n\ndef load_config(path):\n",
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
     [{"role": "user", "content": "Write a short poem about the sea."}],
-    [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "List three uses of Python."}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "List three uses of Python."},
+    ],
     "The history of the printing press begins in",
     "Once upon a time, in a small village by the mountains,",
     [{"role": "user", "content": "Explain what a hash table is to a beginner."}],
     # Longer than the target's prefill chunk (128 tokens): fed a chunk a pass, folded under load.
-    [{"role": "user", "content": "Read the notes below, then say in two sentences what the team decided.\n\n"
-      "Monday: the team met to plan the move of the office library to the second floor. Anna said the "
-      "shelves on the second floor are shorter, so the atlases and the large art books will not fit. "
-      "Marco offered to measure the shelves again before anyone buys new ones. Tuesday: Marco measured "
-      "them; the shelves are 30 centimetres tall, and the atlases need 38. The team agreed to keep the "
-      "atlases and art books on the ground floor, in the reading corner by the window, and to move "
-      "everything else upstairs. Wednesday: Priya asked who would label the boxes. Nobody volunteered, "
-      "so the team drew names and Jonas will label them on Friday morning. The move itself is set for "
-      "the following Monday, starting at nine, and the café will send coffee at ten. Thursday: Anna "
-      "reminded everyone that the lift is out of service until Tuesday, so the boxes must go up the "
-      "stairs, and asked that no box weigh more than twelve kilograms."}],
+    [
+        {
+            "role": "user",
+            "content": "Read the notes below, then say in two sentences what the team decided.\n\n"
+            "Monday: the team met to plan the move of the office library to the second floor. Anna said the "
+            "shelves on the second floor are shorter, so the atlases and the large art books will not fit. "
+            "Marco offered to measure the shelves again before anyone buys new ones. Tuesday: Marco measured "
+            "them; the shelves are 30 centimetres tall, and the atlases need 38. The team agreed to keep the "
+            "atlases and art books on the ground floor, in the reading corner by the window, and to move "
+            "everything else upstairs. Wednesday: Priya asked who would label the boxes. Nobody volunteered, "
+            "so the team drew names and Jonas will label them on Friday morning. The move itself is set for "
+            "the following Monday, starting at nine, and the café will send coffee at ten. Thursday: Anna "
+            "reminded everyone that the lift is out of service until Tuesday, so the boxes must go up the "
+            "stairs, and asked that no box weigh more than twelve kilograms.",
+        }
+    ],
 ]
 
 
@@ -126,10 +134,14 @@ def test_chat_session_continues(stack, default_model):
     first_turn = [{"role": "user", "content": "Name a fruit that is yellow."}]
     with Client(stack.address, timeout=300) as client:
         first = client.complete(first_turn, max_new_tokens=20)
-        second = client.complete([{"role": "user", "content": "And one that is red?"}], max_new_tokens=20,
-                                 session_id=first.session_id)
-    conversation = [*first_turn, {"role": "assistant", "content": first.text},
-                    {"role": "user", "content": "And one that is red?"}]
+        second = client.complete(
+            [{"role": "user", "content": "And one that is red?"}], max_new_tokens=20, session_id=first.session_id
+        )
+    conversation = [
+        *first_turn,
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": "And one that is red?"},
+    ]
     ids = render_chat(default_model.tokenizer, conversation)
     assert second.stats.prompt_tokens == len(ids)
     with torch.inference_mode():

@@ -7,16 +7,22 @@ import json
 
 import pytest
 import torch
-
-from draft_service.engine import FeatureDrafter
-from draft_service.feature_draft import KIND, FeatureDraftArch, build_feature_draft, load_feature_draft, save_feature_draft
-from draft_service.token_draft import CARD_FILE, target_weights_hash
 from harness import InProcessStack
-from specdec import Client
+from test_e2e_tiny import PROMPTS, chi_square_passes, hf_greedy
+
 from draft_service.distill.features import sample_features
+from draft_service.engine import FeatureDrafter
+from draft_service.feature_draft import (
+    KIND,
+    FeatureDraftArch,
+    build_feature_draft,
+    load_feature_draft,
+    save_feature_draft,
+)
+from draft_service.token_draft import CARD_FILE, target_weights_hash
+from specdec import Client
 from specdec.sampling import Sampling
 from target_service.engine import TargetEngine
-from test_e2e_tiny import PROMPTS, chi_square_passes, hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +36,11 @@ def feature_dir(tiny_target, tmp_path_factory):
                 p.add_(0.05 * torch.randn_like(p))
     folder = tmp_path_factory.mktemp("feature")
     save_feature_draft(draft, folder)
-    card = {"kind": KIND, "target": {"name": "tiny", "weights_sha256": target_weights_hash(tiny_target.model)},
-            "architecture": draft.arch.to_json()}
+    card = {
+        "kind": KIND,
+        "target": {"name": "tiny", "weights_sha256": target_weights_hash(tiny_target.model)},
+        "architecture": draft.arch.to_json(),
+    }
     (folder / CARD_FILE).write_text(json.dumps(card))
     return folder
 
@@ -102,7 +111,7 @@ def test_a_draft_with_side_layers_gets_them_and_output_stays_exact(side_stack, t
         want = sample_features(tiny_target.model, [session.committed], (0,))[0].float()  # [T, 2D]
         got = session.features.float()
         assert got.shape[1] == 2 * tiny_target.model.config.hidden_size
-        torch.testing.assert_close(got, want[session.window: session.feature_end], atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(got, want[session.window : session.feature_end], atol=2e-2, rtol=1e-2)
 
 
 def test_lost_draft_cache_and_next_turn(stack, client, tiny_target):
@@ -114,7 +123,7 @@ def test_lost_draft_cache_and_next_turn(stack, client, tiny_target):
     ids = tiny_target.tokenizer.encode(PROMPTS[1], add_special_tokens=False) + first.token_ids
     ids += tiny_target.tokenizer.encode(" w3 w4", add_special_tokens=False)
     with torch.inference_mode():
-        out = tiny_target.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids):]
+        out = tiny_target.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)[0, len(ids) :]
     assert second.token_ids == out.tolist()
     assert second.stats.drafted_tokens > 0
 
@@ -128,8 +137,11 @@ def test_sampled_tokens_follow_target_distribution(stack, client, tiny_target):
     stack.exporter.clear()
     accepted, drafted = chi_square_passes(client, tiny_target, Sampling(1.0), n=900, k=None)
     assert 0 < accepted < drafted
-    deferred = [s.attributes["specdec.deferred"] for s in stack.exporter.get_finished_spans()
-                if s.name == "TargetService/Prefill"]
+    deferred = [
+        s.attributes["specdec.deferred"]
+        for s in stack.exporter.get_finished_spans()
+        if s.name == "TargetService/Prefill"
+    ]
     assert len(deferred) == 900 and not any(deferred)
 
 
@@ -167,9 +179,14 @@ def test_the_reply_says_when_prompt_lookup_answered_in_place_of_the_model(stack,
     for context, looked_up in [([5, 6, 7, 8, 9, 10, 11, 5, 6], True), ([5, 6, 7, 8, 9, 10, 11, 12, 13], False)]:
         cache_id = stub.Prefill(common_pb2.PrefillRequest(tokens=context)).cache_id
         feats = sample_features(tiny_target.model, [context])[0].float()
-        reply = stub.Propose(draft_pb2.ProposeRequest(
-            sync=common_pb2.CacheSync(cache_id=cache_id, start=len(context)), k=3, sampling=greedy,
-            hidden=hidden_to_pb(HiddenRows(0, feats[:-1]))))
+        reply = stub.Propose(
+            draft_pb2.ProposeRequest(
+                sync=common_pb2.CacheSync(cache_id=cache_id, start=len(context)),
+                k=3,
+                sampling=greedy,
+                hidden=hidden_to_pb(HiddenRows(0, feats[:-1])),
+            )
+        )
         assert len(reply.tokens) == 3 and reply.looked_up == looked_up, context
         if looked_up:
             assert list(reply.tokens) == [7, 8, 9]

@@ -10,12 +10,12 @@ import grpc
 import pytest
 import redis
 import torch
+from harness import InProcessStack
 from opentelemetry import trace
 
 from coordinator.replicas import BackendUnavailable
 from coordinator.sessions import SessionRecord
 from draft_service.engine import ModelDrafter, NgramDrafter
-from harness import InProcessStack
 from specdec import Client, InvalidArgument, SessionNotFound, Unavailable
 from specdec.sampling import Sampling, warp_probs
 from specdec.v1 import common_pb2, draft_pb2_grpc
@@ -63,7 +63,9 @@ def test_target_only_k0_equals_target(client, tiny_target):
 
 def test_ngram_draft_greedy_equals_target(tiny_target, tiny_dir, redis_url):
     facts = tiny_target.facts("ngram")
-    s = InProcessStack(TargetEngine(tiny_target, 8), NgramDrafter(facts, 8, 3, 1), tiny_dir / "target", redis_url).start()
+    s = InProcessStack(
+        TargetEngine(tiny_target, 8), NgramDrafter(facts, 8, 3, 1), tiny_dir / "target", redis_url
+    ).start()
     try:
         with Client(s.address) as c:
             for prompt in PROMPTS:
@@ -123,8 +125,13 @@ def chi_square_passes(client, loaded, sampling: Sampling, n: int, k: int = 3) ->
 
     def draw(seed: int):
         return client.complete(
-            prompt, max_new_tokens=2, temperature=sampling.temperature, top_k=sampling.top_k,
-            top_p=sampling.top_p, seed=seed, k=k,
+            prompt,
+            max_new_tokens=2,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=seed,
+            k=k,
         )
 
     # A few requests in flight at once: each is mostly round trips, so they overlap well.
@@ -325,8 +332,7 @@ def test_a_clients_spent_deadline_rests_no_replica(tiny_target, tiny_draft, tiny
         s.close()
 
 
-def test_a_resting_lone_target_is_tried_rather_than_failing_every_stream(tiny_target, tiny_draft, tiny_dir,
-                                                                          redis_url):
+def test_a_resting_lone_target_is_tried_rather_than_failing_every_stream(tiny_target, tiny_draft, tiny_dir, redis_url):
     """One failed call rests a replica. With no other target to go to, new and running sessions try
     the resting one (here it is fine) instead of all failing UNAVAILABLE for the rest period."""
     s = InProcessStack(TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64), tiny_dir / "target", redis_url)
@@ -396,10 +402,15 @@ def test_health_and_reflection(stack):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    for address, service in ((stack.address, "specdec.v1.Coordinator"), (stack.draft_address, "specdec.v1.DraftService"),
-                             (stack.target_address, "specdec.v1.TargetService")):
+    for address, service in (
+        (stack.address, "specdec.v1.Coordinator"),
+        (stack.draft_address, "specdec.v1.DraftService"),
+        (stack.target_address, "specdec.v1.TargetService"),
+    ):
         with grpc.insecure_channel(address) as channel:
-            status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=5
+            )
             assert status.status == health_pb2.HealthCheckResponse.SERVING
             replies = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
                 iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
@@ -433,7 +444,9 @@ def test_mismatched_tokenizer_is_refused(tiny_target, tiny_dir, redis_url, tmp_p
     from specdec.models import load_model
 
     other = load_model(str(make_model(tmp_path / "other", seed=3, words=[f"v{i}" for i in range(30)])), tmp_path)
-    s = InProcessStack(TargetEngine(tiny_target, 8), NgramDrafter(other.facts("ngram"), 8, 3, 1), tiny_dir / "target", redis_url)
+    s = InProcessStack(
+        TargetEngine(tiny_target, 8), NgramDrafter(other.facts("ngram"), 8, 3, 1), tiny_dir / "target", redis_url
+    )
     try:
         with pytest.raises(IncompatibleReplicas, match="tokenizer"):
             s.start()

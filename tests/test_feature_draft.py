@@ -11,14 +11,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from draft_service.feature_draft import (FeatureDraftArch, FeatureSession, build_feature_draft, load_feature_draft,
-                                         save_feature_draft, source_head_ids, warm_start)
-from draft_service.token_draft import CARD_FILE, WEIGHTS_FILE, target_weights_hash
 from draft_service.distill.collect import Sample
 from draft_service.distill.evaluate import evaluate_feature
 from draft_service.distill.feature_train import feature_batcher, feature_loss, make_feature_examples, two_steps
 from draft_service.distill.features import extract_features, sample_features
 from draft_service.distill.train import TrainConfig, train
+from draft_service.feature_draft import (
+    FeatureDraftArch,
+    FeatureSession,
+    build_feature_draft,
+    load_feature_draft,
+    save_feature_draft,
+    source_head_ids,
+    warm_start,
+)
+from draft_service.token_draft import CARD_FILE, WEIGHTS_FILE, target_weights_hash
 from specdec.config import shipped_draft
 from specdec.kvcache import HiddenRows
 from specdec.sampling import Sampling
@@ -42,8 +49,8 @@ def _greedy(logits):
 @torch.no_grad()
 def _reference(draft, committed: list[int], window: int, feats: torch.Tensor, k: int) -> list[int]:
     """What the draft proposes, computed from scratch: one pass over every pair, then k rollout steps."""
-    seq_feats = feats[window: len(committed) - 1].unsqueeze(0)  # [1, m, D]
-    toks = torch.tensor([committed[window + 1:]])  # [1, m]
+    seq_feats = feats[window : len(committed) - 1].unsqueeze(0)  # [1, m, D]
+    toks = torch.tensor([committed[window + 1 :]])  # [1, m]
     positions = torch.arange(window, len(committed) - 1).unsqueeze(0)
     predicted = draft.predict(seq_feats, toks, position_ids=positions)[:, -1:]  # [1, 1, D]
     out = []
@@ -70,8 +77,8 @@ def test_session_matches_full_recompute(draft, tiny_target):
         assert proposal == _reference(draft, tokens[:n], 0, feats, 4)
         assert session.propose(draft, 4, _greedy)[0] == proposal  # asked again (a retried round)
         accepted = r.randrange(0, 5)
-        session.sync(n, tokens[n: n + accepted + 1])
-        session.add_features(n - 1, feats[n - 1: n + accepted])
+        session.sync(n, tokens[n : n + accepted + 1])
+        session.add_features(n - 1, feats[n - 1 : n + accepted])
         n += accepted + 1
     # A rollback: the caller crops to fewer committed tokens; features past them go too.
     n -= 7
@@ -102,8 +109,9 @@ def test_training_lowers_loss_and_evaluation_replays(tiny_target, tmp_path):
     samples = []
     for _ in range(24):  # greedy continuations of the tiny target: its own trajectory
         prompt = [r.randrange(4, 30) for _ in range(6)]
-        out = tiny_target.model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
-                                         min_new_tokens=16)[0].tolist()
+        out = tiny_target.model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16)[
+            0
+        ].tolist()
         with torch.no_grad():
             logits = tiny_target.model(torch.tensor([out])).logits[0]
         argmax = logits.argmax(-1).tolist()
@@ -126,7 +134,6 @@ def test_training_lowers_loss_and_evaluation_replays(tiny_target, tmp_path):
     assert after["rounds"] > 0 and len(after["acceptance_by_position"]) == 3
 
 
-
 @torch.no_grad()
 def test_training_rolls_out_as_the_service_drafts(draft, tiny_target):
     """The training's first step is ``predict`` over the pairs, and its rollout step at every position
@@ -142,7 +149,7 @@ def test_training_rolls_out_as_the_service_drafts(draft, tiny_target):
         session.add_features(0, feats[: n - 1])
         seen = []
 
-        def pick(logits, n=n):  # the target's own token first, as a round whose first token passed
+        def pick(logits, n=n, seen=seen):  # the target's own token first, as a round whose first token passed
             seen.append(logits)
             return (tokens[n] if len(seen) == 1 else 4), None
 
@@ -243,8 +250,10 @@ def test_shipped_feature_draft_agrees_with_the_real_target(default_model):
     """Teacher-forced and in replayed rounds, on text the target writes itself; an untrained draft of
     this shape agrees on well under 5% of tokens."""
     draft = load_feature_draft(SHIPPED, default_model.model, target_weights_hash(default_model.model))
-    prompts = ["def is_even(n):\n    \"\"\"Return True when n is even.\"\"\"\n",
-               "<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n"]
+    prompts = [
+        'def is_even(n):\n    """Return True when n is even."""\n',
+        "<|im_start|>user\nName three colours of the rainbow.<|im_end|>\n<|im_start|>assistant\n",
+    ]
     references = []
     for text in prompts:
         ids = default_model.tokenizer.encode(text, add_special_tokens=False)
@@ -322,13 +331,27 @@ def test_proposals_drafted_together_equal_proposals_drafted_alone(draft, tiny_ta
             grown = min(len(stream) - 1, lengths[s] + (r.randrange(0, 4) if round_index else 0))
             hidden = HiddenRows(sent[s], feats[s][sent[s] : grown - 1])
             k = [4, 1, 3, 2][(s + round_index) % 4]
-            calls.append((s, ProposeCall(ids[s][0], lengths[s], stream[lengths[s] : grown], k, sampling,
-                                         round_index, hidden, min_confidence=cutoffs[s])))
+            calls.append(
+                (
+                    s,
+                    ProposeCall(
+                        ids[s][0],
+                        lengths[s],
+                        stream[lengths[s] : grown],
+                        k,
+                        sampling,
+                        round_index,
+                        hidden,
+                        min_confidence=cutoffs[s],
+                    ),
+                )
+            )
             lengths[s], sent[s] = grown, grown - 1
         got = together.propose_batch([call for _, call in calls])
         for (s, call), proposal in zip(calls, got):
-            want = alone.propose(ids[s][1], call.start, call.new_tokens, call.k, sampling, round_index, call.hidden,
-                                 call.min_confidence)
+            want = alone.propose(
+                ids[s][1], call.start, call.new_tokens, call.k, sampling, round_index, call.hidden, call.min_confidence
+            )
             assert proposal.tokens == want.tokens
             assert len(proposal.tokens) == call.k or call.min_confidence > 0
             lengths_seen.add((call.min_confidence > 0, len(proposal.tokens) < call.k))
@@ -353,8 +376,9 @@ def test_drafting_ahead_serves_the_guessed_path_and_only_it(draft, tiny_target, 
     hidden = HiddenRows(0, sample_features(tiny_target.model, [prompt])[0].float()[:-1])
 
     def first_round(ahead: int) -> tuple[ProposeCall, list[int]]:
-        call = ProposeCall(engine.prefill(prompt)[0], len(prompt), [], 3, Sampling(), 0, hidden,
-                           min_confidence=cutoff, ahead=ahead)
+        call = ProposeCall(
+            engine.prefill(prompt)[0], len(prompt), [], 3, Sampling(), 0, hidden, min_confidence=cutoff, ahead=ahead
+        )
         return call, engine.propose_batch([call])[0].tokens
 
     def next_round(cache_id: str, committed_path: list[int], k: int):
@@ -398,8 +422,15 @@ def test_drafting_ahead_of_a_sampled_proposal_reports_its_q(draft, tiny_target):
     guess = engine.caches.get(call.cache_id).ahead.path[-1]
     path = prompt + proposal.tokens + [guess]
     feats = sample_features(tiny_target.model, [path])[0].float()
-    served = engine.propose(call.cache_id, len(prompt), path[len(prompt):], 3, sampling, 1,
-                            HiddenRows(len(prompt) - 1, feats[len(prompt) - 1 : -1]))
+    served = engine.propose(
+        call.cache_id,
+        len(prompt),
+        path[len(prompt) :],
+        3,
+        sampling,
+        1,
+        HiddenRows(len(prompt) - 1, feats[len(prompt) - 1 : -1]),
+    )
     assert served.from_ahead and len(served.tokens) == len(served.q) == 3
     for token, (ids, probs) in zip(served.tokens, served.q):
         assert token in ids and sum(probs) == pytest.approx(1.0, abs=1e-4)
@@ -425,14 +456,19 @@ def test_held_out_rounds_with_lookup_replay_the_served_rule(draft, tiny_target):
 
 def _saved_draft(folder: Path, draft, model) -> Path:
     save_feature_draft(draft, folder)
-    card = {"kind": "feature", "target": {"name": "tiny", "weights_sha256": target_weights_hash(model)},
-            "architecture": draft.arch.to_json(), "recipe": {"command": "specdec distill ...", "seed": 3}}
+    card = {
+        "kind": "feature",
+        "target": {"name": "tiny", "weights_sha256": target_weights_hash(model)},
+        "architecture": draft.arch.to_json(),
+        "recipe": {"command": "specdec distill ...", "seed": 3},
+    }
     (folder / CARD_FILE).write_text(json.dumps(card))
     return folder
 
 
-def test_a_warm_start_proposes_what_its_source_proposes_and_reads_new_side_layers_from_zero(draft, tiny_target,
-                                                                                             tmp_path):
+def test_a_warm_start_proposes_what_its_source_proposes_and_reads_new_side_layers_from_zero(
+    draft, tiny_target, tmp_path
+):
     """A draft started from a distilled one (``specdec distill --init-draft``) predicts exactly what the
     source predicts, whatever its new side layers hold, until training moves it; wrong sources are refused."""
     model = tiny_target.model
@@ -446,7 +482,7 @@ def test_a_warm_start_proposes_what_its_source_proposes_and_reads_new_side_layer
     with torch.no_grad():
         expected = load_feature_draft(source, model).predict(feats[None, :, :dim], torch.tensor([tokens]))
         torch.testing.assert_close(grown.predict(feats[None], torch.tensor([tokens])), expected, atol=1e-3, rtol=1e-3)
-        assert grown.fc.weight[:, 2 * dim:].abs().sum() == 0  # the side block starts unread, and trains
+        assert grown.fc.weight[:, 2 * dim :].abs().sum() == 0  # the side block starts unread, and trains
 
     bare = tmp_path / "bare"  # a hand-made card without a recipe still names its source
     _saved_draft(bare, draft, model)
@@ -457,9 +493,15 @@ def test_a_warm_start_proposes_what_its_source_proposes_and_reads_new_side_layer
     with pytest.raises(ValueError, match="sha256"):
         warm_start(grown, source, "0" * 64)
     with pytest.raises(ValueError, match="another head"):
-        warm_start(build_feature_draft(model, torch.arange(5, 29), FeatureDraftArch(head_size=24)), source,
-                   target_weights_hash(model))
+        warm_start(
+            build_feature_draft(model, torch.arange(5, 29), FeatureDraftArch(head_size=24)),
+            source,
+            target_weights_hash(model),
+        )
     sided = _saved_draft(tmp_path / "sided", grown, model)
     with pytest.raises(ValueError, match="must start with them"):
-        warm_start(build_feature_draft(model, source_head_ids(source), FeatureDraftArch(head_size=24)), sided,
-                   target_weights_hash(model))
+        warm_start(
+            build_feature_draft(model, source_head_ids(source), FeatureDraftArch(head_size=24)),
+            sided,
+            target_weights_hash(model),
+        )

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 import redis
+from harness import InProcessStack
 
 from coordinator.sessions import MemorySessionStore, RedisSessionStore, SessionRecord
 from draft_service.engine import ModelDrafter
-from harness import InProcessStack
 from specdec import Client
 from target_service.engine import TargetEngine
 
@@ -44,8 +44,9 @@ def test_a_session_goes_on_after_redis_loses_its_data_mid_session(tiny_target, t
     """Two turns give the session's caches fence 2. The store then loses the session's keys during
     turn 2 (eviction, a restart without persistence), and its fence counter again after it: turn 3
     must still take a fence above the caches' and go on, not be refused as stale."""
-    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
-                           redis_url).start()
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target", redis_url
+    ).start()
     raw = redis.Redis.from_url(redis_url)
     try:
         with Client(stack.address, timeout=30) as client:

@@ -70,8 +70,9 @@ def _rounds(stack: InProcessStack) -> list:
 def test_rounds_the_draft_sits_out_are_drafted_by_lookup_and_stay_exact(tiny_target, tiny_draft, tiny_dir, redis_url):
     """A draft that hardly ever agrees with the target soon gets k = 0; the coordinator then proposes
     from the context itself, without calling the draft service, and the output is still greedy's."""
-    stack = InProcessStack(TargetEngine(tiny_target, 64), ModelDrafter(tiny_draft, 64, 64), tiny_dir / "target",
-                           redis_url).start()
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 64), ModelDrafter(tiny_draft, 64, 64), tiny_dir / "target", redis_url
+    ).start()
     try:
         off = stack.add_coordinator(free_lookup_min=0)
         expected = hf_greedy(tiny_target, REPEATING, 40)

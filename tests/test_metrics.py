@@ -7,10 +7,10 @@ import urllib.request
 
 import grpc
 import pytest
+from harness import InProcessStack
 from prometheus_client.parser import text_string_to_metric_families
 
 from draft_service.engine import ModelDrafter, NgramDrafter
-from harness import InProcessStack
 from specdec import Client
 from specdec.cli import _parser, server_config
 from specdec.client import build_request
@@ -108,7 +108,8 @@ def test_counters_match_the_request_stats(stack):
     assert delta(target, target_before, "specdec:target_passes_total") == stats.rounds
     assert delta(target, target_before, "specdec:target_rounds_verified_total") == stats.rounds
     assert delta(target, target_before, "specdec:target_pass_rows_total", kind="round") == (
-        stats.rounds + stats.drafted_tokens)
+        stats.rounds + stats.drafted_tokens
+    )
     assert delta(target, target_before, "specdec:target_pass_rows_total", kind="prompt") == 0
     assert delta(target, target_before, "specdec:target_pass_seconds_total") > 0
     assert value(target, "specdec:kv_cache_bytes") > 0

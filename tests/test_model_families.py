@@ -84,19 +84,21 @@ def test_ragged_pass_equals_a_plain_forward_per_session(family, family_models):
         assert 8 in layer_windows(model.config)  # the window is shorter than the 40-token session
     lengths, extras = [1, 5, 17, 40], [[3], [4, 5, 6], [], [7, 8]]
     batched, alone = _sessions(model, lengths, 0), _sessions(model, lengths, 0)
-    logits, hidden = ragged_forward(model, [RaggedItem(c.kv, c.pending() + e, len(e) + 1)
-                                            for c, e in zip(batched, extras)])
+    logits, hidden = ragged_forward(
+        model, [RaggedItem(c.kv, c.pending() + e, len(e) + 1) for c, e in zip(batched, extras)]
+    )
     for cache, solo, extra, got_logits, got_hidden in zip(batched, alone, extras, logits, hidden):
         with torch.inference_mode():
-            want = model(torch.tensor([cache.committed + extra])).logits[0, -(len(extra) + 1):].float()  # [k + 1, V]
+            want = model(torch.tensor([cache.committed + extra])).logits[0, -(len(extra) + 1) :].float()  # [k + 1, V]
         torch.testing.assert_close(got_logits, want, atol=1e-4, rtol=1e-4)
         assert torch.equal(got_logits.argmax(-1), want.argmax(-1))
         _, rows = solo.forward_with_hidden(model, extra, len(extra) + 1)
         torch.testing.assert_close(got_hidden, rows.rows, atol=1e-4, rtol=1e-4)
 
 
-def engine_greedy(engine: TargetEngine, prompts: list[list[int]], references: list[list[int]],
-                  k: int = 3) -> list[list[int]]:
+def engine_greedy(
+    engine: TargetEngine, prompts: list[list[int]], references: list[list[int]], k: int = 3
+) -> list[list[int]]:
     """Decodes every prompt at once through ``verify_batch`` (one ragged pass a round for all of them).
 
     Each round proposes the reference's next ``k`` tokens with the last one changed, so rounds accept
@@ -110,7 +112,7 @@ def engine_greedy(engine: TargetEngine, prompts: list[list[int]], references: li
             return out
         calls = []
         for i in live:
-            drafts = references[i][len(out[i]): len(out[i]) + k]
+            drafts = references[i][len(out[i]) : len(out[i]) + k]
             if len(drafts) == k:
                 drafts = [*drafts[:-1], (drafts[-1] + 1) % engine.facts.vocab_size]
             calls.append(VerifyCall(ids[i], len(prompts[i]) + len(out[i]), [], drafts, [], Sampling(), 0))
@@ -136,14 +138,16 @@ def test_stack_greedy_equals_generate_at_concurrency_1_and_4(family, family_mode
     """Through coordinator, draft (a 1-layer model of the same family) and target over gRPC."""
     target, draft = family_models(family), family_models(family, "draft")
     references = [hf_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
-    stack = InProcessStack(TargetEngine(target, 16), ModelDrafter(draft, 16, 64), family_dir / f"{family}-target",
-                           redis_url).start()
+    stack = InProcessStack(
+        TargetEngine(target, 16), ModelDrafter(draft, 16, 64), family_dir / f"{family}-target", redis_url
+    ).start()
     try:
         with Client(stack.address, timeout=120) as client:
             alone = [client.complete(p, max_new_tokens=NEW_TOKENS, k=3).token_ids for p in PROMPTS]
             with ThreadPoolExecutor(4) as pool:
-                together = list(pool.map(lambda p: client.complete(p, max_new_tokens=NEW_TOKENS, k=3).token_ids,
-                                         PROMPTS))
+                together = list(
+                    pool.map(lambda p: client.complete(p, max_new_tokens=NEW_TOKENS, k=3).token_ids, PROMPTS)
+                )
     finally:
         stack.close()
     assert alone == references
@@ -153,8 +157,9 @@ def test_stack_greedy_equals_generate_at_concurrency_1_and_4(family, family_mode
 def test_an_unsupported_family_falls_back_to_one_pass_per_session_and_says_so(family_dir, caplog):
     """Gemma 2 (soft-capped attention logits) has no ragged pass: the engine says so at start-up and
     still decodes exactly, one pass per session."""
-    path = make_family_model(family_dir / "gemma2", "gemma2", seed=0, head_dim=8, sliding_window=8,
-                             hidden_activation="gelu_pytorch_tanh")
+    path = make_family_model(
+        family_dir / "gemma2", "gemma2", seed=0, head_dim=8, sliding_window=8, hidden_activation="gelu_pytorch_tanh"
+    )
     loaded = load_model(str(path), family_dir)
     with caplog.at_level(logging.WARNING, logger="specdec.target"):
         engine = TargetEngine(loaded, 8)
@@ -181,8 +186,9 @@ def test_prepacked_linears_keep_the_ragged_pass(family, family_models, family_di
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_distill_makes_drafts_for_the_family_that_the_stack_serves_exactly(family, family_models, family_dir,
-                                                                           tmp_path, monkeypatch, redis_url):
+def test_distill_makes_drafts_for_the_family_that_the_stack_serves_exactly(
+    family, family_models, family_dir, tmp_path, monkeypatch, redis_url
+):
     """``specdec distill`` (a few seconds' worth) makes a token and a feature draft of the family's own
     layers, their cards name its family and dtype, and the draft service serves them from the
     target's files: greedy output through the stack is target-only generate's."""
@@ -193,16 +199,52 @@ def test_distill_makes_drafts_for_the_family_that_the_stack_serves_exactly(famil
     references = [hf_greedy(target, p, 24) for p in PROMPTS]
     for kind, served_as in (("token", "model"), (FEATURE_KIND, FEATURE_KIND)):
         out = tmp_path / kind
-        argv = ["--target", str(target_folder), "--kind", kind, "--out", str(out),
-                "--work", str(tmp_path / f"w-{kind}"), "--cache-dir", str(family_dir), "--minutes", "0.3",
-                "--tokens", "300", "--prompts", "60", "--held-out", "6", "--batch-size", "16", "--max-new", "12",
-                "--eval-max-new", "12", "--layers", "1", "--init-from", "1", "--head-size", "24", "--epochs", "2",
-                "--batch-tokens", "512", "--threads", "1"]
+        argv = [
+            "--target",
+            str(target_folder),
+            "--kind",
+            kind,
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / f"w-{kind}"),
+            "--cache-dir",
+            str(family_dir),
+            "--minutes",
+            "0.3",
+            "--tokens",
+            "300",
+            "--prompts",
+            "60",
+            "--held-out",
+            "6",
+            "--batch-size",
+            "16",
+            "--max-new",
+            "12",
+            "--eval-max-new",
+            "12",
+            "--layers",
+            "1",
+            "--init-from",
+            "1",
+            "--head-size",
+            "24",
+            "--epochs",
+            "2",
+            "--batch-tokens",
+            "512",
+            "--threads",
+            "1",
+        ]
         assert distill_cli.main(argv) == 0
         card = json.loads((out / CARD_FILE).read_text())
         assert (card["target"]["family"], card["target"]["dtype"]) == (family, "float32")
-        drafter = build_drafter(DraftConfig(kind=served_as, target_model=str(target_folder),
-                                            model=ModelConfig(model=str(out), cache_dir=family_dir)))
+        drafter = build_drafter(
+            DraftConfig(
+                kind=served_as, target_model=str(target_folder), model=ModelConfig(model=str(out), cache_dir=family_dir)
+            )
+        )
         layer = drafter._loaded.model.layers[0] if served_as == "model" else drafter._draft_model.layer
         assert type(layer) is type(target.model.get_decoder().layers[0])
         stack = InProcessStack(TargetEngine(target, 8), drafter, target_folder, redis_url).start()

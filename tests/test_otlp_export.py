@@ -36,8 +36,15 @@ def test_otlp_export_carries_services_tree_and_round_attributes(tiny_dir, tmp_pa
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     model = str(tiny_dir / "target")
-    config = StackConfig(target_model=model, draft_kind="ngram", draft_model=model, cache_dir=tmp_path, target_threads=1,
-                         otlp_endpoint=f"127.0.0.1:{port}", default_k=2)
+    config = StackConfig(
+        target_model=model,
+        draft_kind="ngram",
+        draft_model=model,
+        cache_dir=tmp_path,
+        target_threads=1,
+        otlp_endpoint=f"127.0.0.1:{port}",
+        default_k=2,
+    )
     try:
         with LocalStack(config, log_dir=tmp_path) as stack, Client(stack.address) as client:
             result = client.complete("w1 w2 w3 w1 w2", max_new_tokens=10)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from harness import InProcessStack
 
 from coordinator.auth import hash_key
 from coordinator.identity import caller_of, span_session
 from draft_service.engine import ModelDrafter
-from harness import InProcessStack
 from specdec import Client
 from specdec.client import ResourceExhausted, SessionNotFound
 from specdec.config import AdmissionLimits
@@ -18,8 +18,9 @@ OWNER, OTHER = "owner-key", "other-key"
 
 @pytest.fixture(scope="module")
 def keyed(tiny_target, tiny_draft, tiny_dir, redis_url):
-    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
-                           redis_url)
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target", redis_url
+    )
     stack.start(api_key_hashes=(hash_key(OWNER), hash_key(OTHER)))
     yield stack
     stack.close()
@@ -60,8 +61,9 @@ def test_client_identity_comes_from_what_the_caller_proved():
 
 
 def test_a_self_chosen_client_label_does_not_escape_the_session_limit(tiny_target, tiny_draft, tiny_dir, redis_url):
-    stack = InProcessStack(TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target",
-                           redis_url)
+    stack = InProcessStack(
+        TargetEngine(tiny_target, 16), ModelDrafter(tiny_draft, 16, 64), tiny_dir / "target", redis_url
+    )
     stack.start(api_key_hashes=(hash_key("limited-key"),), admission=AdmissionLimits(max_sessions_per_client=1))
     try:
         with Client(stack.address, timeout=30, api_key="limited-key", client_id="first") as c:

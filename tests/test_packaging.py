@@ -24,8 +24,21 @@ ROOT = Path(__file__).resolve().parent.parent
 # Packages built on top of specdec/: the shared package never imports them.
 ABOVE_SPECDEC = {"coordinator", "draft_service", "target_service", "bench"}
 # Top-level modules of the server and train extras (pyproject.toml), none of which the SDK may need.
-SERVER_MODULES = ("torch", "transformers", "gguf", "accelerate", "safetensors", "numpy", "grpc_health",
-                  "grpc_reflection", "prometheus_client", "redis", "opentelemetry", "kubernetes", "tqdm")
+SERVER_MODULES = (
+    "torch",
+    "transformers",
+    "gguf",
+    "accelerate",
+    "safetensors",
+    "numpy",
+    "grpc_health",
+    "grpc_reflection",
+    "prometheus_client",
+    "redis",
+    "opentelemetry",
+    "kubernetes",
+    "tqdm",
+)
 CLIENT_COMMANDS = {"up", "generate"}
 
 
@@ -55,8 +68,9 @@ class _Coordinator(coordinator_pb2_grpc.CoordinatorServicer):
     def Generate(self, request, context):
         yield coordinator_pb2.GenerateChunk(text="Hello", token_ids=[1], session_id="s1")
         stats = coordinator_pb2.GenerationStats(generated_tokens=2, rounds=1, total_ms=20.0)
-        yield coordinator_pb2.GenerateChunk(text=" world", token_ids=[2], session_id="s1", finish_reason="length",
-                                            stats=stats)
+        yield coordinator_pb2.GenerateChunk(
+            text=" world", token_ids=[2], session_id="s1", finish_reason="length", stats=stats
+        )
 
 
 # Run in a child process: every module of the server extra fails to import, as on an SDK-only install.
@@ -88,8 +102,13 @@ def test_the_client_and_specdec_generate_run_without_the_server_extra(tmp_path):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        out = subprocess.run([sys.executable, "-c", _WITHOUT_SERVER_EXTRA, f"127.0.0.1:{port}", ",".join(SERVER_MODULES)],
-                             capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        out = subprocess.run(
+            [sys.executable, "-c", _WITHOUT_SERVER_EXTRA, f"127.0.0.1:{port}", ",".join(SERVER_MODULES)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
     finally:
         server.stop(0)
     assert out.returncode == 0, out.stderr
@@ -106,9 +125,20 @@ def _commands() -> set[str]:
 def test_commands_come_from_entry_points_and_need_their_extra(monkeypatch):
     registered = _commands()
     assert {e.name for e in importlib.metadata.entry_points(group=cli.COMMANDS)} == {
-        "bench", "coordinator", "distill", "draft", "target"}
-    assert registered == CLIENT_COMMANDS | {"serve-coordinator", "serve-draft", "serve-target", "distill", "bench",
-                                            "pass-grid"}
+        "bench",
+        "coordinator",
+        "distill",
+        "draft",
+        "target",
+    }
+    assert registered == CLIENT_COMMANDS | {
+        "serve-coordinator",
+        "serve-draft",
+        "serve-target",
+        "distill",
+        "bench",
+        "pass-grid",
+    }
 
     # An SDK-only install: torch, required by the server extra, is missing.
     installed = importlib.metadata.distribution
@@ -144,8 +174,23 @@ def test_the_wheel_holds_the_package_data_and_the_commands(tmp_path):
         shutil.copy(ROOT / name, src / name)
     for package in ("specdec", "coordinator", "draft_service", "target_service", "bench", "drafts"):
         shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                    "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("specdec-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         files = set(archive.namelist())
@@ -156,6 +201,9 @@ def test_the_wheel_holds_the_package_data_and_the_commands(tmp_path):
     for name in SHIPPED_DRAFTS.values():
         assert {f"drafts/{name}/draft.safetensors", f"drafts/{name}/draft_card.json"} <= files
     assert "[specdec.commands]" in entry_points and "target = target_service.cli:register" in entry_points
-    base = [line.split(": ", 1)[1] for line in metadata.splitlines()
-            if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    base = [
+        line.split(": ", 1)[1]
+        for line in metadata.splitlines()
+        if line.startswith("Requires-Dist:") and "extra ==" not in line
+    ]
     assert sorted(r.split("==")[0] for r in base) == ["grpcio", "protobuf"]

@@ -12,9 +12,18 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_generated_stubs_are_fresh(tmp_path):
     protos = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "proto" / "specdec" / "v1").glob("*.proto"))
     subprocess.run(
-        [sys.executable, "-m", "grpc_tools.protoc", "-Iproto", f"--python_out={tmp_path}",
-         f"--grpc_python_out={tmp_path}", f"--pyi_out={tmp_path}", *protos],
-        cwd=ROOT, check=True,
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-Iproto",
+            f"--python_out={tmp_path}",
+            f"--grpc_python_out={tmp_path}",
+            f"--pyi_out={tmp_path}",
+            *protos,
+        ],
+        cwd=ROOT,
+        check=True,
     )
     generated = sorted((tmp_path / "specdec" / "v1").iterdir())
     assert generated, "protoc produced nothing"

@@ -17,17 +17,42 @@ BENCH = {
     "modes": {
         "hf-target": {"tokens": 16, "seconds": 1.6, "tokens_per_s": 10.0, "speedup_vs_hf_target": 1.0},
         "hf-assisted": {"tokens": 16, "seconds": 2.0, "tokens_per_s": 8.0, "exact": "2/2"},
-        "specdec-k0": {"tokens": 16, "seconds": 1.0, "tokens_per_s": 16.0, "rounds": 16,
-                       "per_round_ms": {"draft": 0.0, "verify": 50.0, "other": 0.5, "prefill_per_request": 200.0,
-                                        "median_other": 0.4},
-                       "exact": "2/2"},
-        "specdec": {"tokens": 16, "seconds": 0.8, "tokens_per_s": 20.0, "rounds": 8,
-                    "per_round_ms": {"draft": 10.0, "verify": 60.0, "other": 0.6, "prefill_per_request": 210.0,
-                                     "median_other": 0.5},
-                    "acceptance_rate": 0.5, "mean_k": 2.0, "mean_accepted_length": 2.0,
-                    "acceptance_by_position": [0.75, 0.25], "per_token_acceptance": 0.6,
-                    "predicted_speedup_vs_k0": 1.3, "measured_speedup_vs_k0": 1.25, "efficiency": 0.962,
-                    "exact": "2/2"},
+        "specdec-k0": {
+            "tokens": 16,
+            "seconds": 1.0,
+            "tokens_per_s": 16.0,
+            "rounds": 16,
+            "per_round_ms": {
+                "draft": 0.0,
+                "verify": 50.0,
+                "other": 0.5,
+                "prefill_per_request": 200.0,
+                "median_other": 0.4,
+            },
+            "exact": "2/2",
+        },
+        "specdec": {
+            "tokens": 16,
+            "seconds": 0.8,
+            "tokens_per_s": 20.0,
+            "rounds": 8,
+            "per_round_ms": {
+                "draft": 10.0,
+                "verify": 60.0,
+                "other": 0.6,
+                "prefill_per_request": 210.0,
+                "median_other": 0.5,
+            },
+            "acceptance_rate": 0.5,
+            "mean_k": 2.0,
+            "mean_accepted_length": 2.0,
+            "acceptance_by_position": [0.75, 0.25],
+            "per_token_acceptance": 0.6,
+            "predicted_speedup_vs_k0": 1.3,
+            "measured_speedup_vs_k0": 1.25,
+            "efficiency": 0.962,
+            "exact": "2/2",
+        },
     },
     "created": "2030-01-02T03:04:05Z",
     "host": {"cpu": "Test CPU", "cores": 2},
@@ -35,8 +60,14 @@ BENCH = {
 
 
 def _level(tps: float, **extra) -> dict:
-    return {"tokens": 10, "seconds": 1.0, "tokens_per_s": tps, "ttft_ms": {"p50": 100.0, "p95": 200.0},
-            "per_token_ms": {"p50": 40.0, "p95": 50.0}, **extra}
+    return {
+        "tokens": 10,
+        "seconds": 1.0,
+        "tokens_per_s": tps,
+        "ttft_ms": {"p50": 100.0, "p95": 200.0},
+        "per_token_ms": {"p50": 40.0, "p95": 50.0},
+        **extra,
+    }
 
 
 LOAD = {
@@ -45,30 +76,40 @@ LOAD = {
     "modes": {
         "hf-batched": {"16": _level(40.0), "1": _level(10.0)},
         "specdec-k0": {"16": _level(50.0, mean_k=0.0, exact="16/16"), "1": _level(20.0, mean_k=0.0, exact="4/4")},
-        "specdec": {"16": _level(55.0, mean_k=0.2, acceptance_rate=0.5, exact="16/16"),
-                    "1": _level(25.0, mean_k=2.0, acceptance_rate=0.4, exact="4/4")},
+        "specdec": {
+            "16": _level(55.0, mean_k=0.2, acceptance_rate=0.5, exact="16/16"),
+            "1": _level(25.0, mean_k=2.0, acceptance_rate=0.4, exact="4/4"),
+        },
     },
     "specdec_vs_k0": {"1": 1.25, "16": 1.1},
     "scaling_vs_single_session": {"specdec": {"1": 1.0, "16": 2.2}},
 }
 
-GRID = {"config": {"threads": 2, "repeats": 3, "accept": 0.5},
-        "pass_ms": {"1": [100.0, 110.0, 120.0], "4": [200.0, 260.0, 300.0]},
-        "ceiling": {"1": {"gain": 1.5, "k": 2}, "4": {"gain": 1.1, "k": 1}}}
+GRID = {
+    "config": {"threads": 2, "repeats": 3, "accept": 0.5},
+    "pass_ms": {"1": [100.0, 110.0, 120.0], "4": [200.0, 260.0, 300.0]},
+    "ceiling": {"1": {"gain": 1.5, "k": 2}, "4": {"gain": 1.1, "k": 1}},
+}
 
-LONG = {"config": {"chunks": "128,0", "tokens": 1500},
-        "runs": [{"prefill_chunk": 128,
-                  "trials": [{"long_ttft_s": 6.0, "max_gap_s": 0.5, "median_gap_during_s": 0.3}]},
-                 {"prefill_chunk": 0,
-                  "trials": [{"long_ttft_s": 5.0, "max_gap_s": 5.0, "median_gap_during_s": 0.1}]}]}
+LONG = {
+    "config": {"chunks": "128,0", "tokens": 1500},
+    "runs": [
+        {"prefill_chunk": 128, "trials": [{"long_ttft_s": 6.0, "max_gap_s": 0.5, "median_gap_during_s": 0.3}]},
+        {"prefill_chunk": 0, "trials": [{"long_ttft_s": 5.0, "max_gap_s": 5.0, "median_gap_during_s": 0.1}]},
+    ],
+}
 
-CARD = {"kind": "feature", "architecture": {"layers": 1, "side_layers": [2, 15]},
-        "training": {"steps": 10, "seconds": 120.0},
-        "recipe": {"data": {"train_generated_tokens": 12345}},
-        "metrics": {"held_out": {"top1_agreement": 0.6, "acceptance_by_position": [0.5, 0.25],
-                                 "mean_accepted_length": 1.75},
-                    "held_out_with_lookup": {"mean_accepted_length": 2.0},
-                    "extra:prompts.jsonl": {"top1_agreement": 0.45, "mean_accepted_length": 1.5}}}
+CARD = {
+    "kind": "feature",
+    "architecture": {"layers": 1, "side_layers": [2, 15]},
+    "training": {"steps": 10, "seconds": 120.0},
+    "recipe": {"data": {"train_generated_tokens": 12345}},
+    "metrics": {
+        "held_out": {"top1_agreement": 0.6, "acceptance_by_position": [0.5, 0.25], "mean_accepted_length": 1.75},
+        "held_out_with_lookup": {"mean_accepted_length": 2.0},
+        "extra:prompts.jsonl": {"top1_agreement": 0.45, "mean_accepted_length": 1.5},
+    },
+}
 
 README = "# demo\n\nintro\n\n<!-- results:begin -->\nold table\n<!-- results:end -->\n\nafter\n"
 
@@ -85,8 +126,9 @@ def _tree(tmp_path: Path, reports: dict[str, dict]) -> Path:
 
 
 def test_tables_come_from_the_reports(tmp_path):
-    root = _tree(tmp_path, {"bench.json": BENCH, "bench-load.json": LOAD, "pass-grid.json": GRID,
-                            "long-prompt.json": LONG})
+    root = _tree(
+        tmp_path, {"bench.json": BENCH, "bench-load.json": LOAD, "pass-grid.json": GRID, "long-prompt.json": LONG}
+    )
     assert render_docs.main(["--root", str(root)]) == 0
     page = (root / "docs" / "benchmarks.md").read_text()
     # Single stream: ratios side by side, the speculative mode's acceptance and efficiency, the split.
@@ -104,8 +146,9 @@ def test_tables_come_from_the_reports(tmp_path):
     # The ceiling, pass costs relative to k = 0.
     assert "| 4 | 200.0 | 1.30× | 1.50× | **1.10×** (k = 1) |" in page
     # Long prompts: per setting, and against the unchunked one.
-    assert ("| `--prefill-chunk 128` | 1 | 0.50 (0.50–0.50) | 0.30 (0.30–0.30) | 6.00 (6.00–6.00) "
-            "| 0.10× | 1.20× |") in page
+    assert (
+        "| `--prefill-chunk 128` | 1 | 0.50 (0.50–0.50) | 0.30 (0.30–0.30) | 6.00 (6.00–6.00) | 0.10× | 1.20× |"
+    ) in page
     # The drafts' cards, and where the reports came from.
     assert "| `tiny-feature` | feature | 1 layer, reads layers 2, 15 | 0.600 | 0.50, 0.25 | 1.75 | 2.00 |" in page
     assert "- `reports/bench.json` (created: 2030-01-02T03:04:05Z; host: cpu Test CPU, cores 2)" in page

@@ -8,12 +8,12 @@ import time
 
 import grpc
 import pytest
+from harness import InProcessStack
 
 from coordinator.replicas import CacheRef, Fenced
 from coordinator.sessions import MemorySessionStore, RedisSessionStore, SessionRecord, TurnState
 from coordinator.textstream import TextStream
 from draft_service.engine import ModelDrafter
-from harness import InProcessStack
 from specdec import Client
 from specdec.client import build_request
 from specdec.errors import StaleFence
@@ -169,8 +169,9 @@ def test_stores_refuse_a_writer_with_an_older_fence(kind, redis_url):
             new_fence = await store.take_fence("s-fence")
             assert new_fence > old_fence
             turn = TurnState("abc", 3, 7, round=2, drafted=[2, 1], accepted=[1])
-            record = SessionRecord("s-fence", [1, 2, 3], target=CacheRef("a:1", "c", 3, new_fence), turn=turn,
-                                   fence=new_fence)
+            record = SessionRecord(
+                "s-fence", [1, 2, 3], target=CacheRef("a:1", "c", 3, new_fence), turn=turn, fence=new_fence
+            )
             await store.put(record)
             got = await store.get("s-fence")
             assert got.turn == turn and got.target.fence == new_fence

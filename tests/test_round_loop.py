@@ -33,7 +33,7 @@ def hf_greedy(loaded, prompt: str, max_new_tokens: int) -> list[int]:
     ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
     with torch.inference_mode():
         out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def make_loop(target_model, draft_model, drafts=None, **speculation) -> RoundLoop:
@@ -119,10 +119,11 @@ def test_a_continued_session_reuses_its_caches_and_a_lost_one_is_rebuilt(tiny_ta
     assert second.session_id == first.session_id
     with torch.inference_mode():
         out = tiny_target.model.generate(torch.tensor([history]), max_new_tokens=6, do_sample=False)
-    assert tokens == out[0, len(history):].tolist()
+    assert tokens == out[0, len(history) :].tolist()
 
 
-def make_turn(sampling=Sampling(), k=None, committed=(3, 4, 5, 3, 4)) -> Turn:
+def make_turn(sampling: Sampling | None = None, k=None, committed=(3, 4, 5, 3, 4)) -> Turn:
+    sampling = sampling or Sampling()
     record = SessionRecord("s" * 32, tokens=list(committed), turn=TurnState("", 2, 0))
     target = CacheRef("t:1", "c", len(committed))
     return Turn(GenerationRequest("", None, 32, k=k), record, False, sampling, Stats(), lambda: None, None, target)
@@ -211,8 +212,14 @@ def test_a_session_that_moves_releases_the_cache_it_left(tiny_target, tiny_draft
     targets = [InProcessTarget(e, f"inprocess:target-{i}") for i, e in enumerate(engines)]
     router = Router([InProcessDraft(ModelDrafter(tiny_draft, 8, 64))], targets)
     facts = tiny_target.facts("target")
-    loop = RoundLoop(tiny_target.tokenizer, facts, router, SpeculationPolicy(SpeculationConfig()),
-                     Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600)), trace.NoOpTracer())
+    loop = RoundLoop(
+        tiny_target.tokenizer,
+        facts,
+        router,
+        SpeculationPolicy(SpeculationConfig()),
+        Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600)),
+        trace.NoOpTracer(),
+    )
 
     async def turns():
         first = [c async for c in loop.generate(request(k=2, max_new_tokens=4), lambda: None)][-1]

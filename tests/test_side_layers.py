@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from coordinator.server import IncompatibleReplicas, check_same_side_layers
-from draft_service.feature_draft import FeatureDraftArch, build_feature_draft
 from draft_service.distill.feature_train import FeatureExample, _pad, feature_loss
 from draft_service.distill.features import sample_features
+from draft_service.feature_draft import FeatureDraftArch, build_feature_draft
 from specdec.kvcache import SessionCache
 from specdec.ragged import RaggedItem, ragged_forward
 from specdec.side_layers import check_side_layers
@@ -40,15 +40,16 @@ def test_every_producer_sends_final_hidden_then_the_side_layers_outputs(which, t
     assert extracted.shape == (len(tokens), 3 * dim)
     torch.testing.assert_close(extracted[:, :dim], plain_final)
     for i, j in enumerate(sides):
-        torch.testing.assert_close(extracted[:, dim * (i + 1): dim * (i + 2)], per_layer[j].half().float())
+        torch.testing.assert_close(extracted[:, dim * (i + 1) : dim * (i + 2)], per_layer[j].half().float())
 
     prefilled = SessionCache(committed=tokens[:8])
     rows = prefilled.prefill(model, True, sides).rows  # positions 0..6
     _, forward_rows = prefilled.forward_with_hidden(model, tokens[8:10], 3, sides)  # positions 7..9
     ragged_cache = SessionCache(committed=tokens[:8])
     ragged_cache.prefill(model)
-    _, ragged_rows = ragged_forward(model, [RaggedItem(ragged_cache.kv, ragged_cache.pending() + tokens[8:10], 3,
-                                                       sides)])
+    _, ragged_rows = ragged_forward(
+        model, [RaggedItem(ragged_cache.kv, ragged_cache.pending() + tokens[8:10], 3, sides)]
+    )
     served = torch.cat([rows, forward_rows.rows]).float()  # [10, 3D]
     torch.testing.assert_close(served, extracted[:10], atol=2e-2, rtol=1e-2)  # fp16 storage on one side
     torch.testing.assert_close(ragged_rows[0].float(), forward_rows.rows.float(), atol=1e-4, rtol=1e-4)
@@ -74,7 +75,7 @@ def test_the_draft_reads_side_layers_where_the_target_sent_them_and_zeros_after(
     batch = _pad([FeatureExample(torch.tensor(tokens), feats, labels, torch.ones(len(tokens)))])
     loss, _, _ = feature_loss(draft, batch, noise=0.0)
     loss.backward()
-    side_grad = draft.fc.weight.grad[:, 2 * dim:]
+    side_grad = draft.fc.weight.grad[:, 2 * dim :]
     assert side_grad.abs().sum() > 0  # the side outputs reach the loss
 
     with torch.no_grad():

@@ -72,7 +72,7 @@ def test_read_target_borrows_the_models_embedding_head_and_facts(family, tmp_pat
     head = full.model.get_output_embeddings().weight
     if family == "gemma":
         assert borrowed.model.get_output_embeddings() is None  # tied: the embedding is the head
-        assert borrowed.model.get_input_embeddings().scalar_embed_scale == full.model.config.hidden_size ** 0.5
+        assert borrowed.model.get_input_embeddings().scalar_embed_scale == full.model.config.hidden_size**0.5
     else:
         assert torch.equal(borrowed.model.get_output_embeddings().weight, head)
     half, _ = read_target(str(folder), tmp_path, dtype=torch.bfloat16)
@@ -114,16 +114,23 @@ def test_the_draft_service_builds_distilled_drafts_without_the_target_model(fami
     whole target."""
     target_folder = make_family_model(tmp_path / family, family, seed=0)
     target = _draft_folders(tmp_path, target_folder)
-    whole = {"model": ModelDrafter(_whole(tmp_path / "token", target), 4, 4),
-             FEATURE_KIND: _whole_feature(tmp_path / FEATURE_KIND, target)}
+    whole = {
+        "model": ModelDrafter(_whole(tmp_path / "token", target), 4, 4),
+        FEATURE_KIND: _whole_feature(tmp_path / FEATURE_KIND, target),
+    }
 
     def refuse(*args, **kwargs):
         raise AssertionError("the draft service built the whole target")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
     for kind, folder in (("model", "token"), (FEATURE_KIND, FEATURE_KIND)):
-        config = DraftConfig(kind=kind, target_model=str(target_folder), int8_head=False, lookup_min=0,
-                             model=ModelConfig(model=str(tmp_path / folder), cache_dir=tmp_path, pack=False))
+        config = DraftConfig(
+            kind=kind,
+            target_model=str(target_folder),
+            int8_head=False,
+            lookup_min=0,
+            model=ModelConfig(model=str(tmp_path / folder), cache_dir=tmp_path, pack=False),
+        )
         served = build_drafter(config)
         assert served.facts.vocab_size == target.vocab_size
         proposals = _proposals(served)

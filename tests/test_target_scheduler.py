@@ -73,8 +73,9 @@ def _run(engine: _Recorder, test, max_batch_rows: int = 64, fold_prefills: bool 
         executor.shutdown(wait=True)
 
 
-def _round(cache_id: str, committed: int, draft: list[int] = (), with_hidden: bool = False,
-           new_tokens: list[int] = ()) -> VerifyCall:
+def _round(
+    cache_id: str, committed: int, draft: list[int] = (), with_hidden: bool = False, new_tokens: list[int] = ()
+) -> VerifyCall:
     return VerifyCall(cache_id, committed, list(new_tokens), list(draft), [], Sampling(), 0, with_hidden)
 
 
@@ -83,13 +84,16 @@ async def _entered(engine: _Recorder) -> None:
     assert await asyncio.to_thread(engine.entered.wait, 30)
 
 
-@pytest.mark.parametrize("rows, fold, chunk, want", [
-    (64, True, 128, (63, 63)),  # chunks and folds fit in a pass beside a round's row
-    (256, True, 128, (128, 128)),  # a folded prompt is never longer than a chunk
-    (256, True, 0, (0, 255)),
-    (4096, True, 0, (0, PREFILL_HIDDEN_ROWS)),  # its hidden rows return in one reply
-    (256, False, 128, (128, 0)),
-])
+@pytest.mark.parametrize(
+    "rows, fold, chunk, want",
+    [
+        (64, True, 128, (63, 63)),  # chunks and folds fit in a pass beside a round's row
+        (256, True, 128, (128, 128)),  # a folded prompt is never longer than a chunk
+        (256, True, 0, (0, 255)),
+        (4096, True, 0, (0, PREFILL_HIDDEN_ROWS)),  # its hidden rows return in one reply
+        (256, False, 128, (128, 0)),
+    ],
+)
 def test_chunk_and_fold_limits_follow_the_pass_budget(tiny_target, rows, fold, chunk, want):
     scheduler = TargetScheduler(TargetEngine(tiny_target, 4), ThreadPoolExecutor(1), rows, fold, chunk)
     assert (scheduler.chunk_rows, scheduler.fold_rows) == want and scheduler.pass_rows == rows - 1

@@ -19,7 +19,7 @@ from target_service.tensor_parallel import shard_llama, split
 
 NEW_TOKENS = 24
 PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
     [{"role": "user", "content": "Write a short poem about the sea."}],
 ]
@@ -65,7 +65,7 @@ def test_shard_keeps_its_heads_and_refuses_more_ranks_than_kv_heads(tiny_dir):
     shard_llama(loaded.model, rank=1, world_size=2)
     attn = loaded.model.model.layers[0].self_attn
     head_dim = attn.head_dim
-    assert torch.equal(attn.q_proj.weight, full_q[2 * head_dim:])  # the second group's two query heads
+    assert torch.equal(attn.q_proj.weight, full_q[2 * head_dim :])  # the second group's two query heads
     assert attn.k_proj.weight.shape[0] == head_dim
     assert attn.o_proj.linear.weight.shape[1] == 2 * head_dim
     assert loaded.model.model.layers[0].mlp.gate_proj.weight.shape[0] == 32
@@ -102,8 +102,22 @@ def test_tp2_stack_greedy_equals_single_process(references, default_model, tmp_p
 @contextmanager
 def _tp2_target(tiny_dir, tmp_path) -> Iterator[tuple[Process, psutil.Process]]:
     """A tiny target sharded over two processes, serving: (rank 0, its follower)."""
-    argv = [sys.executable, "-m", "specdec.cli", "serve-target", "--port", "0", "--model", str(tiny_dir / "target"),
-            "--cache-dir", str(tiny_dir), "--threads", "1", "--tp", "2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "specdec.cli",
+        "serve-target",
+        "--port",
+        "0",
+        "--model",
+        str(tiny_dir / "target"),
+        "--cache-dir",
+        str(tiny_dir),
+        "--threads",
+        "1",
+        "--tp",
+        "2",
+    ]
     proc = Process("target", argv, tmp_path, child_env(1, passive=True))
     try:
         wait_for_line(proc, "READY ", 120.0)

@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from coordinator.replicas import CacheRef, ReplicaSet
-from coordinator.prompts import build_turn
 from coordinator.checkpoints import Checkpoints
+from coordinator.prompts import build_turn
+from coordinator.replicas import CacheRef, ReplicaSet
 from coordinator.sessions import MemorySessionStore, SessionRecord, StoreUnavailable
 from coordinator.textstream import TextStream
-from specdec.ngram import propose_ngram, whole_continuation
-from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound
-from specdec.kvcache import CacheTable, SessionCache, kv_buffer_bytes
 from specdec.client import InvalidArgument, build_request
 from specdec.config import ModelConfig, TargetConfig, TensorParallelConfig
+from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound
+from specdec.kvcache import CacheTable, SessionCache, kv_buffer_bytes
+from specdec.ngram import propose_ngram, whole_continuation
 from specdec.sampling import Sampling, warp_probs
 from specdec.sampling_params import check_sampling
 from specdec.v1 import common_pb2
@@ -208,16 +208,19 @@ def test_cache_table_drops_idle_caches():
     assert table.expire_idle() == 1 and len(table) == 0
 
 
-@pytest.mark.parametrize("prompt,options,field", [
-    ([{"role": "user"}], {}, "prompt"),
-    (b"bytes", {}, "prompt"),
-    ("hi", {"max_new_tokens": -1}, "max_new_tokens"),
-    ("hi", {"top_k": 2**31}, "top_k"),
-    ("hi", {"seed": -1}, "seed"),
-    ("hi", {"k": True}, "k"),
-    ("hi", {"temperature": "hot"}, "temperature"),
-    ("hi", {"stop": ["\n", 3]}, "stop"),
-])
+@pytest.mark.parametrize(
+    "prompt,options,field",
+    [
+        ([{"role": "user"}], {}, "prompt"),
+        (b"bytes", {}, "prompt"),
+        ("hi", {"max_new_tokens": -1}, "max_new_tokens"),
+        ("hi", {"top_k": 2**31}, "top_k"),
+        ("hi", {"seed": -1}, "seed"),
+        ("hi", {"k": True}, "k"),
+        ("hi", {"temperature": "hot"}, "temperature"),
+        ("hi", {"stop": ["\n", 3]}, "stop"),
+    ],
+)
 def test_sdk_refuses_what_the_wire_cannot_carry_naming_the_field(prompt, options, field):
     with pytest.raises(InvalidArgument) as err:
         build_request(prompt, **options)
@@ -232,8 +235,18 @@ def test_sdk_takes_one_stop_string_as_one_not_as_characters():
     assert (request.max_new_tokens, request.seed, request.temperature) == (5, 3, 0.5)
 
 
-@pytest.mark.parametrize("temperature,ok", [(0.0, True), (1e-4, True), (0.7, True), (1e-5, False), (-1.0, False),
-                                            (float("nan"), False), (float("inf"), False)])
+@pytest.mark.parametrize(
+    "temperature,ok",
+    [
+        (0.0, True),
+        (1e-4, True),
+        (0.7, True),
+        (1e-5, False),
+        (-1.0, False),
+        (float("nan"), False),
+        (float("inf"), False),
+    ],
+)
 def test_check_sampling_takes_greedy_or_a_temperature_float32_can_divide_by(temperature, ok):
     # 1e-4 as the wire's float32 holds it lies just below 1e-4 and must still pass.
     wire = common_pb2.SamplingParams(temperature=temperature).temperature
@@ -250,14 +263,21 @@ def test_check_sampling_takes_greedy_or_a_temperature_float32_can_divide_by(temp
 def test_a_session_record_round_trips_and_serializes_as_asdict_would():
     """``to_json`` builds its dict by hand (``asdict`` deep-copies the token list every round); the
     stored form must stay exactly what ``asdict`` gives, nested records included."""
-    from dataclasses import asdict
     import json
+    from dataclasses import asdict
 
     from coordinator.sessions import TurnState
 
     turn = TurnState("f" * 64, 3, 7, [{"role": "user", "content": "hi"}], 4, [4, 2], [2, 1], [4, 2])
-    full = SessionRecord("a" * 32, tokens=list(range(40)), messages=[{"role": "user", "content": "hi"}],
-                         draft=CacheRef("d:1", "c1", 40, 2), target=CacheRef("t:1", "c2", 40, 2), turn=turn, fence=2)
+    full = SessionRecord(
+        "a" * 32,
+        tokens=list(range(40)),
+        messages=[{"role": "user", "content": "hi"}],
+        draft=CacheRef("d:1", "c1", 40, 2),
+        target=CacheRef("t:1", "c2", 40, 2),
+        turn=turn,
+        fence=2,
+    )
     for record in (full, SessionRecord("b" * 32)):
         assert record.to_json() == json.dumps(asdict(record), separators=(",", ":"))
         assert SessionRecord.from_json(record.to_json()) == record

@@ -61,13 +61,16 @@ FAMILY_TRAITS: dict[str, dict] = {
     "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     "qwen3": {"head_dim": 16},
     "gemma": {"head_dim": 8, "hidden_activation": "gelu_pytorch_tanh"},
-    "phi3": {"sliding_window": 8,
-             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    "phi3": {
+        "sliding_window": 8,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    },
 }
 
 
-def make_family_model(folder: Path, family: str, seed: int, layers: int = 2, logit_scale: float = 15.0,
-                      hidden: int = 32, **overrides) -> Path:
+def make_family_model(
+    folder: Path, family: str, seed: int, layers: int = 2, logit_scale: float = 15.0, hidden: int = 32, **overrides
+) -> Path:
     """A random model of a transformers decoder family (traits from ``FAMILY_TRAITS``, then ``overrides``),
     saved with the shared tokenizer.
 
@@ -78,10 +81,18 @@ def make_family_model(folder: Path, family: str, seed: int, layers: int = 2, log
 
     torch.manual_seed(seed)
     fields = {
-        "vocab_size": len(WORDS), "hidden_size": hidden, "intermediate_size": 2 * hidden,
-        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "max_position_embeddings": 256, "eos_token_id": EOS_ID, "bos_token_id": None, "pad_token_id": EOS_ID,
-        **FAMILY_TRAITS.get(family, {}), **overrides,
+        "vocab_size": len(WORDS),
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "eos_token_id": EOS_ID,
+        "bos_token_id": None,
+        "pad_token_id": EOS_ID,
+        **FAMILY_TRAITS.get(family, {}),
+        **overrides,
     }
     config = AutoConfig.for_model(family, **fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -116,7 +127,10 @@ def save_draft_with_card(draft, folder: Path, target_hash: str, jitter_seed: int
                     param.add_(0.05 * torch.randn_like(param))
     feature = isinstance(draft, FeatureDraft)
     (save_feature_draft if feature else save_token_draft)(draft, folder)
-    card = {"kind": "feature" if feature else "token", "target": {"name": "tiny", "weights_sha256": target_hash},
-            "architecture": draft.arch.to_json()}
+    card = {
+        "kind": "feature" if feature else "token",
+        "target": {"name": "tiny", "weights_sha256": target_hash},
+        "architecture": draft.arch.to_json(),
+    }
     (folder / CARD_FILE).write_text(json.dumps(card))
     return folder

@@ -33,8 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     the server and train extras installed."""
     if not extra_installed("server", "train"):
         return
-    p = subparsers.add_parser("distill", help="train a draft for a target (specdec distill --help)",
-                              description=__doc__.splitlines()[0])
+    p = subparsers.add_parser(
+        "distill", help="train a draft for a target (specdec distill --help)", description=__doc__.splitlines()[0]
+    )
     add_arguments(p)
     # The recipe on the card records the flags as given, after the subcommand's name.
     p.set_defaults(run=lambda args: _run(_config(args, args.argv[1:])))
@@ -52,45 +53,70 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DistillConfig(target="", out=Path(), work=Path(), cache_dir=Path(), command="")
     p.add_argument("--target", required=True, help="'default', a HF folder or a .gguf file")
     p.add_argument("--out", type=Path, required=True, help="folder to write the draft and its card to")
-    p.add_argument("--kind", choices=["token", "feature"], default=d.kind,
-                   help="token: a small LM over the target embedding; feature: EAGLE-style, reads the target hidden states")
+    p.add_argument(
+        "--kind",
+        choices=["token", "feature"],
+        default=d.kind,
+        help="token: a small LM over the target embedding; feature: EAGLE-style, reads the target hidden states",
+    )
     p.add_argument("--minutes", type=float, default=d.minutes, help="compute budget for collection + training")
     p.add_argument("--tokens", type=int, default=d.tokens, help="generated target tokens to collect for training")
     p.add_argument("--seed", type=int, default=d.seed, help="seed of the prompt set, sampling and training")
     p.add_argument("--resume", action="store_true", help="continue from the data and checkpoint in --work")
-    p.add_argument("--work", type=Path, default=None,
-                   help="data and checkpoints (default: <cache-dir>/distill/<out folder name>)")
+    p.add_argument(
+        "--work", type=Path, default=None, help="data and checkpoints (default: <cache-dir>/distill/<out folder name>)"
+    )
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec", help="converted model cache")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
-    p.add_argument("--collect-only", action="store_true",
-                   help="stop after collecting the data (train later with --resume)")
+    p.add_argument(
+        "--collect-only", action="store_true", help="stop after collecting the data (train later with --resume)"
+    )
     g = p.add_argument_group("data")
     g.add_argument("--prompts", type=int, default=d.prompts, help="prompts to build (used in seeded order)")
     g.add_argument("--held-out", type=int, default=d.held_out, help="prompts held out for evaluation")
-    g.add_argument("--prompt-offset", type=int, default=d.prompt_offset,
-                   help="skip this many training prompts (those an --init-draft was trained on); held-out ones stay")
+    g.add_argument(
+        "--prompt-offset",
+        type=int,
+        default=d.prompt_offset,
+        help="skip this many training prompts (those an --init-draft was trained on); held-out ones stay",
+    )
     g.add_argument("--batch-size", type=int, default=d.batch_size, help="prompts continued together")
     g.add_argument("--max-new", type=int, default=d.max_new, help="tokens generated per training prompt")
     g.add_argument("--eval-max-new", type=int, default=d.eval_max_new, help="tokens generated per held-out prompt")
     g.add_argument("--temperatures", type=_floats, default=d.temperatures, help="cycled per batch, 0 = greedy")
     g.add_argument("--collect-share", type=float, default=d.collect_share, help="share of --minutes for collection")
-    g.add_argument("--extra-eval", type=Path, action="append", default=[],
-                   help="JSONL prompts to evaluate on as well (never trained on)")
+    g.add_argument(
+        "--extra-eval",
+        type=Path,
+        action="append",
+        default=[],
+        help="JSONL prompts to evaluate on as well (never trained on)",
+    )
     g = p.add_argument_group("draft")
     g.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
     g.add_argument("--init-from", type=_ints, default=d.init_from, help="target layers to initialise them from")
     g.add_argument("--head-size", type=int, default=d.head_size, help="reduced vocabulary size N")
-    g.add_argument("--side-layers", type=_ints, default=d.side_layers,
-                   help="feature draft: target layers (0-based) whose outputs it also reads, e.g. 2,15")
-    g.add_argument("--init-draft", type=Path, default=None,
-                   help="feature draft: start from this distilled draft (same target and head; its side layers "
-                        "a prefix of --side-layers) instead of the target's last layer")
+    g.add_argument(
+        "--side-layers",
+        type=_ints,
+        default=d.side_layers,
+        help="feature draft: target layers (0-based) whose outputs it also reads, e.g. 2,15",
+    )
+    g.add_argument(
+        "--init-draft",
+        type=Path,
+        default=None,
+        help="feature draft: start from this distilled draft (same target and head; its side layers "
+        "a prefix of --side-layers) instead of the target's last layer",
+    )
     g = p.add_argument_group("training")
     g.add_argument("--lr", type=float, default=d.lr)
     g.add_argument("--epochs", type=float, default=d.epochs, help="at most this many passes over the data")
     g.add_argument("--batch-tokens", type=int, default=d.batch_tokens, help="padded tokens per training batch")
     g.add_argument("--max-len", type=int, default=d.max_len, help="training sequence length cap")
-    g.add_argument("--soft-weight", type=float, default=d.soft_weight, help="weight of top-16 distribution distillation")
+    g.add_argument(
+        "--soft-weight", type=float, default=d.soft_weight, help="weight of top-16 distribution distillation"
+    )
     g.add_argument("--prompt-weight", type=float, default=d.prompt_weight, help="loss weight of prompt positions")
 
 
@@ -109,17 +135,37 @@ def _config(args: argparse.Namespace, argv: list[str]) -> DistillConfig:
         raise SystemExit("--init-draft is for --kind feature")
     work = args.work or args.cache_dir / "distill" / args.out.resolve().name
     return DistillConfig(
-        target=args.target, out=args.out, work=work, cache_dir=args.cache_dir,
-        command="specdec distill " + shlex.join(argv), kind=args.kind, minutes=args.minutes, tokens=args.tokens,
-        seed=args.seed, resume=args.resume, threads=args.threads, prompts=args.prompts, held_out=args.held_out,
+        target=args.target,
+        out=args.out,
+        work=work,
+        cache_dir=args.cache_dir,
+        command="specdec distill " + shlex.join(argv),
+        kind=args.kind,
+        minutes=args.minutes,
+        tokens=args.tokens,
+        seed=args.seed,
+        resume=args.resume,
+        threads=args.threads,
+        prompts=args.prompts,
+        held_out=args.held_out,
         prompt_offset=args.prompt_offset,
-        batch_size=args.batch_size, max_new=args.max_new, eval_max_new=args.eval_max_new,
-        temperatures=args.temperatures, collect_share=args.collect_share, layers=args.layers,
-        init_from=args.init_from, head_size=args.head_size, side_layers=args.side_layers, init_draft=args.init_draft,
+        batch_size=args.batch_size,
+        max_new=args.max_new,
+        eval_max_new=args.eval_max_new,
+        temperatures=args.temperatures,
+        collect_share=args.collect_share,
+        layers=args.layers,
+        init_from=args.init_from,
+        head_size=args.head_size,
+        side_layers=args.side_layers,
+        init_draft=args.init_draft,
         lr=args.lr,
         epochs=args.epochs,
-        batch_tokens=args.batch_tokens, max_len=args.max_len, soft_weight=args.soft_weight,
-        prompt_weight=args.prompt_weight, extra_eval=tuple(args.extra_eval),
+        batch_tokens=args.batch_tokens,
+        max_len=args.max_len,
+        soft_weight=args.soft_weight,
+        prompt_weight=args.prompt_weight,
+        extra_eval=tuple(args.extra_eval),
         collect_only=args.collect_only,
     )
 
@@ -139,8 +185,10 @@ def _run(config: DistillConfig) -> int:
         print(f"data collected in {config.work}; train with the same command plus --resume")
         return 0
     held = card["metrics"]["held_out"]
-    print(f"draft written to {config.out}: top-1 agreement {held['top1_agreement']}, "
-          f"mean accepted length at k={held['k']} {held['mean_accepted_length']}")
+    print(
+        f"draft written to {config.out}: top-1 agreement {held['top1_agreement']}, "
+        f"mean accepted length at k={held['k']} {held['mean_accepted_length']}"
+    )
     return 0
 
 

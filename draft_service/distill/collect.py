@@ -42,8 +42,16 @@ class Sample:
 
 
 @torch.inference_mode()
-def generate_batch(model, prompts: list[list[int]], max_new: int, temperature: float, eos_ids: tuple[int, ...],
-                   pad_id: int, generator: torch.Generator | None = None, topk: int = 16) -> list[Sample]:
+def generate_batch(
+    model,
+    prompts: list[list[int]],
+    max_new: int,
+    temperature: float,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    generator: torch.Generator | None = None,
+    topk: int = 16,
+) -> list[Sample]:
     """Continues ``prompts`` together (left padding); greedy when ``temperature == 0``.
 
     Besides the tokens, records the target's argmax over the prompt and its top-``topk`` logits at
@@ -54,12 +62,13 @@ def generate_batch(model, prompts: list[list[int]], max_new: int, temperature: f
     ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, W]
     mask = torch.zeros((batch, width), dtype=torch.long)  # [B, W]
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]
     cache = GrowableCache()
-    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                                 use_cache=True).last_hidden_state  # [B, W, D]
+    hidden = model.get_decoder()(
+        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+    ).last_hidden_state  # [B, W, D]
     head = model.get_output_embeddings()
     logits = head(hidden[:, -1]).float()  # [B, V]
     prompt_labels = _prompt_argmax(head, hidden[:, :-1], mask[:, :-1], prompts)
@@ -89,21 +98,37 @@ def generate_batch(model, prompts: list[list[int]], max_new: int, temperature: f
             break
         chosen = chosen.masked_fill(done, pad_id)
         mask = torch.cat([mask, (~done).long()[:, None]], dim=1)  # [B, W + t]
-        logits = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=next_pos[:, None], cache=cache,
-                       use_cache=True).logits[:, -1].float()  # [B, V]
+        logits = (
+            model(
+                input_ids=chosen[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                cache=cache,
+                use_cache=True,
+            )
+            .logits[:, -1]
+            .float()
+        )  # [B, V]
         next_pos = next_pos + 1
-    return [Sample(list(p) + c, len(p), lab, temperature, pl, torch.stack(ti), torch.stack(tv))
-            for p, c, lab, pl, ti, tv in zip(prompts, conts, labels, prompt_labels, top_ids, top_vals)]
+    return [
+        Sample(list(p) + c, len(p), lab, temperature, pl, torch.stack(ti), torch.stack(tv))
+        for p, c, lab, pl, ti, tv in zip(prompts, conts, labels, prompt_labels, top_ids, top_vals)
+    ]
 
 
-def _prompt_argmax(head, hidden: torch.Tensor, mask: torch.Tensor, prompts: list[list[int]],
-                   chunk: int = 512) -> list[list[int]]:
+def _prompt_argmax(
+    head, hidden: torch.Tensor, mask: torch.Tensor, prompts: list[list[int]], chunk: int = 512
+) -> list[list[int]]:
     """The target's argmax at every real prompt position but the last, computed in row chunks."""
     rows = hidden[mask.bool()]  # [M, D], left-padded rows in order
-    picks = torch.cat([head(rows[i:i + chunk]).argmax(-1) for i in range(0, len(rows), chunk)]) if len(rows) else rows.new_zeros(0, dtype=torch.long)
+    picks = (
+        torch.cat([head(rows[i : i + chunk]).argmax(-1) for i in range(0, len(rows), chunk)])
+        if len(rows)
+        else rows.new_zeros(0, dtype=torch.long)
+    )
     out, start = [], 0
     for p in prompts:
-        out.append(picks[start:start + len(p) - 1].tolist())
+        out.append(picks[start : start + len(p) - 1].tolist())
         start += len(p) - 1
     return out
 
@@ -131,10 +156,17 @@ def load_shards(folder: Path) -> list[Sample]:
         data = torch.load(path)
         n = len(data["tokens"])
         for i in range(n):
-            samples.append(Sample(data["tokens"][i].tolist(), int(data["prompt_len"][i]), data["labels"][i].tolist(),
-                                  float(data["temperature"][i]), data.get("prompt_labels", [None] * n)[i].tolist()
-                                  if "prompt_labels" in data else None,
-                                  data.get("topk_ids", [None] * n)[i], data.get("topk_logits", [None] * n)[i]))
+            samples.append(
+                Sample(
+                    data["tokens"][i].tolist(),
+                    int(data["prompt_len"][i]),
+                    data["labels"][i].tolist(),
+                    float(data["temperature"][i]),
+                    data.get("prompt_labels", [None] * n)[i].tolist() if "prompt_labels" in data else None,
+                    data.get("topk_ids", [None] * n)[i],
+                    data.get("topk_logits", [None] * n)[i],
+                )
+            )
     return samples
 
 
@@ -149,15 +181,24 @@ class CollectPlan:
     seed: int
 
 
-def collect(model, prompts: list[list[int]], folder: Path, plan: CollectPlan, eos_ids: tuple[int, ...], pad_id: int,
-            token_budget: int | None = None, deadline: float | None = None, desc: str = "collect") -> int:
+def collect(
+    model,
+    prompts: list[list[int]],
+    folder: Path,
+    plan: CollectPlan,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    token_budget: int | None = None,
+    deadline: float | None = None,
+    desc: str = "collect",
+) -> int:
     """Continues ``prompts`` batch by batch into shards under ``folder``; returns generated tokens.
 
     Batches whose shard exists are skipped (resume). Stops early once ``token_budget`` generated
     tokens are on disk or ``time.monotonic()`` passes ``deadline``.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    batches = [prompts[i:i + plan.batch_size] for i in range(0, len(prompts), plan.batch_size)]
+    batches = [prompts[i : i + plan.batch_size] for i in range(0, len(prompts), plan.batch_size)]
     have = sum(len(s.tokens) - s.prompt_len for s in load_shards(folder))
     bar = tqdm(total=token_budget or None, initial=have, desc=desc, unit="tok", dynamic_ncols=True)
     try:
@@ -165,7 +206,9 @@ def collect(model, prompts: list[list[int]], folder: Path, plan: CollectPlan, eo
             path = folder / f"shard-{index:05d}.pt"
             if path.exists():
                 continue
-            if (token_budget is not None and have >= token_budget) or (deadline is not None and time.monotonic() > deadline):
+            if (token_budget is not None and have >= token_budget) or (
+                deadline is not None and time.monotonic() > deadline
+            ):
                 break
             temperature = plan.temperatures[index % len(plan.temperatures)]
             generator = torch.Generator().manual_seed(plan.seed * 100_003 + index)

@@ -34,7 +34,7 @@ def teacher_forced_matches(draft: TokenDraft, sample: Sample) -> torch.Tensor:
     start = sample.prompt_len - 1
     hidden = draft.hidden(tokens)[0, start:]  # [C, D]
     guess = draft.head_ids[draft.head_logits(hidden).argmax(-1)]  # [C] full-vocabulary ids
-    return guess == torch.tensor(sample.tokens[sample.prompt_len:], dtype=torch.long)
+    return guess == torch.tensor(sample.tokens[sample.prompt_len :], dtype=torch.long)
 
 
 def rounds_from_matches(matches: list[bool], k: int) -> list[int]:
@@ -71,7 +71,7 @@ def ms_per_step(model, context: list[int], steps: int = 64) -> float:
     cache = SessionCache(committed=list(context))
     cache.prefill(model)
     times = []
-    for i in range(steps):
+    for _ in range(steps):
         started = time.perf_counter()
         logits = cache.forward(model, [], logits_to_keep=1)  # [1, V]
         token = int(logits[0].argmax())
@@ -99,8 +99,9 @@ def _summary(correct: int, total: int, rounds: list[int], sequences: int, k: int
 
 
 @torch.inference_mode()
-def evaluate_feature(draft: FeatureDraft, references: list[Sample], features: list[torch.Tensor], k: int = 4,
-                     lookup_min: int = 0) -> dict:
+def evaluate_feature(
+    draft: FeatureDraft, references: list[Sample], features: list[torch.Tensor], k: int = 4, lookup_min: int = 0
+) -> dict:
     """Top-1 agreement (teacher-forced on the target's features) and greedy rounds at ``k``.
 
     A feature draft's later proposals read its own predicted features, so rounds cannot be derived
@@ -117,8 +118,8 @@ def evaluate_feature(draft: FeatureDraft, references: list[Sample], features: li
             continue
         tokens = torch.tensor([sample.tokens])  # [1, T]
         predicted = draft.predict(feats[None, :-1].float(), tokens[:, 1:])  # [1, T-1, D]: f_{i+1} for i < T-1
-        guess = draft.head_ids[draft.head_logits(predicted[0, sample.prompt_len - 2:-1]).argmax(-1)]  # [C]
-        matches = guess == tokens[0, sample.prompt_len:]
+        guess = draft.head_ids[draft.head_logits(predicted[0, sample.prompt_len - 2 : -1]).argmax(-1)]  # [C]
+        matches = guess == tokens[0, sample.prompt_len :]
         correct += int(matches.sum())
         total += len(matches)
         rounds += replay_rounds(draft, sample, feats, k, lookup_min)
@@ -135,11 +136,11 @@ def replay_rounds(draft: FeatureDraft, sample: Sample, feats: torch.Tensor, k: i
     while len(session.committed) + k < len(sample.tokens):
         n = len(session.committed)
         proposal = whole_continuation(session.committed, k, min_n=lookup_min) or session.propose(draft, k, greedy)[0]
-        reference = sample.tokens[n: n + k + 1]
+        reference = sample.tokens[n : n + k + 1]
         accepted = 0
         while accepted < k and proposal[accepted] == reference[accepted]:
             accepted += 1
         out.append(accepted)
         session.sync(n, reference[: accepted + 1])
-        session.add_features(n - 1, feats[n - 1: n + accepted].float())
+        session.add_features(n - 1, feats[n - 1 : n + accepted].float())
     return out

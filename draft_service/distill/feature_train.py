@@ -15,8 +15,8 @@ true features, as a served session's KV cache does, and to its own.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +39,9 @@ class FeatureExample:
     weights: torch.Tensor
 
 
-def make_feature_examples(samples: list[Sample], features: list[torch.Tensor], vocab_to_head: torch.Tensor,
-                          max_len: int, prompt_weight: float) -> list[FeatureExample]:
+def make_feature_examples(
+    samples: list[Sample], features: list[torch.Tensor], vocab_to_head: torch.Tensor, max_len: int, prompt_weight: float
+) -> list[FeatureExample]:
     """Examples from samples and their features; long ones keep their last ``max_len`` tokens."""
     out = []
     for s, f in zip(samples, features):
@@ -96,13 +97,19 @@ def _pad(members: list[FeatureExample]) -> FeatureBatch:
     valid = torch.zeros((b, width), dtype=torch.bool)  # [B, T]
     for row, e in enumerate(members):
         n = len(e.tokens)
-        tokens[row, :n], features[row, :n], labels[row, :n], weights[row, :n] = e.tokens, e.features, e.labels, e.weights
+        tokens[row, :n], features[row, :n], labels[row, :n], weights[row, :n] = (
+            e.tokens,
+            e.features,
+            e.labels,
+            e.weights,
+        )
         valid[row, :n] = True
     return FeatureBatch(tokens, features, labels, weights, valid)
 
 
-def feature_loss(draft: FeatureDraft, batch: FeatureBatch, soft_weight: float = 0.5, rollout_weight: float = 0.5,
-                 noise: float = 0.05) -> tuple[torch.Tensor, int, int]:
+def feature_loss(
+    draft: FeatureDraft, batch: FeatureBatch, soft_weight: float = 0.5, rollout_weight: float = 0.5, noise: float = 0.05
+) -> tuple[torch.Tensor, int, int]:
     """Regression + argmax + distribution loss of one batch, plus the same after one rollout step;
     also (correct top-1 on first-step generated positions, their count)."""
     feats = batch.features.float()  # [B, T, W]: f, then any side layers' outputs
@@ -125,14 +132,23 @@ def feature_loss(draft: FeatureDraft, batch: FeatureBatch, soft_weight: float = 
     if second is not None:
         later = keep.clone()
         later[:, 0] = False  # the rollout predicts from position 1 on: its rows of the same teacher
-        rolled, _, _ = _targets_loss(draft, second, truth[:, 1:], labels[:, 1:], weights[:, 1:], valid[:, 1:],
-                                     soft_weight, None if teacher is None else teacher[later[keep]])
+        rolled, _, _ = _targets_loss(
+            draft,
+            second,
+            truth[:, 1:],
+            labels[:, 1:],
+            weights[:, 1:],
+            valid[:, 1:],
+            soft_weight,
+            None if teacher is None else teacher[later[keep]],
+        )
         loss = loss + rollout_weight * rolled
     return loss, correct, count
 
 
-def two_steps(draft: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor,
-              rollout: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def two_steps(
+    draft: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor, rollout: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The draft's first and second draft steps at every position of right-padded pairs.
 
     ``features [B, T, W]`` and ``tokens [B, T]`` are the pairs (f_i, t_{i+1}). Returns ``first
@@ -152,13 +168,19 @@ def two_steps(draft: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor,
         return first, None
     x = draft._fc(tokens[:, 1:], first[:, :-1])  # [B, T-1, D]: the draft's own features, no side layers
     seen = torch.cat([causal[:-1, :-1], torch.eye(t - 1, dtype=torch.bool)], dim=1)  # [T-1, 2(T-1)]
-    h, _ = _decoder_layer(draft.layer, x, draft.rotary_emb(x, positions[:, 1:]), seen,
-                          (keys[:, :, :-1], values[:, :, :-1]))
+    h, _ = _decoder_layer(
+        draft.layer, x, draft.rotary_emb(x, positions[:, 1:]), seen, (keys[:, :, :-1], values[:, :, :-1])
+    )
     return first, draft.norm(h)
 
 
-def _decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-                   context: tuple[torch.Tensor, torch.Tensor] | None = None):
+def _decoder_layer(
+    layer,
+    x: torch.Tensor,
+    rope: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor,
+    context: tuple[torch.Tensor, torch.Tensor] | None = None,
+):
     """A decoder layer (of the target's family) over ``x [B, T, D]`` under a boolean ``mask [T, C + T]``,
     its own keys and values after ``context``'s (``[B, Hkv, C, hd]`` each); returns (output, its own keys and values).
 
@@ -175,9 +197,16 @@ def _decoder_layer(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tenso
     return x + layer.mlp(layer.post_attention_layernorm(x)), (k, v)
 
 
-def _targets_loss(draft: FeatureDraft, predicted: torch.Tensor, truth: torch.Tensor, labels: torch.Tensor,
-                  weights: torch.Tensor, valid: torch.Tensor, soft_weight: float,
-                  teacher: torch.Tensor | None) -> tuple[torch.Tensor, int, int]:
+def _targets_loss(
+    draft: FeatureDraft,
+    predicted: torch.Tensor,
+    truth: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    valid: torch.Tensor,
+    soft_weight: float,
+    teacher: torch.Tensor | None,
+) -> tuple[torch.Tensor, int, int]:
     """The loss at the labelled positions (``weights > 0``), ``teacher [M, N]`` the target's
     distribution over the head at each of them."""
     reg = nn.functional.smooth_l1_loss(predicted[valid], truth[valid])

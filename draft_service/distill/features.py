@@ -39,15 +39,21 @@ def sample_features(model, tokens: list[list[int]], side_layers: tuple[int, ...]
     return [hidden[row, : len(t)].to(FEATURE_DTYPE).clone() for row, t in enumerate(tokens)]
 
 
-def extract_features(model, samples: list[Sample], folder: Path, batch_tokens: int = 4096,
-                     shard_samples: int = 64, side_layers: tuple[int, ...] = ()) -> list[torch.Tensor]:
+def extract_features(
+    model,
+    samples: list[Sample],
+    folder: Path,
+    batch_tokens: int = 4096,
+    shard_samples: int = 64,
+    side_layers: tuple[int, ...] = (),
+) -> list[torch.Tensor]:
     """Features of every sample (in order), computing only the shards not yet on disk."""
     folder.mkdir(parents=True, exist_ok=True)
     out: list[torch.Tensor] = []
     bar = tqdm(total=sum(len(s.tokens) for s in samples), desc="features", unit="tok", dynamic_ncols=True)
     try:
         for index, first in enumerate(range(0, len(samples), shard_samples)):
-            group = samples[first:first + shard_samples]
+            group = samples[first : first + shard_samples]
             path = folder / f"features-{index:05d}.pt"
             feats = torch.load(path) if path.exists() else None
             # A shard written when fewer samples were collected holds a shorter group: redo it.
@@ -65,8 +71,9 @@ def extract_features(model, samples: list[Sample], folder: Path, batch_tokens: i
     return out
 
 
-def _group_features(model, tokens: list[list[int]], batch_tokens: int,
-                    side_layers: tuple[int, ...]) -> list[torch.Tensor]:
+def _group_features(
+    model, tokens: list[list[int]], batch_tokens: int, side_layers: tuple[int, ...]
+) -> list[torch.Tensor]:
     """Features of a group, batched by length so padding stays small; returned in input order."""
     order = sorted(range(len(tokens)), key=lambda i: len(tokens[i]))
     feats: dict[int, torch.Tensor] = {}

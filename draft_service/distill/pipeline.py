@@ -17,10 +17,21 @@ from draft_service.distill.features import extract_features
 from draft_service.distill.prompts import Prompt, build_prompts, harvest_stdlib, split_prompts
 from draft_service.distill.train import TrainConfig, make_examples, token_batcher, token_loss, top_tokens, train
 from draft_service.feature_draft import KIND as FEATURE_KIND
-from draft_service.feature_draft import (FeatureDraftArch, build_feature_draft, save_feature_draft, source_head_ids,
-                                         warm_start)
-from draft_service.token_draft import (CARD_FILE, KIND, TokenDraftArch, build_token_draft, save_token_draft,
-                                       target_weights_hash)
+from draft_service.feature_draft import (
+    FeatureDraftArch,
+    build_feature_draft,
+    save_feature_draft,
+    source_head_ids,
+    warm_start,
+)
+from draft_service.token_draft import (
+    CARD_FILE,
+    KIND,
+    TokenDraftArch,
+    build_token_draft,
+    save_token_draft,
+    target_weights_hash,
+)
 from specdec.config import DraftConfig
 from specdec.models import LoadedModel, load_model
 
@@ -49,16 +60,29 @@ def _references(target: LoadedModel, prompts: list[Prompt], folder: Path, config
     return load_shards(folder)
 
 
-def _card(config: DistillConfig, target: LoadedModel, target_hash: str, arch, data: dict,
-          training: dict, metrics: dict, timing: dict) -> dict:
+def _card(
+    config: DistillConfig,
+    target: LoadedModel,
+    target_hash: str,
+    arch,
+    data: dict,
+    training: dict,
+    metrics: dict,
+    timing: dict,
+) -> dict:
     return {
         "kind": config.kind,
         "format": 1,
         # The family names the decoder layers the draft is built of; the dtype is the one the target
         # computed its labels and features in.
-        "target": {"name": config.target, "weights_sha256": target_hash, "vocab_size": target.vocab_size,
-                   "tokenizer_fingerprint": target.fingerprint, "family": target.model.config.model_type,
-                   "dtype": str(target.dtype).removeprefix("torch.")},
+        "target": {
+            "name": config.target,
+            "weights_sha256": target_hash,
+            "vocab_size": target.vocab_size,
+            "tokenizer_fingerprint": target.fingerprint,
+            "family": target.model.config.model_type,
+            "dtype": str(target.dtype).removeprefix("torch."),
+        },
         "architecture": arch.to_json(),
         "recipe": {"command": config.command, "seed": config.seed, "settings": config.recipe(), "data": data},
         "training": training,
@@ -94,12 +118,21 @@ def run(config: DistillConfig) -> dict | None:
 
     references = _references(target, held_prompts, config.work / "eval-held-out", config, pad_id)
     t_collect = time.monotonic()
-    train_prompts = train_prompts[config.prompt_offset:]
+    train_prompts = train_prompts[config.prompt_offset :]
     train_ids = [p.render(tokenizer) for p in train_prompts]
     plan = CollectPlan(config.batch_size, config.max_new, config.temperatures, config.seed)
     collect_deadline = started + 60 * config.minutes * config.collect_share
-    collect(target.model, train_ids, config.work / "data", plan, target.eos_token_ids, pad_id,
-            token_budget=config.tokens, deadline=collect_deadline, desc="collect")
+    collect(
+        target.model,
+        train_ids,
+        config.work / "data",
+        plan,
+        target.eos_token_ids,
+        pad_id,
+        token_budget=config.tokens,
+        deadline=collect_deadline,
+        desc="collect",
+    )
     if config.collect_only:
         return None
     samples = load_shards(config.work / "data")
@@ -107,10 +140,10 @@ def run(config: DistillConfig) -> dict | None:
     used = train_prompts[: len(samples)]
     data = {
         "prompts": "templated instructions (code, chat, summarisation, QA, maths, translation) and Python "
-                   "standard-library signatures/docstrings/sources, built by draft_service.distill.prompts with the seed",
+        "standard-library signatures/docstrings/sources, built by draft_service.distill.prompts with the seed",
         "continuations": f"target's own, batch {config.batch_size}, left padding, up to {config.max_new} new tokens, "
-                         f"temperatures cycled per batch {list(config.temperatures)} (0 = greedy); labels are the "
-                         "target's argmax (and top-16 logits) at every generated position, and its argmax over the prompt",
+        f"temperatures cycled per batch {list(config.temperatures)} (0 = greedy); labels are the "
+        "target's argmax (and top-16 logits) at every generated position, and its argmax over the prompt",
         "train_prompts": len(samples),
         "train_prompt_categories": _counts(p.category for p in used),
         "train_generated_tokens": sum(s.generated for s in samples),
@@ -130,18 +163,32 @@ def run(config: DistillConfig) -> dict | None:
     else:
         head_ids = top_tokens(samples, min(config.head_size, target.vocab_size), target.eos_token_ids)
         torch.save(head_ids, head_path)
-    extra = {Path(path).name: _references(target, read_prompt_file(path), config.work / f"eval-{Path(path).stem}",
-                                          config, pad_id) for path in config.extra_eval}
-    tconf = TrainConfig(lr=config.lr, epochs=config.epochs, batch_tokens=config.batch_tokens, max_len=config.max_len,
-                        soft_weight=config.soft_weight, seed=config.seed)
+    extra = {
+        Path(path).name: _references(
+            target, read_prompt_file(path), config.work / f"eval-{Path(path).stem}", config, pad_id
+        )
+        for path in config.extra_eval
+    }
+    tconf = TrainConfig(
+        lr=config.lr,
+        epochs=config.epochs,
+        batch_tokens=config.batch_tokens,
+        max_len=config.max_len,
+        soft_weight=config.soft_weight,
+        seed=config.seed,
+    )
     common = (config, target, samples, references, extra, head_ids, tconf, budget_end)
     if config.kind == FEATURE_KIND:
         draft, arch, training, metrics, train_s = _train_feature(*common, target_hash)
     else:
         draft, arch, training, metrics, train_s = _train_token(*common)
     metrics["head_coverage_of_train_labels"] = _coverage(samples, head_ids)
-    timing = {"collect_s": round(collect_s, 1), "train_s": round(train_s, 1),
-              "total_s": round(time.monotonic() - started, 1), "threads": config.threads}
+    timing = {
+        "collect_s": round(collect_s, 1),
+        "train_s": round(train_s, 1),
+        "total_s": round(time.monotonic() - started, 1),
+        "threads": config.threads,
+    }
     card = _card(config, target, target_hash, arch, data, training, metrics, timing)
     (config.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
     log.info("held-out: %s", metrics["held_out"])
@@ -155,8 +202,15 @@ def _train_token(config, target, samples, references, extra, head_ids, tconf, bu
     untrained = evaluate(draft, references)
     examples = make_examples(samples, draft.vocab_to_head, config.max_len, prompt_weight=config.prompt_weight)
     t_train = time.monotonic()
-    training = train(draft, token_batcher(examples, tconf), token_loss(tconf), tconf, config.work / f"checkpoint-{config.kind}.pt",
-                     deadline=budget_end, resume=config.resume)
+    training = train(
+        draft,
+        token_batcher(examples, tconf),
+        token_loss(tconf),
+        tconf,
+        config.work / f"checkpoint-{config.kind}.pt",
+        deadline=budget_end,
+        resume=config.resume,
+    )
     train_s = time.monotonic() - t_train
     draft.requires_grad_(False)
     metrics = {"held_out": evaluate(draft, references), "held_out_untrained": untrained}
@@ -179,19 +233,26 @@ def _train_feature(config, target, samples, references, extra, head_ids, tconf, 
     before = evaluate_feature(draft, references, ref_features)
     examples = make_feature_examples(samples, features, draft.vocab_to_head, config.max_len, config.prompt_weight)
     t_train = time.monotonic()
-    training = train(draft, feature_batcher(examples, config.batch_tokens),
-                     lambda d, b: feature_loss(d, b, config.soft_weight), tconf, config.work / f"checkpoint-{config.kind}.pt",
-                     deadline=budget_end, resume=config.resume)
+    training = train(
+        draft,
+        feature_batcher(examples, config.batch_tokens),
+        lambda d, b: feature_loss(d, b, config.soft_weight),
+        tconf,
+        config.work / f"checkpoint-{config.kind}.pt",
+        deadline=budget_end,
+        resume=config.resume,
+    )
     train_s = time.monotonic() - t_train
     draft.requires_grad_(False)
     if start is not None:
         training["started_from"] = start
-    metrics = {"held_out": evaluate_feature(draft, references, ref_features),
-               # Before this run's training: the target's own layer, or the draft it started from.
-               ("held_out_untrained" if start is None else "held_out_start"): before,
-               # As the draft service serves it by default: prompt lookup first.
-               "held_out_with_lookup": evaluate_feature(draft, references, ref_features,
-                                                        lookup_min=DraftConfig.lookup_min)}
+    metrics = {
+        "held_out": evaluate_feature(draft, references, ref_features),
+        # Before this run's training: the target's own layer, or the draft it started from.
+        ("held_out_untrained" if start is None else "held_out_start"): before,
+        # As the draft service serves it by default: prompt lookup first.
+        "held_out_with_lookup": evaluate_feature(draft, references, ref_features, lookup_min=DraftConfig.lookup_min),
+    }
     for name, refs in extra.items():
         feats = extract_features(target.model, refs, config.work / f"features-eval-{Path(name).stem}", **sides)
         metrics[f"extra:{name}"] = evaluate_feature(draft, refs, feats)
@@ -210,5 +271,3 @@ def _coverage(samples, head_ids: torch.Tensor) -> float:
     head = set(head_ids.tolist())
     labels = [t for s in samples for t in s.labels]
     return round(sum(t in head for t in labels) / max(1, len(labels)), 4)
-
-

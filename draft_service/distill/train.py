@@ -11,9 +11,9 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -29,8 +29,10 @@ def top_tokens(samples: list[Sample], n: int, always: tuple[int, ...] = ()) -> t
     counts: Counter[int] = Counter()
     for s in samples:
         counts.update(s.labels)
-        counts.update(s.tokens[s.prompt_len:])
-    ranked = [t for t in always] + [t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t not in always]
+        counts.update(s.tokens[s.prompt_len :])
+    ranked = [t for t in always] + [
+        t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if t not in always
+    ]
     return torch.tensor(ranked[:n], dtype=torch.long)
 
 
@@ -50,16 +52,17 @@ class Example:
     soft_logits: torch.Tensor
 
 
-def head_labels(s: Sample, length: int, vocab_to_head: torch.Tensor,
-                prompt_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+def head_labels(
+    s: Sample, length: int, vocab_to_head: torch.Tensor, prompt_weight: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's argmax at positions ``0 .. length - 1`` in head coordinates (IGNORE where unknown
     or outside the head) and their loss weights: 1 on generated positions, ``prompt_weight`` on
     prompt positions (where the prompt's argmax was collected), 0 elsewhere."""
     start = s.prompt_len - 1
     argmax = torch.full((length,), IGNORE, dtype=torch.long)
     weights = torch.zeros(length)
-    argmax[start:start + len(s.labels)] = torch.tensor(s.labels, dtype=torch.long)
-    weights[start:start + len(s.labels)] = 1.0
+    argmax[start : start + len(s.labels)] = torch.tensor(s.labels, dtype=torch.long)
+    weights[start : start + len(s.labels)] = 1.0
     if prompt_weight > 0 and s.prompt_labels:
         argmax[:start] = torch.tensor(s.prompt_labels[:start], dtype=torch.long)
         weights[:start] = prompt_weight
@@ -68,8 +71,9 @@ def head_labels(s: Sample, length: int, vocab_to_head: torch.Tensor,
     return labels, torch.where(labels != IGNORE, weights, 0.0)
 
 
-def make_examples(samples: list[Sample], vocab_to_head: torch.Tensor, max_len: int, prompt_weight: float = 0.0,
-                  topk: int = 16) -> list[Example]:
+def make_examples(
+    samples: list[Sample], vocab_to_head: torch.Tensor, max_len: int, prompt_weight: float = 0.0, topk: int = 16
+) -> list[Example]:
     """One example per sample: inputs are all tokens but the last.
 
     Generated positions get weight 1; prompt positions (the target's argmax teacher-forced over the
@@ -193,8 +197,16 @@ def token_loss(config: TrainConfig) -> Callable:
     return lambda draft, batch: draft_loss(draft, batch, config.soft_weight)
 
 
-def train(draft: torch.nn.Module, batcher: Callable[[random.Random], list], loss_fn: Callable, config: TrainConfig,
-          ckpt: Path, deadline: float | None, resume: bool, checkpoint_every_s: float = 60.0) -> dict:
+def train(
+    draft: torch.nn.Module,
+    batcher: Callable[[random.Random], list],
+    loss_fn: Callable,
+    config: TrainConfig,
+    ckpt: Path,
+    deadline: float | None,
+    resume: bool,
+    checkpoint_every_s: float = 60.0,
+) -> dict:
     """Trains ``draft`` in place, checkpointing to ``ckpt``; returns a summary for the card.
 
     ``batcher(rng)`` gives one shuffled epoch of batches; ``loss_fn(draft, batch)`` gives
@@ -217,13 +229,23 @@ def train(draft: torch.nn.Module, batcher: Callable[[random.Random], list], loss
 
     def save() -> None:
         partial = ckpt.with_suffix(".partial")
-        torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
-                    "rng": rng.getstate(), "config": asdict(config)}, partial)
+        torch.save(
+            {
+                "draft": draft.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "state": state,
+                "rng": rng.getstate(),
+                "config": asdict(config),
+            },
+            partial,
+        )
         partial.rename(ckpt)
 
     draft.train()
     last_save = time.monotonic()
-    bar = tqdm(total=state["total_steps"] or planned, initial=state["step"], desc="train", unit="step", dynamic_ncols=True)
+    bar = tqdm(
+        total=state["total_steps"] or planned, initial=state["step"], desc="train", unit="step", dynamic_ncols=True
+    )
     window: list[tuple[float, int, int]] = []
     batches: list = []
     try:
@@ -247,7 +269,11 @@ def train(draft: torch.nn.Module, batcher: Callable[[random.Random], list], loss
             window.append((float(loss.detach()), correct, count))
             if state["total_steps"] is None and state["step"] == 5:
                 # Fix the schedule's length from the measured step time and the time left.
-                fits = planned if deadline is None else int(max(0.0, deadline - time.monotonic()) / (state["seconds"] / 5)) + 5
+                fits = (
+                    planned
+                    if deadline is None
+                    else int(max(0.0, deadline - time.monotonic()) / (state["seconds"] / 5)) + 5
+                )
                 state["total_steps"] = max(10, min(planned, fits))
                 bar.total = state["total_steps"]
                 bar.refresh()
@@ -255,7 +281,9 @@ def train(draft: torch.nn.Module, batcher: Callable[[random.Random], list], loss
             if len(window) == 20:
                 mean_loss = sum(w[0] for w in window) / len(window)
                 acc = sum(w[1] for w in window) / max(1, sum(w[2] for w in window))
-                state["history"].append({"step": state["step"], "loss": round(mean_loss, 4), "train_top1": round(acc, 4)})
+                state["history"].append(
+                    {"step": state["step"], "loss": round(mean_loss, 4), "train_top1": round(acc, 4)}
+                )
                 bar.set_postfix(loss=f"{mean_loss:.3f}", top1=f"{acc:.3f}")
                 window = []
             if time.monotonic() - last_save > checkpoint_every_s:
@@ -267,6 +295,12 @@ def train(draft: torch.nn.Module, batcher: Callable[[random.Random], list], loss
         bar.close()
         save()
         draft.eval()
-    return {"steps": state["step"], "planned_steps": state["total_steps"], "seconds": round(state["seconds"], 1),
-            "labelled_tokens_seen": state["seen_tokens"], "steps_per_epoch": per_epoch, "config": asdict(config),
-            "history": state["history"][-10:]}
+    return {
+        "steps": state["step"],
+        "planned_steps": state["total_steps"],
+        "seconds": round(state["seconds"], 1),
+        "labelled_tokens_seen": state["seen_tokens"],
+        "steps_per_epoch": per_epoch,
+        "config": asdict(config),
+        "history": state["history"][-10:],
+    }
