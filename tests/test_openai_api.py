@@ -22,9 +22,10 @@ import httpx2  # the openai package's HTTP client
 import openai
 import pytest
 import torch
-from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from harness import InProcessStack
 from opentelemetry import trace
+from test_auth_tls import certs  # noqa: F401 - the throwaway CA and server certificate
 
 from coordinator.admission import Admission
 from coordinator.auth import hash_key
@@ -34,13 +35,11 @@ from coordinator.prompts import render_chat
 from coordinator.replicas import BackendUnavailable
 from coordinator.turns import Chunk, Stats
 from draft_service.engine import ModelDrafter, NgramDrafter
-from harness import InProcessStack
 from specdec import Client
 from specdec.config import AdmissionLimits, ServerConfig
 from specdec.stack import free_port
 from specdec.vocab import load_tokenizer
 from target_service.engine import TargetEngine
-from test_auth_tls import certs  # noqa: F401 - the throwaway CA and server certificate
 
 KEY = "sk-openai-test-key"
 # A chat template over the tiny vocabulary: w1 opens a user turn, w2 an assistant's, w3 a system's.
@@ -57,7 +56,7 @@ def greedy_ids(loaded, ids: list[int], max_new_tokens: int) -> list[int]:
     """Target-only greedy decoding with HF generate, in process: the reference."""
     with torch.inference_mode():
         out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def reference_text(loaded, tokenizer, prompt: str | list[dict], max_new_tokens: int = NEW_TOKENS) -> str:
@@ -122,8 +121,14 @@ def sync_client(served):
         yield c
 
 
-def http(served: Served, method: str, path: str, body: bytes | dict | None = None, key: str | None = KEY,
-         headers: dict | None = None) -> tuple[int, bytes, dict]:
+def http(
+    served: Served,
+    method: str,
+    path: str,
+    body: bytes | dict | None = None,
+    key: str | None = KEY,
+    headers: dict | None = None,
+) -> tuple[int, bytes, dict]:
     """One raw HTTP request (urllib): status, body and headers; error statuses are returned, not raised."""
     data = json.dumps(body).encode() if isinstance(body, dict) else body
     request = urllib.request.Request(served.url + path, data=data, method=method, headers=headers or {})
@@ -141,7 +146,7 @@ def sse_events(payload: bytes) -> list:
     events = []
     for block in payload.decode().split("\n\n"):
         if block.startswith("data: "):
-            data = block[len("data: "):]
+            data = block[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -152,8 +157,10 @@ def sse_events(payload: bytes) -> list:
 def test_models_lists_the_served_model(served, model, stack):
     status, body, _ = http(served, "GET", "/v1/models")
     assert status == 200
-    assert json.loads(body) == {"object": "list", "data": [{"id": model, "object": "model", "created": 0,
-                                                            "owned_by": "specdec"}]}
+    assert json.loads(body) == {
+        "object": "list",
+        "data": [{"id": model, "object": "model", "created": 0, "owned_by": "specdec"}],
+    }
     assert model == model_id(served.round_loop._facts)
     assert http(served, "GET", f"/v1/models/{model}")[0] == 200
     assert http(served, "GET", "/v1/models/other")[0] == 404
@@ -164,8 +171,9 @@ def test_chat_equals_grpc_sdk_and_target_only(served, model, sync_client, tiny_t
     expected_ids = greedy_ids(tiny_target, render_chat(tokenizer, CHAT), NEW_TOKENS)
     with Client(served.grpc, timeout=60, api_key=KEY) as grpc_client:
         grpc_reply = grpc_client.complete(CHAT, max_new_tokens=NEW_TOKENS)
-    reply = sync_client.chat.completions.create(model=model, messages=CHAT, max_tokens=NEW_TOKENS, temperature=0,
-                                                extra_body={"return_token_ids": True})
+    reply = sync_client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=NEW_TOKENS, temperature=0, extra_body={"return_token_ids": True}
+    )
     assert reply.choices[0].message.content == grpc_reply.text == expected
     assert reply.choices[0].model_extra["token_ids"] == grpc_reply.token_ids == expected_ids
     assert reply.choices[0].message.role == "assistant" and reply.object == "chat.completion"
@@ -178,8 +186,14 @@ def test_chat_equals_grpc_sdk_and_target_only(served, model, sync_client, tiny_t
 
 
 def test_chat_stream_with_usage(sync_client, model, tiny_target, tokenizer):
-    stream = sync_client.chat.completions.create(model=model, messages=CHAT, max_completion_tokens=NEW_TOKENS,
-                                                 temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = sync_client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_completion_tokens=NEW_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == reference_text(tiny_target, tokenizer, CHAT)
@@ -196,8 +210,9 @@ def test_async_completions_stream_and_not(served, model, tiny_target, tokenizer)
     async def run():
         async with openai.AsyncOpenAI(base_url=served.url + "/v1", api_key=KEY, max_retries=0) as client:
             whole = await client.completions.create(model=model, prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
-            stream = await client.completions.create(model=model, prompt=[PROMPT], max_tokens=NEW_TOKENS,
-                                                     temperature=0, stream=True)
+            stream = await client.completions.create(
+                model=model, prompt=[PROMPT], max_tokens=NEW_TOKENS, temperature=0, stream=True
+            )
             parts = [c async for c in stream]
             return whole, parts
 
@@ -208,15 +223,27 @@ def test_async_completions_stream_and_not(served, model, tiny_target, tokenizer)
 
 
 def test_raw_http_stream_ends_with_done(served, model, tiny_target, tokenizer):
-    status, body, headers = http(served, "POST", "/v1/completions",
-                                 {"model": model, "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0,
-                                  "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True},
-                                 headers={"Content-Type": "application/json"})
+    status, body, headers = http(
+        served,
+        "POST",
+        "/v1/completions",
+        {
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        },
+        headers={"Content-Type": "application/json"},
+    )
     assert status == 200 and headers["Content-Type"].startswith("text/event-stream")
     events = sse_events(body)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == reference_text(
-        tiny_target, tokenizer, PROMPT)
+        tiny_target, tokenizer, PROMPT
+    )
     ids = [t for e in events[:-1] if e["choices"] for t in e["choices"][0]["token_ids"]]
     assert ids == greedy_ids(tiny_target, tokenizer.encode(PROMPT, add_special_tokens=False), NEW_TOKENS)
     assert events[-2]["usage"]["completion_tokens"] > 0
@@ -224,8 +251,10 @@ def test_raw_http_stream_ends_with_done(served, model, tiny_target, tokenizer):
 
 def test_stop_seed_and_sampling_parameters(sync_client, model):
     base = dict(model=model, messages=CHAT, max_tokens=NEW_TOKENS)
-    sampled = [sync_client.chat.completions.create(**base, temperature=0.8, top_p=0.9, seed=7)
-               .choices[0].message.content for _ in range(2)]
+    sampled = [
+        sync_client.chat.completions.create(**base, temperature=0.8, top_p=0.9, seed=7).choices[0].message.content
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]  # a seed repeats exactly
     greedy = sync_client.chat.completions.create(**base, temperature=0).choices[0].message.content
     words = greedy.split()
@@ -244,8 +273,11 @@ def _generate_spans(stack) -> list:
 
 def test_extending_a_conversation_continues_its_session_exactly(stack, served, model, sync_client, tokenizer):
     first = sync_client.chat.completions.create(model=model, messages=CHAT, max_tokens=8, temperature=0)
-    history = [*CHAT, {"role": "assistant", "content": first.choices[0].message.content},
-               {"role": "user", "content": "w4 w5 w6"}]
+    history = [
+        *CHAT,
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "w4 w5 w6"},
+    ]
     before = len(_generate_spans(stack))
     second = sync_client.chat.completions.create(model=model, messages=history, max_tokens=8, temperature=0)
     with Client(served.grpc, timeout=60, api_key=KEY) as grpc_client:  # a fresh session renders the same tokens
@@ -253,10 +285,12 @@ def test_extending_a_conversation_continues_its_session_exactly(stack, served, m
     assert second.choices[0].message.content == fresh.text
     assert second.usage.prompt_tokens == len(render_chat(tokenizer, history)) == fresh.stats.prompt_tokens
     spans = _generate_spans(stack)
-    first_span = next(s for s in spans[:before][::-1] if s.attributes["gen_ai.usage.input_tokens"] ==
-                      first.usage.prompt_tokens)
-    second_span = next(s for s in spans[before:] if s.attributes["gen_ai.usage.input_tokens"] ==
-                       second.usage.prompt_tokens)
+    first_span = next(
+        s for s in spans[:before][::-1] if s.attributes["gen_ai.usage.input_tokens"] == first.usage.prompt_tokens
+    )
+    second_span = next(
+        s for s in spans[before:] if s.attributes["gen_ai.usage.input_tokens"] == second.usage.prompt_tokens
+    )
     assert second_span.attributes["specdec.session"] == first_span.attributes["specdec.session"]
     # An edited history is not the served one: a session of its own.
     edited = [*history[:1], {"role": "assistant", "content": "w9"}, history[2]]
@@ -285,32 +319,43 @@ def test_conversations_map_is_bounded_and_exact():
 # --- bad input: the documented status, and the server keeps serving ----------------------------------
 
 
-@pytest.mark.parametrize("path, body, status, param", [
-    ("/v1/chat/completions", b"{not json", 400, None),
-    ("/v1/chat/completions", b"[1, 2]", 400, None),
-    ("/v1/chat/completions", {"model": "gpt-4o", "messages": CHAT}, 404, "model"),
-    ("/v1/chat/completions", {"messages": CHAT}, 400, "model"),
-    ("/v1/chat/completions", {"model": "M", "messages": "w1"}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "M", "messages": [{"role": "robot", "content": "w1"}]}, 400,
-     "messages[0].role"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": "ten"}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": True}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "stop": [1]}, 400, "stop"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "stop": ["w1" * 200]}, 400, "stop"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "top_p": 5}, 400, "top_p"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "top_k": -1}, 400, "top_k"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": 1e-9}, 400, "temperature"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": float("nan")}, 400, "temperature"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "n": 3}, 400, "n"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logprobs": True}, 400, "logprobs"),
-    ("/v1/chat/completions", {"model": "M", "messages": CHAT, "stream_options": {"include_usage": True}}, 400,
-     "stream_options"),
-    ("/v1/completions", {"model": "M", "prompt": [1, 2, 3]}, 400, "prompt"),
-    ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": -1}, 400, "seed"),
-    ("/v1/completions", {"model": "M", "prompt": "w1 " * 300, "max_tokens": 4}, 400, None),
-])
+@pytest.mark.parametrize(
+    "path, body, status, param",
+    [
+        ("/v1/chat/completions", b"{not json", 400, None),
+        ("/v1/chat/completions", b"[1, 2]", 400, None),
+        ("/v1/chat/completions", {"model": "gpt-4o", "messages": CHAT}, 404, "model"),
+        ("/v1/chat/completions", {"messages": CHAT}, 400, "model"),
+        ("/v1/chat/completions", {"model": "M", "messages": "w1"}, 400, "messages"),
+        (
+            "/v1/chat/completions",
+            {"model": "M", "messages": [{"role": "robot", "content": "w1"}]},
+            400,
+            "messages[0].role",
+        ),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": "ten"}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": True}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": "hot"}, 400, "temperature"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "stop": [1]}, 400, "stop"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "stop": ["w1" * 200]}, 400, "stop"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "top_p": 5}, 400, "top_p"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "top_k": -1}, 400, "top_k"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": 1e-9}, 400, "temperature"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": float("nan")}, 400, "temperature"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "n": 3}, 400, "n"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logprobs": True}, 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": "M", "messages": CHAT, "stream_options": {"include_usage": True}},
+            400,
+            "stream_options",
+        ),
+        ("/v1/completions", {"model": "M", "prompt": [1, 2, 3]}, 400, "prompt"),
+        ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": -1}, 400, "seed"),
+        ("/v1/completions", {"model": "M", "prompt": "w1 " * 300, "max_tokens": 4}, 400, None),
+    ],
+)
 def test_bad_requests_get_their_status(served, model, path, body, status, param):
     if isinstance(body, dict) and body.get("model") == "M":
         body = {**body, "model": model}
@@ -357,8 +402,7 @@ def _stream_in_thread(served: Served, model: str, started: threading.Event, stop
 
     def run():
         with openai.OpenAI(base_url=served.url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
-            stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=200, temperature=0,
-                                               stream=True)
+            stream = client.completions.create(model=model, prompt=PROMPT, max_tokens=200, temperature=0, stream=True)
             for _ in stream:
                 started.set()
                 if stop.is_set():
@@ -375,8 +419,9 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_the_slot(stack,
     thread = _stream_in_thread(narrow, model, started, stop)
     try:
         assert started.wait(30)
-        status, reply, headers = http(narrow, "POST", "/v1/completions", {"model": model, "prompt": PROMPT,
-                                                                          "max_tokens": 2}, key=None)
+        status, reply, headers = http(
+            narrow, "POST", "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2}, key=None
+        )
         assert status == 429 and int(headers["Retry-After"]) >= 1
         assert json.loads(reply)["error"]["code"] == "rate_limit_exceeded"
     finally:
@@ -384,8 +429,9 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_the_slot(stack,
         thread.join(30)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:  # the disconnect closed the round loop's generator: the slot is free
-        status, _, _ = http(narrow, "POST", "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2},
-                            key=None)
+        status, _, _ = http(
+            narrow, "POST", "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2}, key=None
+        )
         if status == 200:
             break
         time.sleep(0.1)
@@ -400,17 +446,28 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_the_slot(stack,
 
 def test_http_span_is_the_parent_of_the_request_span(stack, served, model):
     traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    http(served, "POST", "/v1/chat/completions", {"model": model, "messages": CHAT, "max_tokens": 3},
-         headers={"traceparent": traceparent})
+    http(
+        served,
+        "POST",
+        "/v1/chat/completions",
+        {"model": model, "messages": CHAT, "max_tokens": 3},
+        headers={"traceparent": traceparent},
+    )
     spans = stack.exporter.get_finished_spans()
-    server = [s for s in spans if s.name == "POST /v1/chat/completions"
-              and s.context.trace_id == 0x0af7651916cd43dd8448eb211c80319c]
+    server = [
+        s
+        for s in spans
+        if s.name == "POST /v1/chat/completions" and s.context.trace_id == 0x0AF7651916CD43DD8448EB211C80319C
+    ]
     assert len(server) == 1 and server[0].kind == trace.SpanKind.SERVER
-    assert server[0].parent.span_id == 0xb7ad6b7169203331
+    assert server[0].parent.span_id == 0xB7AD6B7169203331
     assert server[0].attributes["http.response.status_code"] == 200
     assert server[0].attributes["http.route"] == "/v1/chat/completions"
-    generate = [s for s in spans if s.name == "specdec.generate" and s.parent is not None
-                and s.parent.span_id == server[0].context.span_id]
+    generate = [
+        s
+        for s in spans
+        if s.name == "specdec.generate" and s.parent is not None and s.parent.span_id == server[0].context.span_id
+    ]
     assert len(generate) == 1 and generate[0].attributes["gen_ai.operation.name"] == "chat"
 
 
@@ -421,8 +478,9 @@ def test_https_when_the_coordinator_serves_tls(stack, certs, model):  # noqa: F8
     port = free_port()
     stack.add_coordinator(server=ServerConfig(tls_cert=certs.server_cert, tls_key=certs.server_key), http_port=port)
     trust = ssl.create_default_context(cafile=str(certs.ca_cert))
-    with openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                       http_client=httpx2.Client(verify=trust)) as client:
+    with openai.OpenAI(
+        base_url=f"https://127.0.0.1:{port}/v1", api_key="none", max_retries=0, http_client=httpx2.Client(verify=trust)
+    ) as client:
         reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0)
     assert reply.choices[0].text
     with pytest.raises(urllib.error.URLError):  # plaintext to the TLS port, or an untrusted CA
@@ -448,16 +506,18 @@ class Facts:
     name, max_context = "tiny", 64
 
 
-@pytest.mark.parametrize("error, status", [
-    (BackendUnavailable("target", "127.0.0.1:1", "connection refused"), 503),
-    (RuntimeError("a bug"), 500),
-])
+@pytest.mark.parametrize(
+    "error, status",
+    [
+        (BackendUnavailable("target", "127.0.0.1:1", "connection refused"), 503),
+        (RuntimeError("a bug"), 500),
+    ],
+)
 def test_core_failures_map_to_statuses_and_streams_end_with_an_error_event(error, status):
     async def run():
         results = []
         for before in (0, 2):
-            api = OpenAiApi(FailingLoop(error, before), Facts(), Admission(AdmissionLimits()),
-                            trace.NoOpTracer())
+            api = OpenAiApi(FailingLoop(error, before), Facts(), Admission(AdmissionLimits()), trace.NoOpTracer())
             async with TestClient(TestServer(api.app(1 << 20))) as client:
                 reply = await client.post("/v1/completions", json={"model": "tiny", "prompt": "w1", "stream": True})
                 results.append((reply.status, await reply.text()))
@@ -474,11 +534,17 @@ def test_core_failures_map_to_statuses_and_streams_end_with_an_error_event(error
 def test_stats_shapes():
     from coordinator.openai_schema import speculation, usage
 
-    stats = Stats(prompt_tokens=5, generated_tokens=7, rounds=3, drafted_tokens=6, accepted_tokens=3,
-                  committed_in_rounds=7)
+    stats = Stats(
+        prompt_tokens=5, generated_tokens=7, rounds=3, drafted_tokens=6, accepted_tokens=3, committed_in_rounds=7
+    )
     assert usage(stats) == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
-    assert speculation(stats) == {"acceptance_rate": 0.5, "mean_accepted_length": 7 / 3, "drafted_tokens": 6,
-                                  "accepted_tokens": 3, "rounds": 3}
+    assert speculation(stats) == {
+        "acceptance_rate": 0.5,
+        "mean_accepted_length": 7 / 3,
+        "drafted_tokens": 6,
+        "accepted_tokens": 3,
+        "rounds": 3,
+    }
 
 
 # --- the real default model ---------------------------------------------------------------------------
@@ -495,19 +561,22 @@ def test_default_model_chat_equals_grpc_sdk_and_target_only(default_model, redis
     finally:
         torch.set_num_threads(1)
     # "default" names the embedded model, so the coordinator loads its tokenizer from the same cache.
-    s = InProcessStack(TargetEngine(default_model, 8), NgramDrafter(default_model.facts("ngram"), 8, 3, 1),
-                       Path("default"), redis_url)
+    s = InProcessStack(
+        TargetEngine(default_model, 8), NgramDrafter(default_model.facts("ngram"), 8, 3, 1), Path("default"), redis_url
+    )
     port = free_port()
     s.start(default_k=4, http_port=port)
     try:
         with Client(s.address, timeout=120) as grpc_client:
             grpc_text = grpc_client.complete(messages, max_new_tokens=new_tokens).text
-        with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0,
-                           timeout=120) as client:
+        with openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120
+        ) as client:
             name = client.models.list().data[0].id
             reply = client.chat.completions.create(model=name, messages=messages, max_tokens=new_tokens, temperature=0)
-            stream = client.chat.completions.create(model=name, messages=messages, max_tokens=new_tokens,
-                                                    temperature=0, stream=True)
+            stream = client.chat.completions.create(
+                model=name, messages=messages, max_tokens=new_tokens, temperature=0, stream=True
+            )
             streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     finally:
         s.close()
@@ -524,9 +593,14 @@ def test_bench_http_mode_matches_the_grpc_mode(narrow, tiny_target, tokenizer):
 
     prompts = [BenchPrompt("text", PROMPT), BenchPrompt("chat", CHAT)]
     with Client(narrow.grpc, timeout=60) as grpc_client:
-        results = run_interleaved({"specdec": specdec_runner("specdec", grpc_client, 12, 0.0, None),
-                                   "specdec-http": http_runner(narrow.url.removeprefix("http://"), 12, 0.0)},
-                                  prompts, progress=False)
+        results = run_interleaved(
+            {
+                "specdec": specdec_runner("specdec", grpc_client, 12, 0.0, None),
+                "specdec-http": http_runner(narrow.url.removeprefix("http://"), 12, 0.0),
+            },
+            prompts,
+            progress=False,
+        )
     assert results["specdec-http"].outputs == results["specdec"].outputs
     assert results["specdec"].outputs["chat"] == greedy_ids(tiny_target, render_chat(tokenizer, CHAT), 12)
     report = summarize(results, greedy=False)
