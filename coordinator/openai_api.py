@@ -24,7 +24,6 @@ import ssl
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, fields, replace
-from typing import cast
 
 import grpc
 from aiohttp import web
@@ -269,8 +268,8 @@ class OpenAiApi:
         return response
 
     def _run(self, request: GenerationRequest) -> AsyncGenerator[Chunk, None]:
-        # RoundLoop.generate is an async generator (typed as an iterator): closed, it ends its turn at once.
-        return cast(AsyncGenerator[Chunk, None], self._loop.generate(request, _no_deadline))
+        # Closed, the round loop's generator ends its turn at once.
+        return self._loop.generate(request, _no_deadline)
 
     async def _chunks(self, core: GenerationRequest, caller: Caller) -> AsyncGenerator[Chunk, None]:
         """The request's chunks under an admission slot, continuing the session of the conversation

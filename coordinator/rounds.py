@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing, nullcontext
 from dataclasses import replace
 
@@ -70,7 +70,7 @@ class RoundLoop:
 
     async def generate(
         self, request: GenerationRequest, remaining_s: Callable[[], float | None]
-    ) -> AsyncIterator[Chunk]:
+    ) -> AsyncGenerator[Chunk, None]:
         """Runs one request to completion, yielding chunks as rounds commit tokens.
 
         A resumed request continues its turn from the latest checkpoint and streams only what its
