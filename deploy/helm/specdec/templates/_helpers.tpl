@@ -126,7 +126,7 @@ Redis URL when it is a plain value (bundled Redis, or redis.externalUrl); empty 
 */}}
 {{- define "specdec.redisUrl" -}}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://%s:%d/%d" (include "specdec.serviceHost" (dict "root" . "component" "redis")) (int .Values.redis.port) (int .Values.redis.db) }}
+{{- printf "%s://%s:%d/%d" (ternary "rediss" "redis" (eq .Values.redis.tls.enabled true)) (include "specdec.serviceHost" (dict "root" . "component" "redis")) (int .Values.redis.port) (int .Values.redis.db) }}
 {{- else if not .Values.redis.externalUrlSecret.name }}
 {{- required "redis.externalUrl (or redis.externalUrlSecret.name) is required when redis.enabled is false" .Values.redis.externalUrl }}
 {{- end }}
@@ -166,4 +166,53 @@ Call with (dict "name" "draft" "cfg" .Values.draft).
 {{- if le (int .cfg.terminationGracePeriodSeconds) (int $need) }}
 {{- fail (printf "%s.terminationGracePeriodSeconds (%d) must be greater than preStopSleepSeconds + drainSeconds (%d)" .name (int .cfg.terminationGracePeriodSeconds) (int $need)) }}
 {{- end }}
+{{- end }}
+
+{{/*
+Name of the Secret holding the Redis password (redis.auth): the existing one, or the chart's.
+*/}}
+{{- define "specdec.redisAuthSecret" -}}
+{{- default (include "specdec.componentName" (dict "root" . "component" "redis-auth")) .Values.redis.auth.existingSecret }}
+{{- end }}
+
+{{/*
+The TLS pieces of a draft or target pod serving the coordinator over TLS (backendTls), as a dict of
+lists "env", "volumes", "mounts", and "probePort". Call with (dict "root" $ "component" "draft").
+*/}}
+{{- define "specdec.backendTls" -}}
+{{- $b := .root.Values.backendTls }}
+{{- $cfg := index .root.Values .component }}
+{{- $out := dict "env" list "volumes" list "mounts" list "probePort" (int $cfg.port) }}
+{{- if $b.enabled }}
+{{- $secret := index $b (printf "%sSecretName" .component) }}
+{{- $secret = required (printf "backendTls.%sSecretName is required when backendTls.enabled" .component) $secret }}
+{{- if has (int $b.healthPort) (list (int $cfg.port) (int .root.Values.metrics.port)) }}
+{{- fail "backendTls.healthPort must differ from the draft's and target's gRPC and metrics ports" }}
+{{- end }}
+{{- $env := list (dict "name" "SPECDEC_TLS_CERT" "value" "/etc/specdec/tls/tls.crt") (dict "name" "SPECDEC_TLS_KEY" "value" "/etc/specdec/tls/tls.key") (dict "name" "SPECDEC_HEALTH_PORT" "value" (toString (int $b.healthPort))) }}
+{{- $volumes := list (dict "name" "tls" "secret" (dict "secretName" $secret)) }}
+{{- $mounts := list (dict "name" "tls" "mountPath" "/etc/specdec/tls" "readOnly" true) }}
+{{- if $b.mutual.enabled }}
+{{- $ca := required "backendTls.ca.secretName is required when backendTls.mutual.enabled" $b.ca.secretName }}
+{{- $env = append $env (dict "name" "SPECDEC_TLS_CLIENT_CA" "value" (printf "/etc/specdec/backend-ca/%s" $b.ca.key)) }}
+{{- $volumes = append $volumes (dict "name" "backend-ca" "secret" (dict "secretName" $ca)) }}
+{{- $mounts = append $mounts (dict "name" "backend-ca" "mountPath" "/etc/specdec/backend-ca" "readOnly" true) }}
+{{- end }}
+{{- $out = dict "env" $env "volumes" $volumes "mounts" $mounts "probePort" (int $b.healthPort) }}
+{{- end }}
+{{- toJson $out }}
+{{- end }}
+
+{{/*
+--kv-budget-mb of a draft or target; "auto" (a third of the pod's memory limit, read from its cgroup)
+needs that limit. Call with (dict "name" "draft" "cfg" .Values.draft).
+*/}}
+{{- define "specdec.kvBudget" -}}
+{{- $v := .cfg.kvBudgetMb }}
+{{- $budget := "auto" }}
+{{- if kindIs "string" $v }}{{ $budget = $v }}{{ else if not (kindIs "invalid" $v) }}{{ $budget = toString (int $v) }}{{ end }}
+{{- if and (eq $budget "auto") (not (and .cfg.resources .cfg.resources.limits .cfg.resources.limits.memory)) }}
+{{- fail (printf "%s.resources.limits.memory is required when %s.kvBudgetMb is auto: the KV budget is a third of the pod's memory limit (or set %s.kvBudgetMb to a number of MiB)" .name .name .name) }}
+{{- end }}
+{{- $budget }}
 {{- end }}

@@ -76,8 +76,8 @@ The Deployment of one specdec role. Call with a dict:
   replicas   false to leave spec.replicas to an HPA
   serviceAccount  optional: the pod's own ServiceAccount, with its token mounted (default: the
              chart's shared one, per serviceAccount.*)
-  http       optional: (dict "port" N "scheme" "HTTP"|"HTTPS") of an HTTP API beside gRPC (the
-             coordinator's): a port named http, and readiness by GET /health on it
+  http       optional: (dict "port" N "scheme" "HTTP"|"HTTPS" "probe" bool) of an HTTP API beside gRPC
+             (the coordinator's): a port named http, and, with probe, readiness by GET /health on it
 */}}
 {{- define "specdec.roleDeployment" -}}
 {{- $root := .root }}
@@ -197,7 +197,7 @@ spec:
               port: {{ .probePort }}
             {{- toYaml $cfg.livenessProbe | nindent 12 }}
           readinessProbe:
-            {{- if .http }}
+            {{- if and .http .http.probe }}
             httpGet:
               path: /health
               port: http
