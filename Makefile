@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test test-fast proto up bench bench-load bench-long-prompt pass-grid clean
+.PHONY: install run test lint format docs test-fast proto up bench bench-load bench-long-prompt pass-grid clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -36,8 +36,22 @@ run: install
 up: install
 	$(VENV)/bin/specdec up --cache-dir $(CACHE_DIR)
 
-test: install
+test: install lint
 	$(PY) -m pytest -q --durations=20
+
+# Style and types: ruff's linter and formatter over the tree, mypy over the core modules (pyproject.toml).
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# docs/benchmarks.md and README.md's results table, from reports/*.json and the draft cards.
+docs: install
+	$(PY) bench/render_docs.py
 
 # Speed lives here, not in the tests: a JSON report (and a PNG) comparing hf-target, hf-assisted,
 # specdec-k0 and specdec on the shipped prompt set.
@@ -63,3 +77,9 @@ proto:
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The long soak: 32 clients x 100 requests on the chaos cluster (no error, flat memory, every cache
+# released); its figures go to reports/chaos.json, which `make docs` renders into docs/reliability.md.
+.PHONY: soak
+soak: install
+	SPECDEC_SOAK=full SPECDEC_CHAOS_REPORT=reports/chaos.json $(PY) -m pytest -q tests/chaos -k soak -s

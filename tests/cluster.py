@@ -34,8 +34,16 @@ class Cluster:
     """``drafts`` draft and ``targets`` target replicas behind ``coordinators`` coordinators."""
 
     def __init__(
-        self, tiny_dir: Path, log_dir: Path, drafts: int = 2, targets: int = 2, coordinators: int = 2,
-        default_k: int = 3, rpc_timeout_s: float = 2.0, grace_s: float = 5.0, session_ttl_s: int = 20,
+        self,
+        tiny_dir: Path,
+        log_dir: Path,
+        drafts: int = 2,
+        targets: int = 2,
+        coordinators: int = 2,
+        default_k: int = 3,
+        rpc_timeout_s: float = 2.0,
+        grace_s: float = 5.0,
+        session_ttl_s: int = 20,
         cache_idle_s: float = 8.0,
     ) -> None:
         self.log_dir = log_dir
@@ -46,26 +54,87 @@ class Cluster:
         self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
         self._add("redis", redis_argv(redis_port), redis_port)
         target, draft = str(tiny_dir / "target"), str(tiny_dir / "draft")
-        common = ["--cache-dir", str(tiny_dir), "--threads", "1", "--grace", str(grace_s),
-                  "--cache-idle", str(cache_idle_s)]
+        common = [
+            "--cache-dir",
+            str(tiny_dir),
+            "--threads",
+            "1",
+            "--grace",
+            str(grace_s),
+            "--cache-idle",
+            str(cache_idle_s),
+        ]
         for i in range(targets):
             port = self._free_port()
-            self._add(f"target{i}", [*exe, "serve-target", "--port", str(port), "--model", target,
-                                     "--metrics-port", str(self._free_port()), *common], port)
+            self._add(
+                f"target{i}",
+                [
+                    *exe,
+                    "serve-target",
+                    "--port",
+                    str(port),
+                    "--model",
+                    target,
+                    "--metrics-port",
+                    str(self._free_port()),
+                    *common,
+                ],
+                port,
+            )
         for i in range(drafts):
             port = self._free_port()
-            self._add(f"draft{i}", [*exe, "serve-draft", "--port", str(port), "--kind", "model", "--model", draft,
-                                    "--target-model", target, "--metrics-port", str(self._free_port()), *common], port)
-        backends = [arg for name, m in self.members.items() if name.startswith(("draft", "target"))
-                    for arg in (f"--{name.rstrip('0123456789')}", f"127.0.0.1:{m.port}")]
+            self._add(
+                f"draft{i}",
+                [
+                    *exe,
+                    "serve-draft",
+                    "--port",
+                    str(port),
+                    "--kind",
+                    "model",
+                    "--model",
+                    draft,
+                    "--target-model",
+                    target,
+                    "--metrics-port",
+                    str(self._free_port()),
+                    *common,
+                ],
+                port,
+            )
+        backends = [
+            arg
+            for name, m in self.members.items()
+            if name.startswith(("draft", "target"))
+            for arg in (f"--{name.rstrip('0123456789')}", f"127.0.0.1:{m.port}")
+        ]
         for i in range(coordinators):
             port = self._free_port()
-            self._add(f"coordinator{i}", [
-                *exe, "serve-coordinator", "--port", str(port), "--tokenizer", target, "--redis-url", self.redis_url,
-                "--default-k", str(default_k), "--rpc-timeout", str(rpc_timeout_s), "--grace", str(grace_s),
-                "--session-ttl", str(session_ttl_s),
-                "--cache-dir", str(tiny_dir), *backends,
-            ], port)
+            self._add(
+                f"coordinator{i}",
+                [
+                    *exe,
+                    "serve-coordinator",
+                    "--port",
+                    str(port),
+                    "--tokenizer",
+                    target,
+                    "--redis-url",
+                    self.redis_url,
+                    "--default-k",
+                    str(default_k),
+                    "--rpc-timeout",
+                    str(rpc_timeout_s),
+                    "--grace",
+                    str(grace_s),
+                    "--session-ttl",
+                    str(session_ttl_s),
+                    "--cache-dir",
+                    str(tiny_dir),
+                    *backends,
+                ],
+                port,
+            )
 
     def _free_port(self) -> int:
         # Each member keeps its port across restarts, so no two may share one.
@@ -192,8 +261,12 @@ class Streams:
     """
 
     def __init__(
-        self, addresses: list[str], prompts: list[str], max_new_tokens: int,
-        until: threading.Event | None = None, **options,
+        self,
+        addresses: list[str],
+        prompts: list[str],
+        max_new_tokens: int,
+        until: threading.Event | None = None,
+        **options,
     ) -> None:
         self.runs: list[tuple[str, StreamResult]] = []
         self._received = 0

@@ -12,11 +12,11 @@ import os
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from harness import InProcessStack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from draft_service.engine import ModelDrafter
-from harness import InProcessStack
 from specdec import Client
 from specdec.v1 import common_pb2, coordinator_pb2, draft_pb2, target_pb2
 from target_service.engine import TargetEngine
@@ -77,24 +77,34 @@ def _call(channel: grpc.Channel, method: str, request: bytes, what: str) -> grpc
     return grpc.StatusCode.OK
 
 
-sampling = st.builds(common_pb2.SamplingParams, temperature=floats, top_k=i32, top_p=floats,
-                     seed=st.integers(0, 2**64 - 1))
-messages = st.lists(st.builds(coordinator_pb2.ChatMessage, role=st.sampled_from(["user", "system", "assistant", "", "x"]),
-                              content=st.text(max_size=30)), max_size=3)
+sampling = st.builds(
+    common_pb2.SamplingParams, temperature=floats, top_k=i32, top_p=floats, seed=st.integers(0, 2**64 - 1)
+)
+messages = st.lists(
+    st.builds(
+        coordinator_pb2.ChatMessage,
+        role=st.sampled_from(["user", "system", "assistant", "", "x"]),
+        content=st.text(max_size=30),
+    ),
+    max_size=3,
+)
 
 
 @st.composite
 def generate_requests(draw) -> coordinator_pb2.GenerateRequest:
     request = coordinator_pb2.GenerateRequest(
-        max_new_tokens=draw(small_or_any), temperature=draw(floats), top_k=draw(i32),
+        max_new_tokens=draw(small_or_any),
+        temperature=draw(floats),
+        top_k=draw(i32),
         stop=draw(st.lists(st.text(max_size=5), max_size=3)),
         session_id=draw(st.one_of(st.just(""), st.text(max_size=20))),
         request_id=draw(st.text(max_size=10)),
     )
     prompt = draw(st.sampled_from(["text", "messages", "none"]))
     if prompt == "text":
-        request.text = draw(st.one_of(st.text(max_size=40), st.lists(st.sampled_from(["w1", "w2", "w9"]), max_size=8)
-                                      .map(" ".join)))
+        request.text = draw(
+            st.one_of(st.text(max_size=40), st.lists(st.sampled_from(["w1", "w2", "w9"]), max_size=8).map(" ".join))
+        )
     elif prompt == "messages":
         request.messages.messages.extend(draw(messages))
         request.messages.SetInParent()
@@ -107,29 +117,48 @@ def generate_requests(draw) -> coordinator_pb2.GenerateRequest:
 
 
 def sync(draw) -> common_pb2.CacheSync:
-    return common_pb2.CacheSync(cache_id=draw(st.text(max_size=12)), start=draw(small_or_any),
-                                tokens=draw(token_ids), fence=draw(st.integers(0, 2**64 - 1)))
+    return common_pb2.CacheSync(
+        cache_id=draw(st.text(max_size=12)),
+        start=draw(small_or_any),
+        tokens=draw(token_ids),
+        fence=draw(st.integers(0, 2**64 - 1)),
+    )
 
 
 @st.composite
 def verify_requests(draw) -> target_pb2.VerifyRequest:
-    q = [draft_pb2.SparseDistribution(token_ids=draw(token_ids), probs=draw(st.lists(floats, max_size=4)))
-         for _ in range(draw(st.integers(0, 3)))]
-    return target_pb2.VerifyRequest(sync=sync(draw), draft_tokens=draw(token_ids), q=q, sampling=draw(sampling),
-                                    round=draw(u32), return_hidden=draw(st.booleans()))
+    q = [
+        draft_pb2.SparseDistribution(token_ids=draw(token_ids), probs=draw(st.lists(floats, max_size=4)))
+        for _ in range(draw(st.integers(0, 3)))
+    ]
+    return target_pb2.VerifyRequest(
+        sync=sync(draw),
+        draft_tokens=draw(token_ids),
+        q=q,
+        sampling=draw(sampling),
+        round=draw(u32),
+        return_hidden=draw(st.booleans()),
+    )
 
 
 @st.composite
 def propose_requests(draw) -> draft_pb2.ProposeRequest:
     hidden = common_pb2.HiddenStates(start=draw(u32), dim=draw(u32), fp16=draw(st.binary(max_size=64)))
-    return draft_pb2.ProposeRequest(sync=sync(draw), k=draw(small_or_any), sampling=draw(sampling), round=draw(u32),
-                                    hidden=hidden, min_confidence=draw(floats))
+    return draft_pb2.ProposeRequest(
+        sync=sync(draw),
+        k=draw(small_or_any),
+        sampling=draw(sampling),
+        round=draw(u32),
+        hidden=hidden,
+        min_confidence=draw(floats),
+    )
 
 
 @st.composite
 def prefill_requests(draw) -> common_pb2.PrefillRequest:
-    return common_pb2.PrefillRequest(tokens=draw(token_ids), return_hidden=draw(st.booleans()),
-                                     fence=draw(st.integers(0, 2**64 - 1)))
+    return common_pb2.PrefillRequest(
+        tokens=draw(token_ids), return_hidden=draw(st.booleans()), fence=draw(st.integers(0, 2**64 - 1))
+    )
 
 
 def test_coordinator_fields(stack):
@@ -145,7 +174,10 @@ def test_coordinator_fields(stack):
 
 
 # Per service: its gRPC service name, its round method, and what draws that method's requests.
-ROUND_METHODS = {"target": ("TargetService", "Verify", verify_requests), "draft": ("DraftService", "Propose", propose_requests)}
+ROUND_METHODS = {
+    "target": ("TargetService", "Verify", verify_requests),
+    "draft": ("DraftService", "Propose", propose_requests),
+}
 
 
 @pytest.mark.parametrize("service", ["target", "draft"])
@@ -175,14 +207,23 @@ def test_service_fields(stack, service):
 def _verify(cache_id: str, drafts: list[int], temperature: float, sides: list[int] = ()) -> target_pb2.VerifyRequest:
     """A round on the cache prefilled with [3, 4, 5]; a sampled one carries a point-mass q per draft token."""
     q = [draft_pb2.SparseDistribution(token_ids=[t], probs=[1.0]) for t in drafts] if temperature else []
-    return target_pb2.VerifyRequest(sync=common_pb2.CacheSync(cache_id=cache_id, start=3), draft_tokens=drafts, q=q,
-                                    sampling=common_pb2.SamplingParams(temperature=temperature, seed=1),
-                                    return_hidden=bool(sides), hidden_side_layers=sides)
+    return target_pb2.VerifyRequest(
+        sync=common_pb2.CacheSync(cache_id=cache_id, start=3),
+        draft_tokens=drafts,
+        q=q,
+        sampling=common_pb2.SamplingParams(temperature=temperature, seed=1),
+        return_hidden=bool(sides),
+        hidden_side_layers=sides,
+    )
 
 
 def _propose(cache_id: str, k: int, temperature: float = 0.0, ahead: int = 0) -> draft_pb2.ProposeRequest:
-    return draft_pb2.ProposeRequest(sync=common_pb2.CacheSync(cache_id=cache_id, start=3), k=k, ahead=ahead,
-                                    sampling=common_pb2.SamplingParams(temperature=temperature, seed=1))
+    return draft_pb2.ProposeRequest(
+        sync=common_pb2.CacheSync(cache_id=cache_id, start=3),
+        k=k,
+        ahead=ahead,
+        sampling=common_pb2.SamplingParams(temperature=temperature, seed=1),
+    )
 
 
 # Requests the fuzzer seldom draws that once got INTERNAL (a temperature whose logits overflow float32)
@@ -196,10 +237,18 @@ LIMITS = {
     "huge ahead": ("draft", "Propose", lambda c: _propose(c, 2, ahead=2**32 - 1), "ahead"),
     "NaN temperature": ("draft", "Propose", lambda c: _propose(c, 2, float("nan")), "sampling.temperature"),
     "prompt past the context": ("draft", "Prefill", lambda c: common_pb2.PrefillRequest(tokens=[3] * 256), "tokens"),
-    "side layer past the target's": ("target", "Verify", lambda c: _verify(c, [6], 0.0, sides=[0, 99]),
-                                     "hidden_side_layers"),
-    "five side layers": ("target", "Prefill", lambda c: common_pb2.PrefillRequest(
-        tokens=[3, 4], return_hidden=True, hidden_side_layers=[0, 1, 0, 1, 0]), "hidden_side_layers"),
+    "side layer past the target's": (
+        "target",
+        "Verify",
+        lambda c: _verify(c, [6], 0.0, sides=[0, 99]),
+        "hidden_side_layers",
+    ),
+    "five side layers": (
+        "target",
+        "Prefill",
+        lambda c: common_pb2.PrefillRequest(tokens=[3, 4], return_hidden=True, hidden_side_layers=[0, 1, 0, 1, 0]),
+        "hidden_side_layers",
+    ),
 }
 
 
@@ -215,8 +264,9 @@ def test_requests_past_a_services_limits_are_invalid_argument(stack, case):
         ).cache_id
         with pytest.raises(grpc.RpcError) as err:
             channel.unary_unary(f"/specdec.v1.{name}/{method}")(build(cache_id).SerializeToString(), timeout=10)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field), \
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and err.value.details().startswith(field), (
             err.value.details()
+        )
         # The session is intact: a valid round on it still succeeds.
         good = _verify(cache_id, [6], 0.0) if service == "target" else _propose(cache_id, 2)
         channel.unary_unary(f"/specdec.v1.{name}/{ROUND_METHODS[service][1]}")(good.SerializeToString(), timeout=10)

@@ -15,8 +15,8 @@ import signal
 import statistics
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -63,8 +63,14 @@ def _prompts(references, count: int = STREAMS) -> list[str]:
 
 
 def _run_with_fault(
-    name: str, cluster: Cluster, references, inject: Callable[[], None], sampled: bool = False,
-    after: Callable[[], None] | None = None, evidence: str | None = None, keep_streaming: bool = False,
+    name: str,
+    cluster: Cluster,
+    references,
+    inject: Callable[[], None],
+    sampled: bool = False,
+    after: Callable[[], None] | None = None,
+    evidence: str | None = None,
+    keep_streaming: bool = False,
 ) -> None:
     """Streams, injects ``inject`` at a random point mid-stream, checks and records the outcome.
 
@@ -110,26 +116,49 @@ def _run_with_fault(
 
 
 def test_draft_killed_mid_stream(cluster, references):
-    _run_with_fault("draft SIGKILL", cluster, references, lambda: cluster.kill("draft0"),
-                    after=lambda: cluster.restart("draft0"), evidence="draft failed")
+    _run_with_fault(
+        "draft SIGKILL",
+        cluster,
+        references,
+        lambda: cluster.kill("draft0"),
+        after=lambda: cluster.restart("draft0"),
+        evidence="draft failed",
+    )
 
 
 def test_draft_hangs_past_the_deadline(cluster, references):
     # A frozen process keeps its socket open: only the deadline tells the coordinator.
-    _run_with_fault("draft hang (deadline)", cluster, references, lambda: cluster.signal("draft1", signal.SIGSTOP),
-                    after=lambda: cluster.signal("draft1", signal.SIGCONT), evidence="DEADLINE_EXCEEDED")
+    _run_with_fault(
+        "draft hang (deadline)",
+        cluster,
+        references,
+        lambda: cluster.signal("draft1", signal.SIGSTOP),
+        after=lambda: cluster.signal("draft1", signal.SIGCONT),
+        evidence="DEADLINE_EXCEEDED",
+    )
 
 
 def test_target_killed_with_a_second_replica(cluster, references):
-    _run_with_fault("target SIGKILL", cluster, references, lambda: cluster.kill("target0"),
-                    after=lambda: cluster.restart("target0"), evidence="moving the session")
+    _run_with_fault(
+        "target SIGKILL",
+        cluster,
+        references,
+        lambda: cluster.kill("target0"),
+        after=lambda: cluster.restart("target0"),
+        evidence="moving the session",
+    )
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded-sampled"])
 def test_coordinator_killed_sdk_resumes(cluster, references, sampled):
-    _run_with_fault(f"coordinator SIGKILL ({'seeded sampled' if sampled else 'greedy'})", cluster, references,
-                    lambda: cluster.kill("coordinator0"), sampled=sampled,
-                    after=lambda: cluster.restart("coordinator0"))
+    _run_with_fault(
+        f"coordinator SIGKILL ({'seeded sampled' if sampled else 'greedy'})",
+        cluster,
+        references,
+        lambda: cluster.kill("coordinator0"),
+        sampled=sampled,
+        after=lambda: cluster.restart("coordinator0"),
+    )
 
 
 def test_redis_restarted_mid_stream(cluster, references):
@@ -158,8 +187,9 @@ def test_sigterm_drains_in_flight_streams(cluster, references):
                     time.sleep(0.05)
         assert refused.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), refused.value
 
-    _run_with_fault("coordinator SIGTERM drain", cluster, references, drain,
-                    after=lambda: cluster.restart("coordinator0"))
+    _run_with_fault(
+        "coordinator SIGTERM drain", cluster, references, drain, after=lambda: cluster.restart("coordinator0")
+    )
 
 
 def test_rolling_restart_under_load_fails_nothing(cluster, references):
@@ -235,7 +265,10 @@ def test_soak_no_errors_flat_memory_caches_released(cluster, references):
             break
         time.sleep(1)
     _report["soak"] = {
-        "clients": clients, "requests": clients * per_client, "errors": len(problems), "seconds": round(seconds, 1),
+        "clients": clients,
+        "requests": clients * per_client,
+        "errors": len(problems),
+        "seconds": round(seconds, 1),
         "rss_mb_before": {n: round(v / 2**20, 1) for n, v in before.items()},
         "rss_mb_after": {n: round(v / 2**20, 1) for n, v in after.items()},
         "caches_held_after_expiry": held,
