@@ -29,19 +29,24 @@ def test_defaults_compute_in_float32_on_the_cpu_for_both(chart):
 
 
 def test_half_precision_on_gpus_reaches_both_services(chart):
-    values = {"target": {"device": "cuda", "gpusPerPod": 1, "dtype": "bfloat16"},
-              "draft": {"device": "cuda", "gpus": 1, "dtype": "float16"}}
+    values = {
+        "target": {"device": "cuda", "gpusPerPod": 1, "dtype": "bfloat16"},
+        "draft": {"device": "cuda", "gpus": 1, "dtype": "float16"},
+    }
     _, objects = render(chart, values)
     assert _flags(objects, "target") == {"device": "cuda", "dtype": "bfloat16"}
     assert _flags(objects, "draft") == {"device": "cuda", "dtype": "float16"}
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"draft": {"device": "cuda"}}, "draft.gpus"),
-    ({"draft": {"dtype": "int8"}}, "dtype"),
-    ({"target": {"dtype": "half"}}, "dtype"),
-    ({"draft": {"device": "tpu"}}, "device"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"draft": {"device": "cuda"}}, "draft.gpus"),
+        ({"draft": {"dtype": "int8"}}, "dtype"),
+        ({"target": {"dtype": "half"}}, "dtype"),
+        ({"draft": {"device": "tpu"}}, "device"),
+    ],
+)
 def test_values_the_services_would_refuse_fail_to_render(chart, bad, message):
     with pytest.raises(helm.HelmError, match=message):
         chart.render(bad, name=RELEASE, namespace=NAMESPACE)
