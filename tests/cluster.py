@@ -2,7 +2,9 @@
 
 redis-server, draft and target replicas and coordinators each run as a child process on a port
 fixed at start, so a test can kill, freeze or restart any of them and the others find it again at
-the same address. Models are the tiny random ones, so a fault lands mid-stream within seconds.
+the same address. ``Models.tiny`` runs the tiny random models (a fault lands mid-stream within
+seconds); ``Models.default`` runs what `specdec up` runs: SmolLM2-135M-Instruct with the shipped
+feature draft, k chosen per round and the CLI's own deadlines.
 """
 
 from __future__ import annotations
@@ -12,11 +14,48 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec import Client, RetryPolicy
+from specdec.config import FEATURE_KIND, default_draft_model
 from specdec.stack import Process, child_env, free_port, redis_argv, wait_for_line, wait_for_redis
+
+
+@dataclass(frozen=True)
+class Models:
+    """What the replicas serve, and the coordinator settings that go with it."""
+
+    target: str
+    draft_kind: str
+    draft: str
+    cache_dir: Path
+    # Coordinator flags: the draft length ("auto": chosen per round) and the deadlines (None: the CLI's).
+    default_k: str = "auto"
+    rpc_timeout_s: float | None = None
+    draft_timeout_s: float | None = None
+    # Seconds a replica may take to load and warm up.
+    startup_s: float = 120.0
+
+    @classmethod
+    def tiny(cls, tiny_dir: Path) -> Models:
+        """The tiny random target and a one-layer token draft; k 3 and short deadlines, so a hung
+        replica costs a stream a second or two."""
+        return cls(
+            str(tiny_dir / "target"),
+            "model",
+            str(tiny_dir / "draft"),
+            tiny_dir,
+            default_k="3",
+            rpc_timeout_s=2.0,
+            draft_timeout_s=1.0,
+        )
+
+    @classmethod
+    def default(cls, cache_dir: Path) -> Models:
+        """The embedded default model and its shipped feature draft, with the CLI's defaults."""
+        return cls("default", FEATURE_KIND, default_draft_model(FEATURE_KIND), cache_dir, startup_s=300.0)
 
 
 @dataclass
@@ -35,17 +74,16 @@ class Cluster:
 
     def __init__(
         self,
-        tiny_dir: Path,
+        models: Models,
         log_dir: Path,
         drafts: int = 2,
         targets: int = 2,
         coordinators: int = 2,
-        default_k: int = 3,
-        rpc_timeout_s: float = 2.0,
         grace_s: float = 5.0,
         session_ttl_s: int = 20,
         cache_idle_s: float = 8.0,
     ) -> None:
+        self.models = models
         self.log_dir = log_dir
         self.members: dict[str, Member] = {}
         self._ports: set[int] = set()
@@ -53,10 +91,9 @@ class Cluster:
         redis_port = self._free_port()
         self.redis_url = f"redis://127.0.0.1:{redis_port}/0"
         self._add("redis", redis_argv(redis_port), redis_port)
-        target, draft = str(tiny_dir / "target"), str(tiny_dir / "draft")
         common = [
             "--cache-dir",
-            str(tiny_dir),
+            str(models.cache_dir),
             "--threads",
             "1",
             "--grace",
@@ -74,7 +111,7 @@ class Cluster:
                     "--port",
                     str(port),
                     "--model",
-                    target,
+                    models.target,
                     "--metrics-port",
                     str(self._free_port()),
                     *common,
@@ -91,11 +128,11 @@ class Cluster:
                     "--port",
                     str(port),
                     "--kind",
-                    "model",
+                    models.draft_kind,
                     "--model",
-                    draft,
+                    models.draft,
                     "--target-model",
-                    target,
+                    models.target,
                     "--metrics-port",
                     str(self._free_port()),
                     *common,
@@ -108,6 +145,10 @@ class Cluster:
             if name.startswith(("draft", "target"))
             for arg in (f"--{name.rstrip('0123456789')}", f"127.0.0.1:{m.port}")
         ]
+        deadlines = [
+            *(["--rpc-timeout", str(models.rpc_timeout_s)] if models.rpc_timeout_s else []),
+            *(["--draft-timeout", str(models.draft_timeout_s)] if models.draft_timeout_s else []),
+        ]
         for i in range(coordinators):
             port = self._free_port()
             self._add(
@@ -118,19 +159,20 @@ class Cluster:
                     "--port",
                     str(port),
                     "--tokenizer",
-                    target,
+                    models.target,
                     "--redis-url",
                     self.redis_url,
                     "--default-k",
-                    str(default_k),
-                    "--rpc-timeout",
-                    str(rpc_timeout_s),
+                    models.default_k,
+                    *deadlines,
                     "--grace",
                     str(grace_s),
                     "--session-ttl",
                     str(session_ttl_s),
+                    # Every process shares this machine's cores.
+                    "--draft-colocated",
                     "--cache-dir",
-                    str(tiny_dir),
+                    str(models.cache_dir),
                     *backends,
                 ],
                 port,
@@ -175,7 +217,7 @@ class Cluster:
         if name == "redis":
             wait_for_redis(member.process, member.port)
         else:
-            wait_for_line(member.process, "READY ", 120.0)
+            wait_for_line(member.process, "READY ", self.models.startup_s)
 
     def signal(self, name: str, sig: signal.Signals) -> None:
         """Sends ``sig`` to the process ``name`` (SIGKILL, SIGSTOP, SIGCONT, SIGTERM)."""
@@ -213,6 +255,12 @@ class Cluster:
                     return float(line.split()[1])
         raise KeyError(metric)
 
+    def busiest(self, role: str) -> str:
+        """The running ``role`` replica ("draft", "target") holding the most session caches now: the
+        one whose loss the most sessions see."""
+        names = [n for n in self.members if n.rstrip("0123456789") == role and self.alive(n)]
+        return max(names, key=lambda n: self.metric(n, "specdec:active_sessions"))
+
     def alive(self, name: str) -> bool:
         """Whether the process ``name`` is running."""
         process = self.members[name].process
@@ -227,10 +275,12 @@ class Cluster:
         return "".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob(f"{prefix}*.log")))
 
     def close(self) -> None:
-        """Stops every process, coordinators first."""
-        for member in reversed(list(self.members.values())):
-            if member.process is not None:
-                member.process.stop(timeout_s=5.0)
+        """Stops every process: the coordinators together, then the rest together."""
+        running = [m.process for m in self.members.values() if m.process is not None]
+        first = [p for p in running if p.name.startswith("coordinator")]
+        for group in (first, [p for p in running if p not in first]):
+            with ThreadPoolExecutor(max(1, len(group))) as pool:
+                list(pool.map(lambda process: process.stop(timeout_s=5.0), group))
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -239,14 +289,29 @@ class Cluster:
         self.close()
 
 
+@dataclass(frozen=True)
+class Ask:
+    """One request a client stream sends: a prompt, greedy or seeded sampled."""
+
+    prompt: str
+    sampled: bool = False
+
+
 @dataclass
 class StreamResult:
     """What one client stream received, and how it ended."""
 
+    ask: Ask
     tokens: list[int] = field(default_factory=list)
     error: Exception | None = None
-    # Monotonic arrival time of every chunk, for recovery times.
+    # Monotonic times: the request sent, every chunk's arrival, the stream's end.
+    started: float = 0.0
     arrivals: list[float] = field(default_factory=list)
+    ended: float | None = None
+
+    def in_flight_at(self, moment: float) -> bool:
+        """Whether the request was sent before ``moment`` and still running at it."""
+        return self.started < moment and (self.ended is None or self.ended > moment)
 
     def gap_after(self, moment: float) -> float | None:
         """Seconds from ``moment`` to the first chunk after it (None: none came)."""
@@ -257,40 +322,43 @@ class StreamResult:
 class Streams:
     """Client streams running in threads, each with the SDK pointed at every coordinator.
 
-    Each thread streams its prompt once, or, given ``until``, again and again until that is set.
+    Each thread sends its ``Ask`` once, or, given ``until``, again and again until that is set.
+    ``sampling`` is what a sampled ask adds to its request (temperature and seed).
     """
 
     def __init__(
         self,
         addresses: list[str],
-        prompts: list[str],
+        asks: list[Ask],
         max_new_tokens: int,
+        sampling: dict,
         until: threading.Event | None = None,
-        **options,
     ) -> None:
-        self.runs: list[tuple[str, StreamResult]] = []
+        self.runs: list[StreamResult] = []
         self._received = 0
         self._lock = threading.Lock()
         self._threads = [
-            threading.Thread(target=self._run, args=(addresses, p, max_new_tokens, until, options), daemon=True)
-            for p in prompts
+            threading.Thread(target=self._run, args=(addresses, ask, max_new_tokens, sampling, until), daemon=True)
+            for ask in asks
         ]
 
-    def _run(self, addresses, prompt: str, max_new_tokens: int, until: threading.Event | None, options) -> None:
+    def _run(self, addresses, ask: Ask, max_new_tokens: int, sampling: dict, until: threading.Event | None) -> None:
         retry = RetryPolicy(attempts=30, backoff_s=0.05, max_backoff_s=0.5)
+        options = sampling if ask.sampled else {}
         with Client(addresses, timeout=120, retry=retry) as client:
             while True:
-                result = StreamResult()
+                result = StreamResult(ask, started=time.monotonic())
                 with self._lock:
-                    self.runs.append((prompt, result))
+                    self.runs.append(result)
                 try:
-                    for chunk in client.stream(prompt, max_new_tokens=max_new_tokens, **options):
+                    for chunk in client.stream(ask.prompt, max_new_tokens=max_new_tokens, **options):
                         result.tokens.extend(chunk.token_ids)
                         result.arrivals.append(time.monotonic())
                         with self._lock:
                             self._received += len(chunk.token_ids)
                 except Exception as exc:  # noqa: BLE001 - the test reports every failure
                     result.error = exc
+                result.ended = time.monotonic()
                 if until is None or until.is_set():
                     return
 
@@ -300,16 +368,42 @@ class Streams:
             thread.start()
         return self
 
-    def wait_received(self, tokens: int, timeout_s: float = 60.0) -> None:
+    @property
+    def received(self) -> int:
+        """Tokens the streams received so far, together."""
+        return self._received
+
+    def wait_received(self, tokens: int, timeout_s: float = 120.0) -> None:
         """Blocks until the streams together received ``tokens`` tokens."""
         deadline = time.monotonic() + timeout_s
         while self._received < tokens:
             assert time.monotonic() < deadline, f"streams stalled at {self._received} tokens"
             time.sleep(0.005)
 
-    def join(self, timeout_s: float = 120.0) -> list[tuple[str, StreamResult]]:
-        """Waits for every stream to end; returns each request's prompt and result."""
+    def join(self, timeout_s: float = 300.0) -> list[StreamResult]:
+        """Waits for every stream to end; returns every request's result."""
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(timeout_s)
+            thread.join(max(0.0, deadline - time.monotonic()))
             assert not thread.is_alive(), "a stream hung"
         return self.runs
+
+
+def write_report(path: str | None, section: str, entries: dict) -> None:
+    """Merges ``entries`` into ``section`` of the JSON report at ``path`` (nothing when None), so the
+    fault runs, the real-model faults, the fuzz and the soak each refresh their own part of one file."""
+    if not path:
+        return
+    import json
+    import os
+
+    target = Path(path)
+    try:
+        report = json.loads(target.read_text())
+    except (OSError, ValueError):
+        report = {}
+    report.setdefault(section, {}).update(entries)
+    report["host"] = {"cores": os.cpu_count()}
+    report["created"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(report, indent=2) + "\n")
