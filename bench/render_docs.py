@@ -1,8 +1,9 @@
-"""Write docs/benchmarks.md and README.md's results table from the committed reports.
+"""Write docs/benchmarks.md, README.md's results table and docs/reliability.md's figures from the committed reports.
 
 Reads ``reports/bench.json`` (``make bench``), ``reports/bench-load.json`` (``make bench-load``),
 ``reports/pass-grid.json`` (``make pass-grid``), ``reports/long-prompt*.json``
-(``make bench-long-prompt``) and the shipped drafts' ``drafts/*/draft_card.json``. A missing report
+(``make bench-long-prompt``), ``reports/chaos.json`` (the chaos, fuzz and soak suites with
+SPECDEC_CHAOS_REPORT set; ``make soak``) and the shipped drafts' ``drafts/*/draft_card.json``. A missing report
 gives its section a line saying how to make it. The method text is written here by hand; every
 figure comes from the JSON. The same files always give the same Markdown (JSON key order is kept,
 load levels are sorted by number, files by name), so a test can check the committed pages are fresh.
@@ -25,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- results:begin -->"
 END = "<!-- results:end -->"
+CHAOS_BEGIN = "<!-- chaos:begin -->"
+CHAOS_END = "<!-- chaos:end -->"
 DASH = "—"
 
 # ----------------------------------------------------------------------------------------------------
@@ -618,12 +621,99 @@ def render_results(root: Path, reports: Path) -> str:
     return "\n".join(lines)
 
 
-def with_results(readme: str, block: str) -> str:
-    """README text with the block between the results markers replaced."""
-    start, end = readme.find(BEGIN), readme.find(END)
+def with_results(readme: str, block: str, begin: str = BEGIN, end_mark: str = END) -> str:
+    """README text with the block between the results markers (or ``begin`` ... ``end_mark``) replaced."""
+    start, end = readme.find(begin), readme.find(end_mark)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {BEGIN} ... {END} markers")
-    return readme[: start + len(BEGIN)] + "\n" + block + "\n" + readme[end:]
+        raise ValueError(f"README has no {begin} ... {end_mark} markers")
+    return readme[: start + len(begin)] + "\n" + block + "\n" + readme[end:]
+
+
+def render_reliability(root: Path, reports: Path) -> str:
+    """docs/reliability.md's figures (between the chaos markers): the fault table, the fuzz counts and
+    the soak's memory, from reports/chaos.json."""
+    name, report = label(reports / "chaos.json", root), load(reports / "chaos.json")
+    if report is None:
+        return "No `reports/chaos.json` yet: run the suites with `SPECDEC_CHAOS_REPORT=reports/chaos.json`."
+    where = provenance(report)
+    lines = [f"From `{name}`" + (f" ({where})" if where else "") + ".", ""]
+    faults = report.get("faults") or {}
+    rows = []
+    for fault, f in faults.items():
+        streams = f"{f.get('streams', DASH)} ({f.get('seeded_sampled', DASH)} seeded sampled)"
+        recovery = f"{num(f.get('recovery_p50_s'))} / {num(f.get('recovery_max_s'))}"
+        rows.append(
+            [
+                fault,
+                f"`{f.get('model', DASH)}`",
+                streams,
+                f.get("max_new_tokens", DASH),
+                f.get("requests", DASH),
+                f.get("in_flight_at_fault", DASH),
+                f.get("failed", DASH),
+                f.get("mismatched", DASH),
+                recovery,
+            ]
+        )
+    lines += table(
+        [
+            "fault",
+            "model",
+            "streams",
+            "new tokens",
+            "requests",
+            "in flight at the fault",
+            "failed",
+            "mismatched",
+            "recovery p50 / max, s",
+        ],
+        rows,
+    ) + [""]
+    fuzz = report.get("fuzz") or {}
+    parts = [
+        f"{f.get('requests', 0):,} {what.replace('_', ' ')} ({f.get('seconds', DASH)} s)"
+        for what, f in fuzz.items()
+        if isinstance(f, dict)
+    ]
+    total = sum(f.get("requests", 0) for f in fuzz.values() if isinstance(f, dict))
+    lines += [
+        f"Fuzzing, one run of `tests/test_fuzz.py`: {total:,} requests: " + "; ".join(parts) + "."
+        if parts
+        else "Fuzzing: no figures yet.",
+        "",
+    ]
+    soak = report.get("soak") or {}
+    rows = []
+    for run, s in soak.items():
+        before, after = s.get("rss_mb_before") or {}, s.get("rss_mb_after") or {}
+        memory = ", ".join(f"{p} {num(before.get(p), 0)} → {num(after.get(p), 0)}" for p in before)
+        growth = max((s.get("rss_growth") or {0: 0}).values())
+        held = sum((s.get("caches_held_after_expiry") or {}).values())
+        rows.append(
+            [
+                run,
+                f"{s.get('clients', DASH)} × {s.get('requests', 0) // max(1, s.get('clients', 1))}",
+                s.get("errors", DASH),
+                s.get("seconds", DASH),
+                memory,
+                f"{100 * growth:.1f}%" + ("" if growth <= 0.10 else " (over 10%)"),
+                f"{held:g}",
+            ]
+        )
+    if rows:
+        lines += table(
+            [
+                "soak",
+                "clients × requests",
+                "errors",
+                "seconds",
+                "RSS MiB after warm-up → end",
+                "largest growth",
+                "caches held after expiry",
+            ],
+            rows,
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -633,6 +723,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafts", type=Path, help="shipped drafts folder (default: ROOT/drafts)")
     parser.add_argument("--out", type=Path, help="benchmarks page to write (default: ROOT/docs/benchmarks.md)")
     parser.add_argument("--readme", type=Path, help="README whose results table to rewrite (default: ROOT/README.md)")
+    parser.add_argument(
+        "--reliability",
+        type=Path,
+        help="page whose chaos figures to rewrite (default: reliability.md beside --out, if it has the markers)",
+    )
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if either file is stale")
     args = parser.parse_args(argv)
     root = args.root
@@ -648,8 +743,17 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"render_docs: {readme}: {exc}", file=sys.stderr)
         return 2
+    pages = [(out, page), (readme, new_readme)]
+    reliability = args.reliability or out.parent / "reliability.md"
+    try:
+        old_reliability = reliability.read_text()
+        pages.append(
+            (reliability, with_results(old_reliability, render_reliability(root, reports), CHAOS_BEGIN, CHAOS_END))
+        )
+    except (OSError, ValueError):
+        pass  # no such page, or one without the markers: nothing to keep fresh
     stale = []
-    for path, text in ((out, page), (readme, new_readme)):
+    for path, text in pages:
         old = path.read_text() if path.exists() else None
         if old != text:
             stale.append(path)
