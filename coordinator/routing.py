@@ -32,7 +32,7 @@ from coordinator.replicas import (
     TargetBackend,
     VerifyResult,
 )
-from coordinator.turns import Turn
+from coordinator.turns import Turn, deadline_passed
 from specdec.config import FEATURE_KIND
 from specdec.vocab import ModelFacts
 
@@ -142,7 +142,7 @@ class Router:
                 self.targets.succeeded(target.address)
                 return placed
             except BackendUnavailable as exc:
-                if _spent(remaining_s):
+                if deadline_passed(remaining_s):
                     raise
                 error = exc
                 self._failed(self.targets, exc, span, "target", "target unreachable, trying another")
@@ -314,8 +314,3 @@ async def _release(replica, cache_id: str) -> None:
         await replica.release(cache_id, PROBE_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the cache idles out in the end
         log.info("could not release cache %s on %s: %s", cache_id, replica.address, exc)
-
-
-def _spent(remaining_s: Callable[[], float | None]) -> bool:
-    left = remaining_s()
-    return left is not None and left <= 0

@@ -186,8 +186,7 @@ class Turn:
     def out_of_time(self) -> bool:
         """Whether the request's own deadline has passed. A call that failed then failed on the client's
         clock, not the replica's: resting the replica would fail every other session on it."""
-        left = self.remaining_s()
-        return left is not None and left <= 0
+        return deadline_passed(self.remaining_s)
 
 
 class Turns:
@@ -268,6 +267,12 @@ class Turns:
             record.draft = replace(record.draft, fence=record.fence)
         if record.target is not None:
             record.target = replace(record.target, fence=record.fence)
+
+
+def deadline_passed(remaining_s: Callable[[], float | None]) -> bool:
+    """Whether a deadline reported as seconds left (None: none) has passed."""
+    left = remaining_s()
+    return left is not None and left <= 0
 
 
 def clip(ref: CacheRef | None, committed: int) -> CacheRef | None:
