@@ -72,6 +72,19 @@ class GrowableLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
 
+    @torch.inference_mode()
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Keeps the entries at ``start + keep[i]`` (``keep`` increasing) as ``start + i`` and drops the
+        rest past ``start``: a verified tree's accepted path, moved to follow the committed entries."""
+        if not self.is_initialized:
+            return
+        index = torch.tensor(keep, dtype=torch.long, device=self._key_buf.device) + start
+        end = start + len(keep)
+        for buf in (self._key_buf, self._value_buf):
+            buf[:, :, start:end] = buf[:, :, index]  # the gather copies before the write
+        self._length = end
+        self._expose()
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative count: the number of tokens to remove")
@@ -161,6 +174,16 @@ class SessionCache:
             extra = layer.get_seq_length() - len(self.kv_tokens)
             if extra > 0:
                 layer.crop(-extra)
+
+    def keep_path(self, start: int, lead: int, path: list[int], tokens: list[int]) -> None:
+        """After a pass that fed ``lead`` chain rows then a tree's nodes from KV entry ``start`` on, keeps
+        the chain rows and the accepted ``path``'s nodes (whose ``tokens`` they are), in order, and
+        drops the other nodes' entries."""
+        keep = list(range(lead)) + [lead + node for node in path]
+        for layer in self.kv.layers:
+            layer.compact(start, keep)
+        del self.kv_tokens[start + lead :]
+        self.kv_tokens.extend(tokens)
 
     def pending(self) -> list[int]:
         """Committed tokens not yet in the KV cache (at least the last one after a sync)."""

@@ -52,6 +52,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from specdec.side_layers import with_sides
+from specdec.trees import depths, tree_mask
 
 RAGGED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 """Model types (``config.model_type``) whose decoder layers the ragged pass runs."""
@@ -96,6 +97,9 @@ class RaggedItem:
     logits_to_keep: int
     side_layers: tuple[int, ...] = ()
     """Layers whose outputs follow the final-norm hidden states in its rows (``specdec.side_layers``)."""
+    parents: tuple[int, ...] | None = None
+    """A token tree: the last ``len(parents)`` tokens are its nodes (``specdec.trees``), the ones before
+    them a chain whose last is the tree's root. None: every token is a chain row."""
 
 
 def _causal_mask(fed: int, past: int, device: torch.device | str, window: int | None = None) -> torch.Tensor | None:
@@ -109,6 +113,31 @@ def _causal_mask(fed: int, past: int, device: torch.device | str, window: int | 
     if window is not None:
         mask &= keys[None, :] > queries[:, None] - window
     return mask
+
+
+def _tree_mask(
+    parents: tuple[int, ...], fed: int, past: int, device: torch.device | str, window: int | None = None
+) -> torch.Tensor:
+    """``[fed, past + fed]`` mask of a block whose last ``len(parents)`` rows are a token tree: the chain
+    rows before it see the cache causally, a node sees the cache, the chain and its own ancestors
+    (within the last ``window`` positions, when given)."""
+    lead = fed - len(parents)
+    block = tree_mask(parents, lead).to(device)  # [fed, fed]
+    mask = torch.cat([torch.ones(fed, past, dtype=torch.bool, device=device), block], dim=1)
+    if window is not None:
+        rows = _tree_positions(parents, fed, past, device)  # [fed]
+        keys = torch.cat([torch.arange(past, device=device), rows])  # [past + fed]
+        mask &= keys[None, :] > rows[:, None] - window
+    return mask
+
+
+def _tree_positions(parents: tuple[int, ...], fed: int, start: int, device: torch.device | str) -> torch.Tensor:
+    """Positions ``[fed]`` of a block of chain rows then tree nodes: a node sits at its root's position
+    plus its depth."""
+    lead = fed - len(parents)
+    chain = torch.arange(start, start + lead, device=device)
+    nodes = torch.tensor(depths(parents), dtype=torch.long, device=device) + (start + lead - 1)
+    return torch.cat([chain, nodes])
 
 
 @dataclass(frozen=True)
@@ -129,6 +158,7 @@ class RaggedLayout:
         starts: list[int] | None = None,
         device: torch.device | str = "cpu",
         windows: tuple[int | None, ...] = (),
+        trees: list[tuple[int, ...] | None] | None = None,
     ) -> RaggedLayout:
         """The layout of sessions feeding ``lengths`` rows on top of ``pasts`` cached entries, its
         tensors on the model's ``device``.
@@ -136,17 +166,31 @@ class RaggedLayout:
         ``starts`` are the rows' first positions when they differ from the cache length (a cache that
         holds only a window of the sequence); by default each session's rows follow its cache.
         ``windows`` are the layers' sliding windows (``layer_windows``; None: full attention).
+        ``trees`` gives, per session, the parents of the token tree its rows end with (None: a chain).
         """
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
         starts = pasts if starts is None else starts
-        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lengths)])
+        trees = trees or [None] * len(lengths)
+
+        def mask(n: int, past: int, tree: tuple[int, ...] | None, window: int | None) -> torch.Tensor | None:
+            if tree:
+                return _tree_mask(tree, n, past, device, window)
+            return _causal_mask(n, past, device, window)
+
+        positions = torch.cat(
+            [
+                _tree_positions(t, n, s, device) if t else torch.arange(s, s + n, device=device)
+                for s, n, t in zip(starts, lengths, trees)
+            ]
+        )
         windowed = {
-            w: [_causal_mask(n, p, device, w) for n, p in zip(lengths, pasts)]
+            w: [mask(n, p, t, w) for n, p, t in zip(lengths, pasts, trees)]
             for w in sorted({w for w in windows if w is not None})
         }
-        return cls(bounds, [_causal_mask(n, p, device) for n, p in zip(lengths, pasts)], positions, windowed or None)
+        masks = [mask(n, p, t, None) for n, p, t in zip(lengths, pasts, trees)]
+        return cls(bounds, masks, positions, windowed or None)
 
     def masks_for(self, window: int | None) -> list[torch.Tensor | None]:
         """The sessions' masks for a layer with sliding ``window`` (None: full attention)."""
@@ -222,6 +266,7 @@ def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[lis
         [item.cache.get_seq_length() for item in items],
         device=device,
         windows=windows,
+        trees=[item.parents for item in items],
     )
     input_ids = torch.tensor([t for item in items for t in item.tokens], dtype=torch.long, device=device)  # [N]
     caches = [item.cache for item in items]

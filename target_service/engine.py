@@ -28,6 +28,16 @@ from specdec.sampling import (
     warp_probs,
 )
 from specdec.side_layers import check_side_layers
+from specdec.trees import (
+    MAX_TREE_NODES,
+    TreeVerdict,
+    check_parents,
+    depths,
+    is_chain,
+    verify_tree_coupled,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 from specdec.vocab import ModelFacts
 from target_service.pass_costs import PassCosts
 
@@ -72,6 +82,13 @@ class VerifyCall:
     feed_rows: int = 0
     # With ``with_hidden``: target layers whose outputs follow the hidden states (specdec.side_layers).
     side_layers: tuple[int, ...] = ()
+    # A token tree: each draft token's parent (``specdec.trees``); empty: the draft tokens are a chain.
+    draft_parents: tuple[int, ...] = ()
+
+    @property
+    def tree(self) -> tuple[int, ...] | None:
+        """The draft tokens' parents when they form a tree (not a plain chain), else None."""
+        return self.draft_parents if self.draft_parents and not is_chain(self.draft_parents) else None
 
 
 def wire_ready(rows: torch.Tensor) -> torch.Tensor:
@@ -125,6 +142,8 @@ class VerifyOutcome:
     committed: int
     hidden: HiddenRows | None = None
     load: PassLoad | None = None
+    # A tree's accepted nodes, root to leaf (indices into its draft tokens); None for a chain.
+    path: list[int] | None = None
 
 
 def stamp_queue_wait(outcome: VerifyOutcome, queue_ms: float) -> VerifyOutcome:
@@ -306,7 +325,18 @@ class TargetEngine:
         if call.feed_rows:
             return self._prepare_feed(index, call)
         self._check_tokens(call.draft_tokens, "draft_tokens")
-        if len(call.draft_tokens) > MAX_K:
+        reach = len(call.draft_tokens)
+        if call.draft_parents:
+            if len(call.draft_parents) != len(call.draft_tokens):
+                raise ValueError(
+                    f"draft_parents: one parent per draft token ({len(call.draft_tokens)}), "
+                    f"got {len(call.draft_parents)}"
+                )
+            check_parents(call.draft_parents, MAX_TREE_NODES)
+            if call.tree is not None and not self._ragged:
+                raise ValueError("draft_parents: this target verifies chains only (its model has no ragged pass)")
+            reach = max(depths(call.draft_parents), default=0)
+        elif len(call.draft_tokens) > MAX_K:
             raise ValueError(f"draft_tokens: at most {MAX_K} per round, got {len(call.draft_tokens)}")
         if not call.sampling.greedy:
             if len(call.q) != len(call.draft_tokens):
@@ -318,7 +348,7 @@ class TargetEngine:
                 if len(dist.probs) != len(dist.token_ids) or any(not 0.0 <= x <= 1.0 for x in dist.probs):
                     raise ValueError("q.probs: need one probability in [0, 1] per token id")
         cache = self._synced(call)
-        if len(cache.committed) + len(call.draft_tokens) >= self._loaded.max_context:
+        if len(cache.committed) + reach >= self._loaded.max_context:
             raise ValueError(f"draft_tokens: the round would exceed the context of {self._loaded.max_context}")
         return _Prepared(index, call, cache, cache.pending() + list(call.draft_tokens))
 
@@ -357,6 +387,7 @@ class TargetEngine:
                         p.fed,
                         0 if p.call.feed_rows else len(p.call.draft_tokens) + 1,
                         p.call.side_layers if p.call.with_hidden else (),
+                        p.call.tree,
                     )
                     for p in batch
                 ],
@@ -405,22 +436,26 @@ class TargetEngine:
                 outcomes.append((p, VerifyOutcome(0, [], len(cache.committed), rows_out)))
                 continue
             try:
-                if call.sampling.greedy:
-                    verdict = verify_greedy(item_logits, call.draft_tokens)
-                else:
-                    verdict = self._verify_sampled(
-                        item_logits, call.draft_tokens, call.q, call.sampling, call.round_index, len(cache.committed)
-                    )
+                verdict = self._verdict(call, item_logits, len(cache.committed))
             except Exception as exc:  # noqa: BLE001 - one session's verdict never fails the others in its pass
                 cache.trim()  # the draft rows this pass cached follow no committed token
                 outcomes.append((p, exc))
                 continue
+            path = verdict.path if isinstance(verdict, TreeVerdict) else None
+            if path is not None:
+                # Only the accepted path's entries follow committed tokens: move them behind the chain rows.
+                lead = len(p.fed) - len(call.draft_tokens)
+                cache.keep_path(start, lead, path, verdict.tokens[: len(path)])
+                if item_hidden is not None:
+                    item_hidden = item_hidden[list(range(lead)) + [lead + node for node in path]]
             cache.committed.extend(verdict.tokens)
             cache.trim()
             rows_out = None
             if call.with_hidden:  # keep fed positions that were committed; the newest token is fed next round
                 rows_out = HiddenRows(start, item_hidden[: len(cache.committed) - 1 - start])
-            outcomes.append((p, VerifyOutcome(verdict.accepted, verdict.tokens, len(cache.committed), rows_out)))
+            outcomes.append(
+                (p, VerifyOutcome(verdict.accepted, verdict.tokens, len(cache.committed), rows_out, path=path))
+            )
         committed_all = sum(len(o.tokens) for _, o in outcomes if not isinstance(o, Exception))
         alone = self._costs.curve(0, self._curve_rows)
         return [
@@ -443,6 +478,23 @@ class TargetEngine:
             )
             for p, o in outcomes
         ]
+
+    def _verdict(self, call: VerifyCall, logits: torch.Tensor, position: int) -> Verdict | TreeVerdict:
+        """The round's acceptance decision over its chain or tree; ``position``: the sequence position of
+        the root's children (the committed length)."""
+        tree = call.tree
+        if tree is None:
+            if call.sampling.greedy:
+                return verify_greedy(logits, call.draft_tokens)
+            return self._verify_sampled(logits, call.draft_tokens, call.q, call.sampling, call.round_index, position)
+        if call.sampling.greedy:
+            return verify_tree_greedy(logits, call.draft_tokens, tree)
+        p = warp_probs(logits.cpu(), call.sampling)  # [n + 1, V]
+        if call.sampling.coupled:
+            return verify_tree_coupled(p, call.draft_tokens, tree, call.sampling.seed, position)
+        q = torch.stack([sparse_to_dense(d.token_ids, d.probs, logits.shape[-1]) for d in call.q])  # [n, V]
+        generator = round_generator(call.sampling.seed, call.round_index, TARGET_STREAM)
+        return verify_tree_sampled(p, q, call.draft_tokens, tree, generator)
 
     def _verify_sampled(
         self,

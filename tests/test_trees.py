@@ -1,0 +1,274 @@
+"""Token trees at the target: the tree pass, acceptance walks, cache compaction and bad trees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.kvcache import SessionCache
+from specdec.sampling import Sampling
+from specdec.trees import (
+    chain_parents,
+    check_parents,
+    children,
+    depths,
+    path_to,
+    ranks,
+    tree_mask,
+    verify_tree_greedy,
+)
+from target_service.engine import TargetEngine, VerifyCall
+
+PROMPT = [3, 7, 2, 9, 4, 4, 11]
+# root -> 5 -> (6 -> 8, 12), root -> 10 -> 13; listed parents first.
+TOKENS = [5, 10, 6, 12, 13, 8]
+PARENTS = [-1, -1, 0, 0, 1, 2]
+
+
+def _fresh_logits(model, tokens: list[int]) -> torch.Tensor:
+    """The target's logits ``[len, V]`` over ``tokens`` from scratch, no cache."""
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0].float()
+
+
+def test_tree_helpers_describe_the_tree():
+    assert depths(PARENTS) == [1, 1, 2, 2, 2, 3]
+    assert ranks(PARENTS) == [0, 1, 0, 1, 0, 0]
+    assert children(PARENTS) == {-1: [0, 1], 0: [2, 3], 1: [4], 2: [5]}
+    assert path_to(PARENTS, 5) == [0, 2, 5]
+    mask = tree_mask(PARENTS, lead=2)
+    # Node 5 (row 7) sees both chain rows, its ancestors 0 and 2, and itself; not its uncle 1.
+    assert mask[7].tolist() == [True, True, True, False, True, False, False, True]
+    assert mask[0].tolist() == [True] + [False] * 7  # chain rows stay causal and never see nodes
+    check_parents(chain_parents(4))
+
+
+@pytest.mark.parametrize(
+    "parents, message",
+    [([0], "earlier node"), ([-1, 2, 0], "earlier node"), ([-1, -2], "earlier node"), ([-1] * 33, "at most")],
+)
+def test_bad_trees_are_refused(parents, message):
+    with pytest.raises(ValueError, match=message):
+        check_parents(parents)
+
+
+def test_every_tree_row_scores_its_own_path(tiny_target):
+    """Row i + 1 of a tree pass equals the logits after the path root -> node i, fed alone."""
+    engine = TargetEngine(tiny_target, 4)
+    cache_id, committed, _ = engine.prefill(PROMPT)
+    cache = engine.caches.get(cache_id)
+    from specdec.ragged import RaggedItem, ragged_forward
+
+    fed = cache.pending() + TOKENS
+    logits, _ = ragged_forward(tiny_target.model, [RaggedItem(cache.kv, fed, len(TOKENS) + 1, (), tuple(PARENTS))])
+    model = tiny_target.model
+    root = _fresh_logits(model, PROMPT)[-1]
+    torch.testing.assert_close(logits[0][0], root, atol=1e-4, rtol=1e-4)
+    for node in range(len(TOKENS)):
+        path = [TOKENS[i] for i in path_to(PARENTS, node)]
+        expected = _fresh_logits(model, PROMPT + path)[-1]
+        torch.testing.assert_close(logits[0][node + 1], expected, atol=1e-4, rtol=1e-4)
+
+
+def _argmax_path(model, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(_fresh_logits(model, tokens)[-1].argmax()))
+    return tokens[len(prompt) :]
+
+
+def test_greedy_tree_accepts_a_sibling_and_compacts_the_cache(tiny_target):
+    """A tree whose first child is wrong but whose second starts the target's greedy path: the verdict
+    takes the sibling's branch, and the cache then holds exactly the committed path (its next rounds
+    score as a fresh cache would)."""
+    model = tiny_target.model
+    greedy = _argmax_path(model, PROMPT, 4)
+    wrong = (greedy[0] + 1) % tiny_target.vocab_size
+    tokens = [wrong, greedy[0], greedy[1], (greedy[1] + 3) % tiny_target.vocab_size, greedy[2]]
+    parents = [-1, -1, 1, 1, 2]
+    engine = TargetEngine(tiny_target, 4)
+    cache_id, committed, _ = engine.prefill(PROMPT)
+    call = VerifyCall(cache_id, committed, [], tokens, [], Sampling(), 0, draft_parents=tuple(parents))
+    outcome = engine.verify_batch([call])[0]
+    assert not isinstance(outcome, Exception)
+    assert outcome.path == [1, 2, 4]
+    assert outcome.tokens == greedy[:4]
+    cache = engine.caches.get(cache_id)
+    assert cache.kv_tokens == PROMPT + greedy[:3]
+    assert cache.kv.get_seq_length() == len(cache.kv_tokens)
+    # The next round (a chain) on the compacted cache scores what a fresh cache over the same tokens does.
+    nxt = engine.verify(cache_id, outcome.committed, [], [], [], Sampling(), 1)
+    assert nxt.tokens == _argmax_path(model, PROMPT + greedy[:4], 1)
+
+
+def test_tree_hidden_rows_are_the_committed_positions(tiny_target):
+    """With hidden states asked, a tree round returns the rows of the committed positions only, equal
+    to those of a chain round that committed the same tokens."""
+    model = tiny_target.model
+    greedy = _argmax_path(model, PROMPT, 3)
+    wrong = (greedy[0] + 5) % tiny_target.vocab_size
+    tree_engine, chain_engine = TargetEngine(tiny_target, 4), TargetEngine(tiny_target, 4)
+    tree_id, committed, _ = tree_engine.prefill(PROMPT)
+    chain_id, _, _ = chain_engine.prefill(PROMPT)
+    tree = VerifyCall(
+        tree_id, committed, [], [wrong, greedy[0], greedy[1]], [], Sampling(), 0, True, draft_parents=(-1, -1, 1)
+    )
+    chain = VerifyCall(chain_id, committed, [], greedy[:2], [], Sampling(), 0, True)
+    got, want = tree_engine.verify_batch([tree])[0], chain_engine.verify_batch([chain])[0]
+    assert got.tokens == want.tokens and got.committed == want.committed
+    assert got.hidden.start == want.hidden.start
+    torch.testing.assert_close(got.hidden.rows, want.hidden.rows, atol=1e-5, rtol=1e-5)
+
+
+def test_trees_and_chains_share_a_pass(tiny_target):
+    """A batch mixing a tree round and chain rounds gives each the outcome it gets alone."""
+    model = tiny_target.model
+    prompts = [PROMPT, [1 + t % 20 for t in PROMPT[::-1]], [5, 6, 7, 8]]
+    calls_alone, calls_batch = [], []
+    batched, alone = TargetEngine(tiny_target, 8), TargetEngine(tiny_target, 8)
+    for i, prompt in enumerate(prompts):
+        greedy = _argmax_path(model, prompt, 2)
+        tokens = [greedy[0], (greedy[0] + 1) % 32, greedy[1]] if i != 1 else greedy[:2]
+        parents = (-1, -1, 0) if i != 1 else ()
+        for engine, calls in ((batched, calls_batch), (alone, calls_alone)):
+            cid, n, _ = engine.prefill(prompt)
+            calls.append(VerifyCall(cid, n, [], tokens, [], Sampling(), 0, draft_parents=parents))
+    together = batched.verify_batch(calls_batch)
+    for call, got in zip(calls_alone, together):
+        want = alone.verify_batch([call])[0]
+        assert got.tokens == want.tokens and got.path == want.path
+
+
+@pytest.mark.parametrize(
+    "tokens, parents, message",
+    [
+        ([4, 5], (-1, 1), "earlier node"),
+        ([4, 5], (0, -1), "earlier node"),
+        ([4, 5, 6], (-1, 0), "one parent per draft token"),
+        ([4] * 40, tuple(range(-1, 39)), "at most 32"),
+    ],
+)
+def test_engine_refuses_bad_trees_and_keeps_serving(tiny_target, tokens, parents, message):
+    engine = TargetEngine(tiny_target, 4)
+    cache_id, committed, _ = engine.prefill(PROMPT)
+    bad = VerifyCall(cache_id, committed, [], tokens, [], Sampling(), 0, draft_parents=parents)
+    outcome = engine.verify_batch([bad])[0]
+    assert isinstance(outcome, ValueError) and message in str(outcome)
+    assert engine.verify(cache_id, committed, [], [], [], Sampling(), 0).committed == committed + 1
+
+
+def test_a_tree_deeper_than_the_context_is_refused(tiny_target):
+    engine = TargetEngine(tiny_target, 4)
+    context = tiny_target.max_context
+    prompt = [2] * (context - 3)
+    cache_id, committed, _ = engine.prefill(prompt)
+    deep = VerifyCall(cache_id, committed, [], [4, 5, 6, 7], [], Sampling(), 0, draft_parents=(-1, -1, 1, 2))
+    outcome = engine.verify_batch([deep])[0]
+    assert isinstance(outcome, ValueError) and "context" in str(outcome)
+    # Its depth (3), not its node count (4), is what must fit: one level shallower passes.
+    ok = VerifyCall(cache_id, committed, [], [4, 5, 6], [], Sampling(), 0, draft_parents=(-1, -1, 1))
+    assert not isinstance(engine.verify_batch([ok])[0], Exception)
+
+
+def test_walk_on_hand_made_logits():
+    vocab = 16
+    logits = torch.full((len(TOKENS) + 1, vocab), -5.0)
+    # Root prefers 10 (node 1), node 1 prefers 13 (node 4), node 4 prefers 3 (not drafted).
+    logits[0, 10] = logits[2, 13] = logits[5, 3] = 5.0
+    verdict = verify_tree_greedy(logits, TOKENS, PARENTS)
+    assert verdict.path == [1, 4] and verdict.tokens == [10, 13, 3]
+
+
+def test_session_cache_keep_path_compacts_every_layer(tiny_target):
+    cache = SessionCache(committed=list(PROMPT))
+    cache.prefill(tiny_target.model)
+    start = len(cache.kv_tokens)
+    cache.forward(tiny_target.model, TOKENS, 1)
+    full = [layer.keys.clone() for layer in cache.kv.layers]
+    cache.keep_path(start, 1, [1, 4], [TOKENS[1], TOKENS[4]])
+    assert cache.kv_tokens == PROMPT + [10, 13]
+    for layer, before in zip(cache.kv.layers, full):
+        assert layer.get_seq_length() == start + 3
+        torch.testing.assert_close(layer.keys[:, :, : start + 1], before[:, :, : start + 1])
+        torch.testing.assert_close(layer.keys[:, :, start + 1], before[:, :, start + 2])  # node 1
+        torch.testing.assert_close(layer.keys[:, :, start + 2], before[:, :, start + 5])  # node 4
+
+
+# --- sampled trees: the committed tokens follow the target over several positions -----------------
+
+VOCAB = 5
+
+
+def _target_p(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A target distribution ``[V]`` that depends on the whole path so far (fixed, sharp-ish)."""
+    g = torch.Generator().manual_seed(1000 + hash(prefix) % 10_000)
+    return torch.softmax(torch.randn(VOCAB, generator=g, dtype=torch.float64) * 1.5, -1)
+
+
+def _draft_q(prefix: tuple[int, ...]) -> torch.Tensor:
+    """A draft distribution that differs from the target's."""
+    g = torch.Generator().manual_seed(5000 + hash(prefix) % 10_000)
+    return torch.softmax(torch.randn(VOCAB, generator=g, dtype=torch.float64) * 1.5, -1)
+
+
+def _sampled_tree(g: torch.Generator, width: int, depth: int, replace_rule: bool):
+    """A fixed-shape tree (each depth: ``width`` siblings drawn without replacement, the first one
+    expanded), its per-node q (exact, or the plain q when ``replace_rule`` is the wrong one)."""
+    from specdec.trees import without_replacement
+
+    tokens, parents, qs, prefixes = [], [], [], {-1: ()}
+    parent = -1
+    for _ in range(depth):
+        base = _draft_q(prefixes[parent])
+        taken: list[int] = []
+        first = None
+        for _ in range(width):
+            q = without_replacement(base, taken)
+            x = int(torch.multinomial(q, 1, generator=g))
+            tokens.append(x)
+            parents.append(parent)
+            qs.append(base if replace_rule else q)
+            prefixes[len(tokens) - 1] = prefixes[parent] + (x,)
+            taken.append(x)
+            first = len(tokens) - 1 if first is None else first
+        parent = first
+    return tokens, parents, torch.stack(qs), prefixes
+
+
+def _committed_pairs(trials: int, wrong: bool) -> torch.Tensor:
+    """Counts ``[V, V]`` of the first two committed tokens over many sampled tree rounds (a round that
+    commits one token is followed by a target-only draw, as the next round would be)."""
+    from specdec.trees import verify_tree_sampled
+
+    counts = torch.zeros(VOCAB, VOCAB)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(trials):
+        tokens, parents, q, prefixes = _sampled_tree(g, width=2, depth=2, replace_rule=wrong)
+        p = torch.stack([_target_p(())] + [_target_p(prefixes[i]) for i in range(len(tokens))])
+        verdict = verify_tree_sampled(p, q, tokens, parents, g)
+        first = verdict.tokens[0]
+        second = (
+            verdict.tokens[1]
+            if len(verdict.tokens) > 1
+            else int(torch.multinomial(_target_p((first,)), 1, generator=g))
+        )
+        counts[first, second] += 1
+    return counts
+
+
+def _chi2(counts: torch.Tensor) -> float:
+    expected = torch.stack([_target_p(())[a] * _target_p((a,)) for a in range(VOCAB)]).float() * counts.sum()
+    keep = expected > 5
+    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+
+
+def test_sampled_trees_follow_the_target_over_two_positions():
+    """Recursive rejection sampling over siblings drawn without replacement: the joint distribution of
+    the first two committed tokens is the target's (24 degrees of freedom: p < 1e-4 at 57)."""
+    assert _chi2(_committed_pairs(12_000, wrong=False)) < 57.0
+
+
+def test_the_wrong_residual_rule_fails_the_same_test():
+    """Judging a second sibling against the plain q it was not drawn from (ignoring that the first
+    sibling's token was removed) biases the output: the same test rejects it."""
+    assert _chi2(_committed_pairs(12_000, wrong=True)) > 200.0
