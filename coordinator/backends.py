@@ -24,6 +24,7 @@ from coordinator.replicas import (
 from specdec.rpc import aio_channel, channel_options
 from specdec.sampling_params import Sampling
 from specdec.tracing import outgoing_metadata
+from specdec.trees import TreeShape, is_chain
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.vocab import ModelFacts
 from specdec.wire import facts_from_pb, pass_load_from_pb, sampling_to_pb
@@ -144,6 +145,7 @@ class DraftReplica(_Replica):
         hidden: HiddenChunk | None = None,
         min_confidence: float = 0.0,
         ahead: int = 0,
+        tree: TreeShape | None = None,
     ) -> DraftResult:
         """Syncs the cache to ``committed`` (and hands over target hidden states) and asks for up to
         ``k`` tokens, fewer where the draft's confidence falls below ``min_confidence``; then up to
@@ -157,9 +159,13 @@ class DraftReplica(_Replica):
             min_confidence=min_confidence,
             ahead=ahead,
         )
+        if tree is not None:
+            request.tree.CopyFrom(draft_pb2.TreeShape(nodes=tree.nodes, depth=tree.depth, width=tree.width))
         reply = await self._call(self._stub.Propose, request, remaining_s)
         q = [(list(d.token_ids), list(d.probs)) for d in reply.q]
-        return DraftResult(list(reply.tokens), q, reply.committed, reply.from_ahead, reply.looked_up)
+        return DraftResult(
+            list(reply.tokens), q, reply.committed, reply.from_ahead, reply.looked_up, tuple(reply.parents)
+        )
 
 
 class TargetReplica(_Replica):
@@ -224,6 +230,7 @@ class TargetReplica(_Replica):
         if draft is not None:
             request.draft_tokens.extend(draft.tokens)
             request.q.extend(draft_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in draft.q)
+            request.draft_parents.extend(draft.parents)
         reply = await self._call(self._stub.Verify, request, remaining_s)
         load = None
         if reply.HasField("load"):
@@ -234,4 +241,5 @@ class TargetReplica(_Replica):
             reply.committed,
             hidden_from_message(reply.hidden) if with_hidden else None,
             load,
+            tuple(reply.accepted_nodes) if draft is not None and not is_chain(draft.parents) else None,
         )

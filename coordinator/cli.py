@@ -111,6 +111,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "cores of its own)",
     )
     p.add_argument(
+        "--tree-nodes",
+        type=int,
+        default=15,
+        help="most nodes of a round's token tree; with k auto each round picks a tree or a chain (0: chains only)",
+    )
+    p.add_argument(
         "--http-port",
         type=int,
         default=env("HTTP_PORT", None) or None,
@@ -192,6 +198,7 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         free_lookup_min=args.free_lookup_min,
         confidence_cutoff=args.confidence_cutoff,
         draft_ahead=args.draft_ahead,
+        tree_nodes=args.tree_nodes,
         checkpoint_interval_s=args.checkpoint_interval,
         http_port=args.http_port,
     )

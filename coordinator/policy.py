@@ -18,11 +18,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coordinator.adaptive import AcceptanceTracker, CostModel, FleetAcceptance
+from coordinator.adaptive import AcceptanceTracker, CostModel, FleetAcceptance, expected_tokens
 from coordinator.replicas import DraftResult, VerifyResult
+from coordinator.tree_choice import TreeAcceptance, best_tree, spine_tokens
 from coordinator.turns import Turn
 from specdec.batching import PassLoad
 from specdec.ngram import LOOKUP_MAX_N, propose_ngram
+from specdec.trees import TreeShape
 
 # Rounds of target-only decoding after which an adaptive session tries k = 1 again.
 PROBE_EVERY = 8
@@ -46,6 +48,8 @@ class SpeculationConfig:
     confidence_cutoff: bool = False
     # Tokens the draft drafts ahead while a lone session's round is verified (0: none).
     draft_ahead: int = 0
+    # Most nodes of a round's token tree (0: chains only); the tree's size and shape are chosen per round.
+    tree_nodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ class RoundPlan:
     lookup: list[int] | None = None
     min_confidence: float = 0.0
     ahead: int = 0
+    # A token tree to ask of the draft instead of a chain (``k`` is then its depth).
+    tree: TreeShape | None = None
 
     def local_draft(self) -> DraftResult | None:
         """The lookup as a draft to verify. It leaves the draft's cache as it was (``committed`` 0)."""
@@ -121,6 +127,8 @@ class SpeculationPolicy:
         self.costs = CostModel(k_max=config.max_auto_k, colocated=config.draft_colocated)
         self.prior_costs = CostModel(k_max=config.max_auto_k)
         self.fleet = FleetAcceptance()
+        # Greedy sessions' acceptance by tree depth and sibling rank (``coordinator.tree_choice``).
+        self.trees = TreeAcceptance()
         self.loads = LoadTable(live_targets)
         # Whether the targets report their passes (a target that does not batch reports none).
         self.batching_targets = True
@@ -152,6 +160,9 @@ class SpeculationPolicy:
             lookup = self._free_lookup(turn, costs, room - 1, k)
             if lookup is not None:
                 return RoundPlan(0, lookup)
+        tree = self._tree(turn, fixed, costs, room, k)
+        if tree is not None:
+            return RoundPlan(tree.depth, tree=tree)
         cutoff = costs.min_confidence() if self.config.confidence_cutoff and fixed is None and k else 0.0
         return RoundPlan(k, None, cutoff, self._ahead(turn, k))
 
@@ -167,7 +178,11 @@ class SpeculationPolicy:
             self.batching_targets = False
         state = turn.state
         state.rounds_without_draft = 0 if outcome.model_drafted else state.rounds_without_draft + 1
-        if outcome.model_drafted and turn.sampling.greedy:
+        path = outcome.verdict.path
+        if path is not None and outcome.draft is not None:
+            if turn.sampling.greedy:
+                self.trees.record(outcome.draft.parents, path)
+        elif outcome.model_drafted and turn.sampling.greedy:
             self.fleet.record(outcome.drafted, outcome.verdict.accepted)
 
     def _prices_drafting(self, outcome: RoundOutcome) -> bool:
@@ -183,6 +198,55 @@ class SpeculationPolicy:
         if draft is None or outcome.plan.lookup is not None or draft.from_ahead or draft.looked_up:
             return False
         return outcome.caught_up is not None and outcome.caught_up <= self.costs.k_max + 1
+
+    def _tree(self, turn: Turn, fixed: int | None, costs: CostModel, room: int, k: int) -> TreeShape | None:
+        """The round's token tree, where one promises more tokens per millisecond than the best chain
+        (``k``) and target-only; None otherwise (``coordinator.tree_choice``).
+
+        Greedy turns read the fleet's acceptance by depth and rank, sampled ones their own (their
+        draws must not depend on other sessions), each starting from the chain's rates by depth.
+        """
+        if not self.config.tree_nodes or fixed is not None or room < 2 or turn.target is None:
+            return None
+        greedy = turn.sampling.greedy
+        load = self.loads.fresh(turn.target.address) if greedy else None
+        if greedy and load is None and self.batching_targets:
+            return None  # the load is unknown: the round measures it target-only (``_choose_k``)
+        if costs.colocated and load is not None and load.sessions > 1:
+            return None  # a shared pass gets no draft from shared cores (``CostModel.choose``)
+        verify, others = costs._pass_curve(load)
+        draft = costs.draft_curve()
+        chain_rates = turn.stats.positions.rates(costs.k_max)
+        gain = 1.05 if load is not None and load.curve_ms and load.sessions > 1 else 1.0001
+
+        def per_ms(tokens: float, depth: int, nodes: int) -> float:
+            return (others + tokens) / (draft[min(depth, costs.k_max)] + verify[nodes + 1])
+
+        best = per_ms(expected_tokens(chain_rates, k), k, k)
+        acceptance = self.trees if greedy else turn.stats.trees
+
+        def rate(depth: int, rank: int) -> float:
+            return acceptance.rate(depth, rank, chain_rates)
+
+        max_nodes = min(self.config.tree_nodes, len(verify) - 2)
+        max_depth = min(costs.k_max, room - 1)
+        if greedy or turn.sampling.coupled:
+            candidates = best_tree(rate, max_nodes, max_depth)
+        else:
+            candidates = [
+                (spine_tokens(rate, depth, width), TreeShape(depth * width, depth, width))
+                for depth in range(1, max_depth + 1)
+                for width in (2, 3)
+                if depth * width <= max_nodes
+            ]
+        choice = None
+        for tokens, shape in candidates:
+            if shape.width < 2:
+                continue  # a chain: ``k`` is the best of those
+            value = per_ms(tokens, shape.depth, shape.nodes)
+            if value > best * gain:
+                best, choice = value, shape
+        return choice
 
     def _costs_for(self, turn: Turn) -> CostModel:
         return self.costs if turn.sampling.greedy else self.prior_costs

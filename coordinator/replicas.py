@@ -16,6 +16,7 @@ from typing import Generic, Protocol, TypeVar
 from specdec.batching import PassLoad
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
 from specdec.sampling_params import Sampling
+from specdec.trees import TreeShape
 from specdec.vocab import ModelFacts
 
 
@@ -221,6 +222,8 @@ class DraftResult:
     from_ahead: bool = False
     # Prompt lookup answered in the draft service in place of its model (``ProposeReply.looked_up``).
     looked_up: bool = False
+    # A token tree: each token's parent (``specdec.trees``); empty for a chain.
+    parents: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -233,6 +236,8 @@ class VerifyResult:
     hidden: HiddenChunk | None = None
     # The batched pass it ran in; None from a target that reports none.
     load: PassLoad | None = None
+    # A tree's accepted nodes, root to leaf; None for a chain.
+    path: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -286,10 +291,12 @@ class DraftBackend(Replica, Protocol):
         hidden: HiddenChunk | None = None,
         min_confidence: float = 0.0,
         ahead: int = 0,
+        tree: TreeShape | None = None,
     ) -> DraftResult:
         """Syncs the cache to ``committed`` (taking in target hidden states) and proposes up to ``k``
         tokens, fewer where the draft's confidence falls below ``min_confidence``; then drafts up to
-        ``ahead`` tokens ahead while the target verifies."""
+        ``ahead`` tokens ahead while the target verifies. With ``tree``, proposes a token tree of that
+        shape instead (``specdec.trees``)."""
 
 
 class TargetBackend(Replica, Protocol):

@@ -27,6 +27,7 @@ from coordinator.textstream import Release, TextStream
 from coordinator.turns import Chunk, GenerationRequest, Stats, Turn, Turns, clip
 from specdec.metrics import CoordinatorMetrics
 from specdec.sampling_params import Sampling
+from specdec.trees import ranks
 from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,12 @@ class RoundLoop:
                 self.policy.observe(turn, outcome)
                 turn.state.round += 1
                 verdict = outcome.verdict
-                turn.stats.add_round(outcome.drafted, verdict.accepted, len(verdict.tokens), plan.lookup is not None)
+                if verdict.path is not None and outcome.draft is not None:
+                    turn.stats.add_tree_round(outcome.draft.parents, verdict.path, len(verdict.tokens))
+                else:
+                    turn.stats.add_round(
+                        outcome.drafted, verdict.accepted, len(verdict.tokens), plan.lookup is not None
+                    )
                 released, finish = self._commit(turn, text, verdict.tokens, room)
                 if finish is None:
                     # The checkpoint goes out before the tokens do, so a resume never starts ahead of them.
@@ -203,6 +209,10 @@ class RoundLoop:
                     "specdec.looked_up": plan.lookup is not None,
                     "specdec.from_ahead": bool(draft is not None and draft.from_ahead),
                     "specdec.accepted": verdict.accepted,
+                    "specdec.tree_nodes": len(draft.parents) if draft is not None and verdict.path is not None else 0,
+                    "specdec.tree_depth": plan.tree.depth if plan.tree is not None else 0,
+                    "specdec.tree_width": plan.tree.width if plan.tree is not None else 0,
+                    "specdec.accepted_ranks": _path_ranks(draft, verdict),
                     "specdec.draft_ms": draft_ms,
                     "specdec.verify_ms": verify_ms,
                 }
@@ -285,6 +295,14 @@ class RoundLoop:
             }
         )
         return Chunk(turn.record.session_id, tail.text, tail.token_ids, finish, stats)
+
+
+def _path_ranks(draft, verdict) -> tuple[int, ...]:
+    """The sibling rank of each accepted tree node, root to leaf (empty for a chain)."""
+    if draft is None or verdict.path is None:
+        return ()
+    node_ranks = ranks(draft.parents)
+    return tuple(node_ranks[node] for node in verdict.path)
 
 
 def _request_attributes(

@@ -199,6 +199,7 @@ class Router:
             turn.hidden.message(),
             plan.min_confidence,
             plan.ahead,
+            plan.tree,
         )
 
     async def verify(self, turn: Turn, draft: DraftResult | None, span: trace.Span) -> VerifyResult:

@@ -138,6 +138,10 @@ def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
         accepted_at_position=by_position[1],
         ahead_rounds=stats.ahead_rounds,
         judged_tokens=stats.judged_tokens,
+        tree_rounds=stats.tree_rounds,
+        tree_nodes=stats.tree_nodes,
+        accepted_at_depth=stats.accepted_at_depth,
+        accepted_at_rank=stats.accepted_at_rank,
     )
 
 
@@ -365,7 +369,11 @@ async def start_coordinator(
             want_hidden=bool(first_feature),
             side_layers=first_feature[0].side_layers if first_feature else (),
         )
-        policy = SpeculationPolicy(speculation_config(config), live_targets=lambda: len(target_set))
+        speculation = speculation_config(config)
+        if not all(f.trees for f in [*draft_facts, *target_facts]):
+            # An older service, or a target with no ragged pass: every round is a chain.
+            speculation = replace(speculation, tree_nodes=0)
+        policy = SpeculationPolicy(speculation, live_targets=lambda: len(target_set))
         turns = Turns(tokenizer, target_facts[0], store, config.admission.max_sessions_per_client)
         loop = RoundLoop(
             tokenizer, target_facts[0], router, policy, turns, tracer, metrics, config.checkpoint_interval_s
@@ -421,6 +429,7 @@ def speculation_config(config: CoordinatorConfig) -> SpeculationConfig:
         config.free_lookup_min,
         config.confidence_cutoff,
         config.draft_ahead,
+        config.tree_nodes,
     )
 
 

@@ -18,8 +18,10 @@ from coordinator.hidden_backlog import HiddenBacklog
 from coordinator.prompts import build_turn
 from coordinator.replicas import CacheRef
 from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable, TurnState, is_session_id
+from coordinator.tree_choice import TreeAcceptance
 from specdec.sampling_params import Sampling
 from specdec.token_lists import common_prefix_len
+from specdec.trees import ranks
 from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -97,14 +99,34 @@ class Stats:
     # The same for the coordinator's own prompt lookup. Its hits follow long repeats, so they start
     # from a higher prior than the draft's.
     lookup: AcceptanceTracker = field(default_factory=lambda: AcceptanceTracker(prior=0.7))
+    # Token trees: rounds, nodes verified, accepted paths by depth reached and accepted nodes by rank.
+    tree_rounds: int = 0
+    tree_nodes: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)
+    accepted_at_rank: list[int] = field(default_factory=list)
+    # Acceptance by depth and sibling rank of this turn's trees (a sampled turn's tree choice reads it).
+    trees: TreeAcceptance = field(default_factory=TreeAcceptance)
 
     def add_round(self, drafted: int, accepted: int, committed: int, looked_up: bool = False) -> None:
         """Counts one finished round; ``looked_up``: the coordinator's prompt lookup drafted it."""
+        self._count(drafted, accepted, committed)
+        (self.lookup if looked_up else self.positions).record(drafted, accepted)
+
+    def add_tree_round(self, parents: tuple[int, ...], path: tuple[int, ...], committed: int) -> None:
+        """Counts one finished tree round: its nodes' ``parents`` and the accepted ``path``."""
+        self._count(len(parents), len(path), committed)
+        self.tree_rounds += 1
+        self.tree_nodes += len(parents)
+        add_counts(self.accepted_at_depth, [1] * len(path))
+        for rank in (ranks(parents)[node] for node in path):
+            add_counts(self.accepted_at_rank, [0] * rank + [1])
+        self.trees.record(parents, path)
+
+    def _count(self, drafted: int, accepted: int, committed: int) -> None:
         self.rounds += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.committed_in_rounds += committed
-        (self.lookup if looked_up else self.positions).record(drafted, accepted)
 
     def by_position(self) -> tuple[list[int], list[int]]:
         """Drafted and accepted counts by draft position, over every source of proposals."""

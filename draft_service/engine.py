@@ -14,14 +14,24 @@ import torch
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import AheadDraft, DraftTail, FeatureDraft, FeatureSession, on_host
 from draft_service.picking import TokenPicker, take_next
+from draft_service.tree_draft import TreeGrower
 from specdec.batching import waves
 from specdec.config import MAX_K
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel
-from specdec.ngram import LOOKUP_MAX_N, propose_ngram, whole_continuation
+from specdec.ngram import LOOKUP_MAX_N, lookup_tree, propose_ngram, whole_continuation
 from specdec.ragged import RaggedLayout
 from specdec.sampling import Sampling
+from specdec.trees import TreeShape
 from specdec.vocab import ModelFacts
+
+
+def point_tree(tokens: list[int], grower: TreeGrower, max_n: int, min_n: int) -> tuple[list[int], list, tuple]:
+    """The lookup tree (``specdec.ngram.lookup_tree``) for a grower's shape and sampling: tokens, q (a
+    point mass on each node for sampled requests) and parents."""
+    shape = grower.shape
+    found, parents = lookup_tree(tokens, shape.nodes, shape.depth, shape.width, max_n, min_n)
+    return found, ([] if grower.sampling.greedy else [([t], [1.0]) for t in found]), parents
 
 
 @dataclass(frozen=True)
@@ -41,6 +51,8 @@ class ProposeCall:
     min_confidence: float = 0.0
     # Tokens to draft ahead after the reply (``draft_ahead``); 0: none.
     ahead: int = 0
+    # Propose a token tree of this shape instead of a chain of k (``draft_service.tree_draft``).
+    tree: TreeShape | None = None
 
 
 @dataclass(frozen=True)
@@ -55,12 +67,16 @@ class Proposal:
     # Prompt lookup answered in place of the draft model (a feature draft's lookup first): what the
     # call cost says nothing of what the model's drafting costs.
     looked_up: bool = False
+    # A tree proposal: each token's parent (``specdec.trees``); empty for a chain.
+    parents: tuple[int, ...] = ()
 
 
 class DraftEngine:
     """Session caches plus a drafting rule; subclasses implement ``_draft``."""
 
     kind = "draft"
+    # Whether it proposes token trees (``ProposeCall.tree``); one that does not answers with a chain.
+    trees = True
     # Width of the target hidden states the drafter reads; None: it reads none.
     hidden_size: int | None = None
     # A sampled draft narrows its q to its top this many tokens (0: no narrowing).
@@ -82,7 +98,7 @@ class DraftEngine:
     @property
     def facts(self) -> ModelFacts:
         """The model facts this service reports."""
-        return self._facts
+        return replace(self._facts, trees=self.trees)
 
     @property
     def caches(self) -> CacheTable:
@@ -142,24 +158,69 @@ class DraftEngine:
                 except Exception as exc:  # noqa: BLE001 - the error belongs to this call alone
                     results[i] = exc
                     continue
-                ready = self._drafted_ahead(cache, calls[i], k)
+                tree = calls[i].tree if self.trees else None
+                ready = None if tree is not None else self._drafted_ahead(cache, calls[i], k)
                 if ready is not None:
                     results[i] = ready
-                elif k <= 0:
+                elif k <= 0 and tree is None:
                     results[i] = Proposal([], [], len(cache.committed))
                 else:
-                    jobs.append((i, cache, k))
+                    jobs.append((i, cache, k, tree))
+            chains = [(i, c, k) for i, c, k, tree in jobs if tree is None]
+            trees = [(i, c, tree) for i, c, _, tree in jobs if tree is not None]
             try:
-                drafted = self._draft_many([(c, k, self._picker(calls[i])) for i, c, k in jobs])
+                drafted = self._draft_many([(c, k, self._picker(calls[i])) for i, c, k in chains])
+                drafted = [(*out, ()) if not isinstance(out, Exception) else out for out in drafted]
             except Exception as exc:  # noqa: BLE001 - a failed pass fails only its own calls
-                drafted = [exc] * len(jobs)
-            for (i, cache, _), outcome in zip(jobs, drafted):
+                drafted = [exc] * len(chains)
+            try:
+                grown = self._draft_trees([(c, self._grower(calls[i], c, tree)) for i, c, tree in trees])
+            except Exception as exc:  # noqa: BLE001 - a failed pass fails only its own calls
+                grown = [exc] * len(trees)
+            for (i, cache, *_), outcome in zip(chains + trees, drafted + grown):
                 if isinstance(outcome, Exception):
                     results[i] = outcome
                 else:
-                    tokens, q, looked_up = outcome
-                    results[i] = Proposal(tokens, q, len(cache.committed), looked_up=looked_up)
+                    tokens, q, looked_up, parents = outcome
+                    results[i] = Proposal(tokens, q, len(cache.committed), looked_up=looked_up, parents=parents)
         return results  # type: ignore[return-value]
+
+    def _grower(self, call: ProposeCall, cache, tree: TreeShape) -> TreeGrower:
+        """The tree ``call`` asks for, to grow (``draft_service.tree_draft``)."""
+        position = call.start + len(call.new_tokens)
+        return TreeGrower(tree, call.sampling, call.round_index, position, self.tree_beam, self._sample_top_k)
+
+    # Nodes a level of the tree feeds (``TreeGrower.beam``): 1 for drafters that feed one path.
+    tree_beam = 1
+
+    def _draft_trees(self, jobs: list[tuple]) -> list:
+        """Grows trees for ``(cache, grower)`` jobs: ``(tokens, q, looked_up, parents)`` or an error each.
+
+        The base rule feeds one path (beam 1) with ``_tree_logits``; drafters that batch override it."""
+        out: list = []
+        for cache, grower in jobs:
+            try:
+                out.append(self._grow_one(cache, grower))
+            except Exception as exc:  # noqa: BLE001 - the error belongs to this call alone
+                out.append(exc)
+        return out
+
+    def _grow_one(self, cache, grower: TreeGrower) -> tuple:
+        """One tree along one path: the root's logits, then each frontier node's (``_tree_logits``)."""
+        grower.grow(-1, self._tree_logits(cache, None))
+        while frontier := grower.frontier():
+            node = frontier[0]
+            grower.grow(node, self._tree_logits(cache, grower.nodes[node].token))
+        tokens, parents, qs = grower.result()
+        self._after_tree(cache)
+        return tokens, qs, False, parents
+
+    def _tree_logits(self, cache, token: int | None) -> torch.Tensor:
+        """The draft's logits ``[V]`` after feeding ``token`` (None: the pending committed tokens)."""
+        raise NotImplementedError
+
+    def _after_tree(self, cache) -> None:
+        """Hook: drops what growing a tree left in the cache that no committed token follows."""
 
     def _picker(self, call: ProposeCall) -> TokenPicker:
         """How this call's tokens are picked, and when its proposal stops."""
@@ -181,6 +242,8 @@ class DraftEngine:
             raise ValueError(f"k: must lie in [0, {MAX_K}]")
         if not 0 <= call.ahead <= MAX_K:
             raise ValueError(f"ahead: must lie in [0, {MAX_K}]")
+        if call.tree is not None:
+            call.tree.check()
         cache = self._caches.get(call.cache_id)
         cache.sync(call.start, call.new_tokens, call.fence)
         if call.hidden is not None:
@@ -244,6 +307,14 @@ class NgramDrafter(DraftEngine):
         q = [] if pick.sampling.greedy else [([t], [1.0]) for t in tokens]
         return tokens, q
 
+    def _draft_trees(self, jobs):
+        """Every continuation the lookup finds is a branch (q: a point mass on each, exact)."""
+        out = []
+        for cache, grower in jobs:
+            tokens, q, parents = point_tree(cache.committed, grower, self._max_n, self._min_n)
+            out.append((tokens, q, False, parents))
+        return out
+
 
 class ModelDrafter(DraftEngine):
     """A small causal LM proposes k tokens autoregressively, one cached forward step each."""
@@ -257,6 +328,13 @@ class ModelDrafter(DraftEngine):
 
     def _prefill(self, cache: SessionCache) -> None:
         cache.prefill(self._loaded.model)
+
+    def _tree_logits(self, cache, token):
+        extra = [] if token is None else [token]
+        return on_host(cache.forward(self._loaded.model, extra, logits_to_keep=1))[0]  # [V]
+
+    def _after_tree(self, cache) -> None:
+        cache.trim()  # the path's entries follow no committed token
 
     def _draft(self, cache, k, pick):
         model = self._loaded.model
@@ -416,6 +494,97 @@ class FeatureDrafter(DraftEngine):
             for (j, *_), (tokens, q) in zip(model_jobs, drafted):
                 out[j] = (tokens, q, False)
         return out
+
+    # EAGLE-2 expands the best few nodes of each level; each is one more row in a level's pass.
+    tree_beam = 4
+
+    @torch.inference_mode()
+    def _draft_trees(self, jobs):
+        """Lookup first, as for chains: a whole continuation found makes every continuation a branch.
+        The other sessions grow their trees together: one ragged pass for every session's catch-up
+        pairs, then one per level over every session's frontier (``_grow_together``)."""
+        out: list = [None] * len(jobs)
+        model_jobs = []
+        for j, (cache, grower) in enumerate(jobs):
+            shape = grower.shape
+            if whole_continuation(cache.committed, shape.depth, min_n=self._lookup_min, max_n=self._lookup_max):
+                tokens, q, parents = point_tree(cache.committed, grower, self._lookup_max, self._lookup_min)
+                out[j] = (tokens, q, True, parents)
+            elif not cache.ready():
+                out[j] = ([], [], False, ())
+            else:
+                model_jobs.append(j)
+        if model_jobs:
+            try:
+                grown = self._grow_together([jobs[j] for j in model_jobs])
+            except Exception:
+                for j in model_jobs:
+                    jobs[j][0].reset_kv()  # a pass that failed midway leaves its KV unknown
+                raise
+            for j, result in zip(model_jobs, grown):
+                out[j] = result
+        return out
+
+    def _grow_together(self, jobs: list) -> list[tuple]:
+        """Level-wise tree growth for ``(cache, grower)`` jobs over the draft's KV caches.
+
+        A level feeds each frontier node as the pair (its parent's predicted feature, its token) at
+        its depth's position; it attends to the session's true pairs, its own ancestors' rows (fed at
+        earlier levels) and itself. Those rows are speculative: the next catch-up crops them.
+        """
+        draft = self._draft_model
+        device = draft.device
+        caches = [cache.kv for cache, _ in jobs]
+        catch = [cache.catch_up() for cache, _ in jobs]
+        layout = RaggedLayout.of(
+            [len(f) for f, _, _ in catch],
+            [kv.get_seq_length() for kv in caches],
+            [start for _, _, start in catch],
+            device=device,
+        )
+        feats = torch.cat([f for f, _, _ in catch])  # [N, D]
+        toks = torch.tensor([t for _, tokens, _ in catch for t in tokens], device=device)  # [N]
+        roots = draft.predict_ragged(feats, toks, caches, layout)[[b - 1 for b in layout.bounds[1:]]]  # [B, D]
+        bases = [kv.get_seq_length() for kv in caches]  # true pairs every node sees
+        root_pos = [start + len(f) - 1 for f, _, start in catch]  # position of the last true pair
+        logits = on_host(draft.full_logits(roots))  # [B, V]
+        predicted: list[dict[int, torch.Tensor]] = [{-1: roots[b]} for b in range(len(jobs))]
+        rows_of: list[dict[int, int]] = [{} for _ in jobs]  # node -> its KV row
+        for b, (_, grower) in enumerate(jobs):
+            grower.grow(-1, logits[b])
+        while level := [(b, node) for b, (_, grower) in enumerate(jobs) for node in grower.frontier()]:
+            sessions = sorted({b for b, _ in level})
+            masks, positions, bounds = [], [], [0]
+            for b in sessions:
+                grower = jobs[b][1]
+                mine = [node for s, node in level if s == b]
+                past = caches[b].get_seq_length()
+                mask = torch.zeros(len(mine), past + len(mine), dtype=torch.bool, device=device)  # [n_b, past + n_b]
+                mask[:, : bases[b]] = True
+                for r, node in enumerate(mine):
+                    parent = grower.nodes[node].parent
+                    while parent >= 0:
+                        mask[r, rows_of[b][parent]] = True
+                        parent = grower.nodes[parent].parent
+                    mask[r, past + r] = True
+                    rows_of[b][node] = past + r
+                    positions.append(root_pos[b] + grower.nodes[node].depth)
+                masks.append(mask)
+                bounds.append(bounds[-1] + len(mine))
+            step = RaggedLayout(bounds, masks, torch.tensor(positions, device=device))
+            ordered = [(b, node) for b in sessions for s, node in level if s == b]
+            inputs = torch.stack([predicted[b][jobs[b][1].nodes[node].parent] for b, node in ordered])  # [R, D]
+            tokens = torch.tensor([jobs[b][1].nodes[node].token for b, node in ordered], device=device)  # [R]
+            out = draft.predict_ragged(inputs, tokens, [caches[b] for b in sessions], step)  # [R, D]
+            logits = on_host(draft.full_logits(out))  # [R, V]
+            for r, (b, node) in enumerate(ordered):
+                predicted[b][node] = out[r]
+                jobs[b][1].grow(node, logits[r])
+        results = []
+        for _, grower in jobs:
+            tokens, parents, qs = grower.result()
+            results.append((tokens, qs, False, parents))
+        return results
 
     def _draft_together(self, jobs: list) -> list[tuple[list[int], list]]:
         draft = self._draft_model

@@ -14,6 +14,7 @@ from coordinator.replicas import CacheRef, DraftResult, HiddenChunk, core_error
 from draft_service.engine import DraftEngine, ProposeCall
 from specdec.hidden_wire import hidden_from_fp16
 from specdec.sampling_params import Sampling
+from specdec.trees import TreeShape
 from specdec.vocab import ModelFacts
 
 T = TypeVar("T")
@@ -51,6 +52,7 @@ class InProcessDraft:
         hidden: HiddenChunk | None = None,
         min_confidence: float = 0.0,
         ahead: int = 0,
+        tree: TreeShape | None = None,
     ) -> DraftResult:
         """Syncs the cache to ``committed`` (taking in target hidden states) and proposes up to ``k``
         tokens; then drafts ``ahead`` tokens ahead, as the service does once its reply has left."""
@@ -60,7 +62,17 @@ class InProcessDraft:
             width = self._engine.hidden_size
             rows = hidden_from_fp16(hidden.start, hidden.dim, hidden.fp16, width) if hidden and width else None
             call = ProposeCall(
-                ref.cache_id, start, committed[start:], k, sampling, round_index, rows, ref.fence, min_confidence, ahead
+                ref.cache_id,
+                start,
+                committed[start:],
+                k,
+                sampling,
+                round_index,
+                rows,
+                ref.fence,
+                min_confidence,
+                ahead,
+                tree,
             )
             proposal = self._engine.propose_batch([call])[0]
             if isinstance(proposal, Exception):
@@ -76,6 +88,7 @@ class InProcessDraft:
             proposal.committed,
             proposal.from_ahead,
             proposal.looked_up,
+            tuple(proposal.parents),
         )
 
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:

@@ -24,6 +24,7 @@ from specdec.models import LoadedModel, load_config, load_model, max_context, re
 from specdec.packed_linear import pack_linears
 from specdec.rpc import RunningServer, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
+from specdec.trees import TreeShape
 from specdec.v1 import draft_pb2, draft_pb2_grpc
 from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 from specdec.wire import sampling_from_pb
@@ -45,7 +46,15 @@ def propose_call_from_pb(request: draft_pb2.ProposeRequest, hidden_size: int | N
         request.sync.fence,
         request.min_confidence,
         request.ahead,
+        tree_shape_from_pb(request),
     )
+
+
+def tree_shape_from_pb(request: draft_pb2.ProposeRequest) -> TreeShape | None:
+    """The tree a Propose request asks for, or None for a chain."""
+    if not request.HasField("tree") or request.tree.nodes == 0:
+        return None
+    return TreeShape(request.tree.nodes, request.tree.depth, request.tree.width)
 
 
 class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
@@ -80,6 +89,7 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
                 committed=proposal.committed,
                 from_ahead=proposal.from_ahead,
                 looked_up=proposal.looked_up,
+                parents=proposal.parents,
             )
 
 

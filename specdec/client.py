@@ -114,6 +114,10 @@ class Stats:
     prefill_ms: float
     ahead_rounds: int
     judged_tokens: int
+    tree_rounds: int = 0
+    tree_nodes: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)
+    accepted_at_rank: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -147,6 +151,8 @@ def _stats(msg: coordinator_pb2.GenerationStats) -> Stats:
     values = {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields}
     values["drafted_at_position"] = list(msg.drafted_at_position)
     values["accepted_at_position"] = list(msg.accepted_at_position)
+    values["accepted_at_depth"] = list(msg.accepted_at_depth)
+    values["accepted_at_rank"] = list(msg.accepted_at_rank)
     return Stats(**values)
 
 

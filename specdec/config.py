@@ -8,6 +8,8 @@ from importlib.resources import files
 from pathlib import Path
 
 MAX_K = 32
+# Most nodes of one round's token tree (specdec.trees): a verify row each.
+MAX_TREE_NODES = 32
 # What ``--dtype`` takes: "auto" (float32 on a CPU, the checkpoint's dtype on a GPU) or a torch dtype.
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -280,6 +282,10 @@ class CoordinatorConfig:
     # guess that the whole proposal passes (0: off; see ProposeRequest.ahead). It pays where the
     # draft has cores of its own; on shared cores it takes one from the target's pass.
     draft_ahead: int = 0
+    # Most nodes of a round's token tree (0: chains only). With k chosen each round, the coordinator
+    # picks each round's tree size and shape, or a chain, from measured costs and acceptance
+    # (coordinator.tree_choice); a stack whose draft or target handles no trees runs chains.
+    tree_nodes: int = 15
     # Least seconds between two checkpoints of a running turn (its first and last go at once); a
     # resume after a coordinator's loss replays at most this much (coordinator.checkpoints).
     checkpoint_interval_s: float = 0.25
@@ -298,5 +304,7 @@ class CoordinatorConfig:
             raise ValueError("free_lookup_min: must be 0 (off) or a suffix length of at least 1")
         if not 0 <= self.draft_ahead <= MAX_K:
             raise ValueError(f"draft_ahead: must be 0 (off) or a number of tokens up to {MAX_K}")
+        if not 0 <= self.tree_nodes <= MAX_TREE_NODES:
+            raise ValueError(f"tree_nodes: must be 0 (chains only) or a node count up to {MAX_TREE_NODES}")
         if not 0 <= self.checkpoint_interval_s < 3600:
             raise ValueError("checkpoint_interval_s: must be 0 (every round) or a number of seconds below an hour")

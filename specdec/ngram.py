@@ -43,3 +43,51 @@ def whole_continuation(tokens: list[int], k: int, *, min_n: int, max_n: int = LO
     """
     found = propose_ngram(tokens, k, max_n, min_n) if min_n else []
     return found if found and len(found) == k else None
+
+
+def lookup_tree(
+    tokens: list[int], nodes: int, depth: int, width: int, max_n: int, min_n: int
+) -> tuple[list[int], tuple[int, ...]]:
+    """A token tree of what followed earlier matches of the context's tail, every continuation a branch.
+
+    The longest suffix (``max_n`` down to ``min_n``) that occurs earlier is matched; each occurrence,
+    most recent first, adds the ``depth`` tokens after it to a trie. Siblings are ranked by how many
+    occurrences share them (the most recent breaking ties), at most ``width`` per node and ``nodes``
+    in all. Returns tokens and parents, parents first (``specdec.trees``); empty when nothing matches.
+    """
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        follows = [
+            tokens[start + n : start + n + depth]
+            for start in range(length - n - 1, -1, -1)
+            if tokens[start + n - 1] == suffix[-1] and tokens[start : start + n] == suffix
+        ]
+        follows = [f for f in follows if f]
+        if follows:
+            return _trie(follows, nodes, width)
+    return [], ()
+
+
+def _trie(paths: list[list[int]], nodes: int, width: int) -> tuple[list[int], tuple[int, ...]]:
+    """The trie of ``paths`` (most important first), breadth first, within ``nodes`` and ``width``."""
+    out_tokens: list[int] = []
+    out_parents: list[int] = []
+    level = [(-1, paths)]  # (parent node, the paths through it)
+    while level and len(out_tokens) < nodes:
+        following = []
+        for parent, through in level:
+            groups: dict[int, list[list[int]]] = {}
+            for path in through:
+                if path:
+                    groups.setdefault(path[0], []).append(path[1:])
+            # dicts keep insertion order: among equal counts the most recent occurrence comes first
+            ranked = sorted(groups.items(), key=lambda item: -len(item[1]))[:width]
+            for token, rest in ranked:
+                if len(out_tokens) >= nodes:
+                    break
+                out_tokens.append(token)
+                out_parents.append(parent)
+                following.append((len(out_tokens) - 1, rest))
+        level = following
+    return out_tokens, tuple(out_parents)

@@ -52,7 +52,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from specdec.side_layers import with_sides
-from specdec.trees import depths, tree_mask
+from specdec.tree_verify import tree_mask
+from specdec.trees import depths
 
 RAGGED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
 """Model types (``config.model_type``) whose decoder layers the ragged pass runs."""

@@ -56,6 +56,8 @@ class StackConfig:
     confidence_cutoff: bool = True
     # Tokens the draft drafts ahead while a lone session's round is verified (see CoordinatorConfig).
     draft_ahead: int = 0
+    # Most nodes of a round's token tree (0: chains only; see CoordinatorConfig).
+    tree_nodes: int = 15
     # Under load the target feeds a new prompt in its session's first verify pass (see TargetConfig).
     fold_prefills: bool = True
     # Tokens of a long prompt the target feeds a pass (see TargetConfig.prefill_chunk).
@@ -253,6 +255,8 @@ class LocalStack:
                         *([] if c.confidence_cutoff else ["--no-confidence-cutoff"]),
                         "--draft-ahead",
                         str(c.draft_ahead),
+                        "--tree-nodes",
+                        str(c.tree_nodes),
                         *(http if i == 0 else []),
                         *common,
                     ],

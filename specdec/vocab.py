@@ -30,6 +30,8 @@ class ModelFacts:
     fingerprint: str
     side_layers: tuple[int, ...] = ()
     """A feature draft: target layers whose outputs it reads besides the final-norm hidden states."""
+    trees: bool = False
+    """A target: it verifies token trees; a draft: it proposes them (``specdec.trees``)."""
 
 
 def default_model_folder(cache_dir: Path) -> Path | None:

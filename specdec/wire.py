@@ -37,6 +37,7 @@ def facts_to_pb(facts: ModelFacts) -> common_pb2.ModelInfo:
         eos_token_ids=list(facts.eos_token_ids),
         tokenizer_fingerprint=facts.fingerprint,
         side_layers=list(facts.side_layers),
+        trees=facts.trees,
     )
 
 
@@ -50,6 +51,7 @@ def facts_from_pb(msg: common_pb2.ModelInfo) -> ModelFacts:
         eos_token_ids=tuple(msg.eos_token_ids),
         fingerprint=msg.tokenizer_fingerprint,
         side_layers=tuple(msg.side_layers),
+        trees=msg.trees,
     )
 
 

@@ -28,16 +28,8 @@ from specdec.sampling import (
     warp_probs,
 )
 from specdec.side_layers import check_side_layers
-from specdec.trees import (
-    MAX_TREE_NODES,
-    TreeVerdict,
-    check_parents,
-    depths,
-    is_chain,
-    verify_tree_coupled,
-    verify_tree_greedy,
-    verify_tree_sampled,
-)
+from specdec.tree_verify import TreeVerdict, verify_tree_coupled, verify_tree_greedy, verify_tree_sampled
+from specdec.trees import MAX_TREE_NODES, check_parents, depths, is_chain
 from specdec.vocab import ModelFacts
 from target_service.pass_costs import PassCosts
 
@@ -211,8 +203,8 @@ class TargetEngine:
 
     @property
     def facts(self) -> ModelFacts:
-        """The model facts this service reports."""
-        return self._loaded.facts("target")
+        """The model facts this service reports: trees are verified in the ragged pass only."""
+        return replace(self._loaded.facts("target"), trees=self._ragged)
 
     @property
     def caches(self) -> CacheTable:

@@ -88,6 +88,7 @@ class InProcessTarget:
             with_hidden,
             ref.fence,
             side_layers=side_layers,
+            draft_parents=tuple(draft.parents) if draft else (),
         )
 
         def verify_one():
@@ -98,7 +99,8 @@ class InProcessTarget:
 
         outcome = self._run(verify_one)
         hidden = hidden_chunk(outcome.hidden) if with_hidden else None
-        return VerifyResult(outcome.accepted, list(outcome.tokens), outcome.committed, hidden, outcome.load)
+        path = tuple(outcome.path) if outcome.path is not None else None
+        return VerifyResult(outcome.accepted, list(outcome.tokens), outcome.committed, hidden, outcome.load, path)
 
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
         """Drops a cache."""

@@ -49,6 +49,7 @@ def verify_call_from_pb(request: target_pb2.VerifyRequest) -> VerifyCall:
         request.return_hidden,
         request.sync.fence,
         side_layers=tuple(request.hidden_side_layers),
+        draft_parents=tuple(request.draft_parents),
     )
 
 
@@ -98,7 +99,10 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             outcome = await guarded(context, self._verify(request), "TargetService/Verify")
             span.set_attribute("specdec.accepted", outcome.accepted)
             reply = target_pb2.VerifyReply(
-                accepted=outcome.accepted, tokens=outcome.tokens, committed=outcome.committed
+                accepted=outcome.accepted,
+                tokens=outcome.tokens,
+                committed=outcome.committed,
+                accepted_nodes=outcome.path or (),
             )
             if outcome.load is not None:
                 load = outcome.load

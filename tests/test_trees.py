@@ -7,15 +7,15 @@ import torch
 
 from specdec.kvcache import SessionCache
 from specdec.sampling import Sampling
+from specdec.tree_verify import tree_mask, verify_tree_greedy
 from specdec.trees import (
+    TreeShape,
     chain_parents,
     check_parents,
     children,
     depths,
     path_to,
     ranks,
-    tree_mask,
-    verify_tree_greedy,
 )
 from target_service.engine import TargetEngine, VerifyCall
 
@@ -214,7 +214,7 @@ def _draft_q(prefix: tuple[int, ...]) -> torch.Tensor:
 def _sampled_tree(g: torch.Generator, width: int, depth: int, replace_rule: bool):
     """A fixed-shape tree (each depth: ``width`` siblings drawn without replacement, the first one
     expanded), its per-node q (exact, or the plain q when ``replace_rule`` is the wrong one)."""
-    from specdec.trees import without_replacement
+    from specdec.tree_verify import without_replacement
 
     tokens, parents, qs, prefixes = [], [], [], {-1: ()}
     parent = -1
@@ -238,7 +238,7 @@ def _sampled_tree(g: torch.Generator, width: int, depth: int, replace_rule: bool
 def _committed_pairs(trials: int, wrong: bool) -> torch.Tensor:
     """Counts ``[V, V]`` of the first two committed tokens over many sampled tree rounds (a round that
     commits one token is followed by a target-only draw, as the next round would be)."""
-    from specdec.trees import verify_tree_sampled
+    from specdec.tree_verify import verify_tree_sampled
 
     counts = torch.zeros(VOCAB, VOCAB)
     g = torch.Generator().manual_seed(7)
@@ -272,3 +272,89 @@ def test_the_wrong_residual_rule_fails_the_same_test():
     """Judging a second sibling against the plain q it was not drawn from (ignoring that the first
     sibling's token was removed) biases the output: the same test rejects it."""
     assert _chi2(_committed_pairs(12_000, wrong=True)) > 200.0
+
+
+# --- trees through the round loop (in process) --------------------------------------------------
+
+
+class TreePolicy:
+    """A policy that plans the same tree every round: the loop's plumbing, whatever the cost model."""
+
+    def __new__(cls, shape, **config):
+        from coordinator.policy import RoundPlan, SpeculationConfig, SpeculationPolicy
+
+        class Always(SpeculationPolicy):
+            def plan(self, turn, room):
+                if room < 2:
+                    return RoundPlan(0)
+                return RoundPlan(
+                    min(shape.depth, room - 1), tree=TreeShape(shape.nodes, min(shape.depth, room - 1), shape.width)
+                )
+
+        return Always(SpeculationConfig(**config), live_targets=lambda: 1)
+
+
+def _tree_loop(target_model, drafter, shape):
+    from opentelemetry import trace
+
+    from coordinator.rounds import RoundLoop
+    from coordinator.routing import Router
+    from coordinator.sessions import MemorySessionStore
+    from coordinator.turns import Turns
+    from draft_service.inprocess import InProcessDraft
+    from target_service.inprocess import InProcessTarget
+
+    router = Router([InProcessDraft(drafter)], [InProcessTarget(TargetEngine(target_model, 8))])
+    facts = target_model.facts("target")
+    turns = Turns(target_model.tokenizer, facts, MemorySessionStore(3600))
+    return RoundLoop(target_model.tokenizer, facts, router, TreePolicy(shape), turns, trace.NoOpTracer())
+
+
+def _run(loop, **fields):
+    import asyncio
+
+    from coordinator.turns import GenerationRequest
+
+    async def collect():
+        chunks = [c async for c in loop.generate(GenerationRequest("w1 w2 w3", None, 20, **fields), lambda: None)]
+        return [t for c in chunks for t in c.token_ids], chunks[-1].stats
+
+    return asyncio.run(collect())
+
+
+def _hf_greedy(loaded, prompt: str, n: int) -> list[int]:
+    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
+    with torch.inference_mode():
+        out = loaded.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("kind", ["model", "ngram"])
+def test_tree_rounds_give_target_only_greedy_output(tiny_target, tiny_draft, kind):
+    from draft_service.engine import ModelDrafter, NgramDrafter
+
+    drafter = ModelDrafter(tiny_draft, 8, 0) if kind == "model" else NgramDrafter(tiny_target.facts("ngram"), 8, 3, 1)
+    tokens, stats = _run(_tree_loop(tiny_target, drafter, TreeShape(6, 3, 2)))
+    assert tokens == _hf_greedy(tiny_target, "w1 w2 w3", 20)
+    assert stats.tree_rounds > 0 and stats.tree_nodes >= stats.tree_rounds
+    assert sum(stats.accepted_at_rank) == sum(stats.accepted_at_depth) <= stats.accepted_tokens
+
+
+def test_a_tree_from_the_target_itself_takes_its_first_path(tiny_target):
+    """A draft equal to the target: every round accepts the rank-0 path to the tree's full depth."""
+    from draft_service.engine import ModelDrafter
+
+    tokens, stats = _run(_tree_loop(tiny_target, ModelDrafter(tiny_target, 8, 0), TreeShape(6, 3, 2)))
+    assert tokens == _hf_greedy(tiny_target, "w1 w2 w3", 20)
+    assert stats.accepted_at_rank[1:] == [] or sum(stats.accepted_at_rank[1:]) == 0
+    assert stats.mean_accepted_length == pytest.approx(4.0, abs=0.5)
+
+
+def test_seeded_sampled_tree_output_equals_the_chain_and_no_draft(tiny_target, tiny_draft):
+    """Coupled sampling with trees: the same tokens as chains or target-only (the draft changes speed only)."""
+    from draft_service.engine import ModelDrafter
+
+    sampled = dict(temperature=1.0, top_p=0.95, seed=11)
+    tree, _ = _run(_tree_loop(tiny_target, ModelDrafter(tiny_draft, 8, 0), TreeShape(6, 3, 2)), **sampled)
+    chain, _ = _run(_tree_loop(tiny_target, ModelDrafter(tiny_draft, 8, 0), TreeShape(3, 3, 1)), **sampled)
+    assert tree == chain and len(tree) == 20

@@ -33,7 +33,7 @@ class CacheSync(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., start: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., fence: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "kind", "side_layers")
+    __slots__ = ("name", "vocab_size", "max_context", "eos_token_ids", "tokenizer_fingerprint", "kind", "side_layers", "trees")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class ModelInfo(_message.Message):
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SIDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
     name: str
     vocab_size: int
     max_context: int
@@ -48,7 +49,8 @@ class ModelInfo(_message.Message):
     tokenizer_fingerprint: str
     kind: str
     side_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., kind: _Optional[str] = ..., side_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    trees: bool
+    def __init__(self, name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_fingerprint: _Optional[str] = ..., kind: _Optional[str] = ..., side_layers: _Optional[_Iterable[int]] = ..., trees: _Optional[bool] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

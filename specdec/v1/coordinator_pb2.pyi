@@ -57,7 +57,7 @@ class Resume(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., text_chars: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "draft_ms", "verify_ms", "other_ms", "total_ms", "time_to_first_token_ms", "drafted_at_position", "accepted_at_position", "prefill_ms", "ahead_rounds", "judged_tokens")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "draft_ms", "verify_ms", "other_ms", "total_ms", "time_to_first_token_ms", "drafted_at_position", "accepted_at_position", "prefill_ms", "ahead_rounds", "judged_tokens", "tree_rounds", "tree_nodes", "accepted_at_depth", "accepted_at_rank")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,10 @@ class GenerationStats(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     AHEAD_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     JUDGED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TREE_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_AT_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_AT_RANK_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -92,7 +96,11 @@ class GenerationStats(_message.Message):
     prefill_ms: float
     ahead_rounds: int
     judged_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., other_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., drafted_at_position: _Optional[_Iterable[int]] = ..., accepted_at_position: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., ahead_rounds: _Optional[int] = ..., judged_tokens: _Optional[int] = ...) -> None: ...
+    tree_rounds: int
+    tree_nodes: int
+    accepted_at_depth: _containers.RepeatedScalarFieldContainer[int]
+    accepted_at_rank: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., other_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., drafted_at_position: _Optional[_Iterable[int]] = ..., accepted_at_position: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., ahead_rounds: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., accepted_at_depth: _Optional[_Iterable[int]] = ..., accepted_at_rank: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "session_id")

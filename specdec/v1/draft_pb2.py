@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xce\x01\n\x0eProposeRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.CacheSync\x12\t\n\x01k\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05round\x18\x04 \x01(\r\x12(\n\x06hidden\x18\x05 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02\x12\r\n\x05\x61head\x18\x07 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x83\x01\n\x0cProposeReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12)\n\x01q\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x11\n\tcommitted\x18\x03 \x01(\r\x12\x12\n\nfrom_ahead\x18\x04 \x01(\x08\x12\x11\n\tlooked_up\x18\x05 \x01(\x08\x32\x96\x02\n\x0c\x44raftService\x12?\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x18.specdec.v1.PrefillReply\x12?\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x18.specdec.v1.ProposeReply\x12?\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x18.specdec.v1.ReleaseReply\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xf3\x01\n\x0eProposeRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.CacheSync\x12\t\n\x01k\x18\x02 \x01(\r\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05round\x18\x04 \x01(\r\x12(\n\x06hidden\x18\x05 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\x16\n\x0emin_confidence\x18\x06 \x01(\x02\x12\r\n\x05\x61head\x18\x07 \x01(\r\x12#\n\x04tree\x18\x08 \x01(\x0b\x32\x15.specdec.v1.TreeShape\"8\n\tTreeShape\x12\r\n\x05nodes\x18\x01 \x01(\r\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12\r\n\x05width\x18\x03 \x01(\r\"6\n\x12SparseDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x94\x01\n\x0cProposeReply\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12)\n\x01q\x18\x02 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12\x11\n\tcommitted\x18\x03 \x01(\r\x12\x12\n\nfrom_ahead\x18\x04 \x01(\x08\x12\x11\n\tlooked_up\x18\x05 \x01(\x08\x12\x0f\n\x07parents\x18\x06 \x03(\x05\x32\x96\x02\n\x0c\x44raftService\x12?\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x18.specdec.v1.PrefillReply\x12?\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x18.specdec.v1.ProposeReply\x12?\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x18.specdec.v1.ReleaseReply\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.draft_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEREQUEST']._serialized_start=64
-  _globals['_PROPOSEREQUEST']._serialized_end=270
-  _globals['_SPARSEDISTRIBUTION']._serialized_start=272
-  _globals['_SPARSEDISTRIBUTION']._serialized_end=326
-  _globals['_PROPOSEREPLY']._serialized_start=329
-  _globals['_PROPOSEREPLY']._serialized_end=460
-  _globals['_DRAFTSERVICE']._serialized_start=463
-  _globals['_DRAFTSERVICE']._serialized_end=741
+  _globals['_PROPOSEREQUEST']._serialized_end=307
+  _globals['_TREESHAPE']._serialized_start=309
+  _globals['_TREESHAPE']._serialized_end=365
+  _globals['_SPARSEDISTRIBUTION']._serialized_start=367
+  _globals['_SPARSEDISTRIBUTION']._serialized_end=421
+  _globals['_PROPOSEREPLY']._serialized_start=424
+  _globals['_PROPOSEREPLY']._serialized_end=572
+  _globals['_DRAFTSERVICE']._serialized_start=575
+  _globals['_DRAFTSERVICE']._serialized_end=853
 # @@protoc_insertion_point(module_scope)

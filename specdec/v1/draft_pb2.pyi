@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("sync", "k", "sampling", "round", "hidden", "min_confidence", "ahead")
+    __slots__ = ("sync", "k", "sampling", "round", "hidden", "min_confidence", "ahead", "tree")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class ProposeRequest(_message.Message):
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     MIN_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     AHEAD_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.CacheSync
     k: int
     sampling: _common_pb2.SamplingParams
@@ -23,7 +24,18 @@ class ProposeRequest(_message.Message):
     hidden: _common_pb2.HiddenStates
     min_confidence: float
     ahead: int
-    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., min_confidence: _Optional[float] = ..., ahead: _Optional[int] = ...) -> None: ...
+    tree: TreeShape
+    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., min_confidence: _Optional[float] = ..., ahead: _Optional[int] = ..., tree: _Optional[_Union[TreeShape, _Mapping]] = ...) -> None: ...
+
+class TreeShape(_message.Message):
+    __slots__ = ("nodes", "depth", "width")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    nodes: int
+    depth: int
+    width: int
+    def __init__(self, nodes: _Optional[int] = ..., depth: _Optional[int] = ..., width: _Optional[int] = ...) -> None: ...
 
 class SparseDistribution(_message.Message):
     __slots__ = ("token_ids", "probs")
@@ -34,15 +46,17 @@ class SparseDistribution(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
-    __slots__ = ("tokens", "q", "committed", "from_ahead", "looked_up")
+    __slots__ = ("tokens", "q", "committed", "from_ahead", "looked_up", "parents")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     FROM_AHEAD_FIELD_NUMBER: _ClassVar[int]
     LOOKED_UP_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[SparseDistribution]
     committed: int
     from_ahead: bool
     looked_up: bool
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., committed: _Optional[int] = ..., from_ahead: _Optional[bool] = ..., looked_up: _Optional[bool] = ...) -> None: ...
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[SparseDistribution, _Mapping]]] = ..., committed: _Optional[int] = ..., from_ahead: _Optional[bool] = ..., looked_up: _Optional[bool] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...

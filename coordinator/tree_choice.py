@@ -1,0 +1,123 @@
+"""Choosing each round's token tree from measured acceptance by depth and sibling rank.
+
+A tree round commits, in expectation, one token of the target's own plus, for every node, the chance
+that the walk from the root accepts it (``specdec.trees``). With a(d, r) the probability that the
+rank-r child at depth d is accepted given that its parent was and its earlier siblings were not,
+
+    P(node) = P(parent) * a(d, r) * (1 - a(d, 0)) * ... * (1 - a(d, r - 1)),
+
+so E(tree) = 1 + the sum of P over its nodes. A child's P never exceeds its parent's, so the best tree
+of N nodes holds the N largest P of the unbounded tree, found best first (``best_tree``); this is the
+expected value of the tree the draft grows by its own path probabilities (``draft_service.tree_draft``).
+A chain of k is the tree whose nodes are all rank 0, so a tree of k nodes never expects fewer tokens
+than the chain of k, and costs the same verify rows.
+
+Sampled (not coupled) trees have a fixed shape (``width`` siblings per level, the first expanding):
+for them the expectation is summed over that shape (``spine_tokens``).
+
+The round's cost is that of a draft call over ``depth`` levels plus a verify pass over N + 1 rows, so
+the policy compares tokens per millisecond of the best tree of each size with the best chain and
+target-only (``coordinator.adaptive``), and a tree only wins where it pays.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from specdec.trees import TreeShape, children
+
+# A sibling's acceptance before it is measured: the draft's second guess, given its first failed.
+SIBLING_PRIOR = 0.25
+PRIOR_WEIGHT = 4.0
+# Most children per node a tree takes.
+MAX_WIDTH = 4
+
+
+@dataclass
+class TreeAcceptance:
+    """Counts by (depth, rank) of children judged (their parent accepted, earlier siblings not) and
+    accepted, smoothed towards priors: the chain's rate by depth for rank 0, SIBLING_PRIOR otherwise."""
+
+    judged: dict[tuple[int, int], int] = field(default_factory=dict)
+    accepted: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def record(self, parents: tuple[int, ...], path: tuple[int, ...]) -> None:
+        """Counts one verified tree and its accepted path (root to leaf)."""
+        kids = children(parents)
+        node = -1
+        for depth in range(1, len(path) + 2):
+            taken = path[depth - 1] if depth <= len(path) else None
+            for rank, child in enumerate(kids.get(node, ())):
+                key = (depth, rank)
+                self.judged[key] = self.judged.get(key, 0) + 1
+                if child == taken:
+                    self.accepted[key] = self.accepted.get(key, 0) + 1
+                    break
+            if taken is None:
+                return
+            node = taken
+
+    def rate(self, depth: int, rank: int, chain_rates: list[float]) -> float:
+        """a(depth, rank), smoothed; ``chain_rates[d - 1]`` is the chain's conditional rate at depth d."""
+        if rank == 0:
+            prior = chain_rates[min(depth, len(chain_rates)) - 1] if chain_rates else 0.5
+        else:
+            prior = SIBLING_PRIOR
+        key = (depth, rank)
+        return (self.accepted.get(key, 0) + prior * PRIOR_WEIGHT) / (self.judged.get(key, 0) + PRIOR_WEIGHT)
+
+    def by_depth(self) -> dict[int, float]:
+        """Measured share of judged children accepted at each depth (any rank), for reports."""
+        out: dict[int, list[int]] = {}
+        for (depth, _), n in self.judged.items():
+            out.setdefault(depth, [0, 0])[1] += n
+        for (depth, _), n in self.accepted.items():
+            out[depth][0] += n
+        return {d: a / j for d, (a, j) in sorted(out.items()) if j}
+
+
+def best_tree(rate, max_nodes: int, max_depth: int, max_width: int = MAX_WIDTH) -> list[tuple[float, TreeShape]]:
+    """For N = 1 .. max_nodes: the expected tokens of the best tree of N nodes and its shape.
+
+    ``rate(depth, rank)`` is a(d, r). Nodes are taken best first from the unbounded tree (depth up to
+    ``max_depth``, ``max_width`` children a node); each taken node offers its children next.
+    """
+    out: list[tuple[float, TreeShape]] = []
+    heap: list[tuple[float, int, int, int]] = []  # (-P, tie, depth, rank) of the offered nodes
+    tie = 0
+
+    def offer(p_parent: float, depth: int) -> None:
+        nonlocal tie
+        if depth > max_depth:
+            return
+        missed = 1.0
+        for rank in range(max_width):
+            a = rate(depth, rank)
+            heapq.heappush(heap, (-(p_parent * missed * a), tie, depth, rank))
+            tie += 1
+            missed *= 1.0 - a
+
+    offer(1.0, 1)
+    total, deepest, widest = 1.0, 0, 0
+    while heap and len(out) < max_nodes:
+        neg_p, _, depth, rank = heapq.heappop(heap)
+        total -= neg_p
+        deepest, widest = max(deepest, depth), max(widest, rank + 1)
+        out.append((total, TreeShape(len(out) + 1, deepest, widest)))
+        offer(-neg_p, depth + 1)
+    return out
+
+
+def spine_tokens(rate, depth: int, width: int) -> float:
+    """Expected tokens of a fixed-shape sampled tree: ``width`` siblings per level, the first expanding."""
+    total, reach = 1.0, 1.0
+    for d in range(1, depth + 1):
+        missed, gained = 1.0, 0.0
+        for rank in range(width):
+            a = rate(d, rank)
+            gained += missed * a
+            missed *= 1.0 - a
+        total += reach * gained
+        reach *= rate(d, 0)
+    return total

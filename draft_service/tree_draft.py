@@ -1,0 +1,128 @@
+"""Growing a draft token tree, level by level, from the draft's own distributions (EAGLE-2's dynamic tree).
+
+Each level, the draft scores the nodes chosen for expansion (its *frontier*) and gives each its top
+``width`` children; the frontier of the next level is the ``beam`` new nodes of highest path
+probability (the product of the draft's probabilities along the path, which on the default feature
+draft tracks the chance the path is accepted). After ``depth`` levels the tree keeps its ``nodes``
+nodes of highest path probability. A child's path probability never exceeds its parent's, so the
+kept nodes always include their ancestors. Greedy and coupled trees may be shaped this way by any
+rule: their acceptance does not depend on the tree (``specdec.trees``).
+
+A sampled tree's shape must not depend on its draws (``specdec.trees``): each level draws ``width``
+children without replacement from the draft's q and only the first drawn expands, so every level
+holds ``width`` nodes whatever was drawn, and each node carries the q it was drawn from given the
+siblings before it.
+
+With ``beam`` 1 only one node per level is fed, along one path, so a drafter that feeds its model a
+chain (the token draft) grows trees with no tree mask and no extra draft passes: the siblings come
+from distributions it computes anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from draft_service.picking import DRAFT_STREAM
+from specdec.sampling import Sampling, dense_to_sparse, position_generator, round_generator, warp_probs
+from specdec.tree_verify import without_replacement
+from specdec.trees import TreeShape
+
+
+@dataclass
+class _Node:
+    token: int
+    parent: int  # index of the parent node, -1: the root
+    depth: int
+    logp: float  # the draft's log probability of the path root -> this node
+    q: tuple[list[int], list[float]] | None
+
+
+@dataclass
+class TreeGrower:
+    """One session's draft tree as it grows; the drafter feeds its frontier and hands back logits."""
+
+    shape: TreeShape
+    sampling: Sampling
+    round_index: int
+    position: int
+    """Sequence position of the root's children (coupled noise is keyed by position)."""
+    beam: int = 1
+    sample_top_k: int = 0
+    nodes: list[_Node] = field(default_factory=list)
+    _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+
+    def grow(self, parent: int, logits: torch.Tensor) -> None:
+        """Adds the children of ``parent`` (-1: the root) from the draft's logits ``[V]`` after it."""
+        depth = 1 if parent < 0 else self.nodes[parent].depth + 1
+        base = 0.0 if parent < 0 else self.nodes[parent].logp
+        width = self.shape.width
+        if self.sampling.greedy:
+            probs = torch.softmax(logits.float(), -1)  # [V]
+            picked = torch.topk(probs, min(width, int((probs > 0).sum()))).indices.tolist()
+            qs: list = [None] * len(picked)
+        else:
+            probs = warp_probs(logits[None], self.sampling, extra_top_k=self.sample_top_k)[0]  # [V]
+            picked, qs = self._draw(probs, depth, width)
+        for token, q in zip(picked, qs):
+            mass = float(probs[token])
+            logp = base + (math.log(mass) if mass > 0 else -math.inf)
+            self.nodes.append(_Node(int(token), parent, depth, logp, q))
+
+    def _draw(self, probs: torch.Tensor, depth: int, width: int) -> tuple[list[int], list]:
+        """``width`` children drawn without replacement: coupled, by the position's noise (the first is
+        the coupled draw itself); sampled, one after another from the round's draft stream."""
+        support = int((probs > 0).sum())
+        width = min(width, support)
+        if self.sampling.coupled:
+            noise = torch.rand(
+                probs.shape[-1],
+                generator=position_generator(self.sampling.seed, self.position + depth - 1),
+                dtype=torch.float64,
+            )
+            keys = probs.double() / -torch.log1p(-noise)  # [V]; the argmax is ``coupled_token``'s draw
+            order = torch.topk(keys, width).indices.tolist()
+            q = dense_to_sparse(probs)
+            return order, [q] * len(order)
+        if self._generator is None:
+            self._generator = round_generator(self.sampling.seed, self.round_index, DRAFT_STREAM)
+        taken: list[int] = []
+        qs = []
+        for _ in range(width):
+            q = without_replacement(probs, taken)
+            taken.append(int(torch.multinomial(q, 1, generator=self._generator)))
+            qs.append(dense_to_sparse(q))
+        return taken, qs
+
+    def frontier(self) -> list[int]:
+        """The nodes to feed next (whose children the next level adds), or [] when the tree is grown.
+
+        Sampled trees expand the first child drawn at the newest level: a shape fixed before drawing.
+        """
+        if not self.nodes:
+            return []
+        depth = self.nodes[-1].depth
+        if depth >= self.shape.depth:
+            return []
+        newest = [i for i, n in enumerate(self.nodes) if n.depth == depth]
+        if not self.sampling.greedy and not self.sampling.coupled:
+            return newest[:1]
+        newest.sort(key=lambda i: -self.nodes[i].logp)
+        return [i for i in newest[: self.beam] if self.nodes[i].logp > -math.inf]
+
+    def result(self) -> tuple[list[int], tuple[int, ...], list]:
+        """The tree proposed: tokens, parents and (sampled) per-node q, parents listed first.
+
+        A greedy or coupled tree keeps its ``nodes`` best nodes by path probability; a sampled one keeps
+        its first ``nodes`` in drawing order, an order no draw changes."""
+        order = list(range(len(self.nodes)))
+        if self.sampling.greedy or self.sampling.coupled:
+            order.sort(key=lambda i: (-self.nodes[i].logp, i))
+        kept = sorted(order[: self.shape.nodes])
+        index = {old: new for new, old in enumerate(kept)}
+        tokens = [self.nodes[i].token for i in kept]
+        parents = tuple(-1 if self.nodes[i].parent < 0 else index[self.nodes[i].parent] for i in kept)
+        qs = [] if self.sampling.greedy else [self.nodes[i].q for i in kept]
+        return tokens, parents, qs
