@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -82,3 +85,57 @@ def test_fused_projections_with_biases_match_each_layer(biases):
     with torch.inference_mode():
         for index, layer in enumerate(layers):
             torch.testing.assert_close(fused.part(x, index), layer(x), rtol=1e-5, atol=1e-5)
+
+
+_KERNEL_SWEEP = """
+import ctypes, sys
+import torch
+from torch import nn
+import specdec.packed_linear as packed
+
+torch.set_num_threads(1)
+packed.KERNEL_CACHE_ENTRIES = int(sys.argv[1])
+libc = ctypes.CDLL("libc.so.6")
+
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
+
+
+libc.mallinfo2.restype = Mallinfo2  # uordblks: heap bytes in use
+model = nn.Sequential(nn.Linear(32, 96), nn.Linear(96, 32), nn.Linear(32, 128), nn.Linear(128, 64))
+packed.pack_linears(model)
+with torch.inference_mode():
+    model(torch.randn(1, 32))
+    before = libc.mallinfo2().uordblks
+    for rows in range(1, 101):  # 400 shapes: 100 row counts of 4 weights
+        model(torch.randn(rows, 32))
+print((libc.mallinfo2().uordblks - before) / 2**20)
+"""
+
+
+def _kernel_sweep_mib(entries: int, env: dict[str, str]) -> float:
+    """Heap bytes (MiB) still in use after a fresh process's packed layers met 400 (weight, rows) shapes."""
+    clean = {k: v for k, v in os.environ.items() if "CACHE_CAPACITY" not in k}
+    out = subprocess.run(
+        [sys.executable, "-c", _KERNEL_SWEEP, str(entries)],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    return float(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="measures glibc's heap (mallinfo2)")
+def test_kernel_caches_are_bounded_whatever_row_counts_the_passes_feed():
+    """oneDNN keeps a kernel per (weight shape, rows) it meets; batched passes feed ever new row
+    counts, so unbounded (1024 entries per cache by default) the kernels alone kept a served target
+    growing. Packing caps both caches; an operator's own capacity still wins."""
+    capped = _kernel_sweep_mib(16, {})
+    uncapped = _kernel_sweep_mib(16, {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"})
+    assert capped < 40 < uncapped, (capped, uncapped)
