@@ -154,9 +154,9 @@ def run_bench(args: argparse.Namespace) -> None:
                 stacks.append(LocalStack(config).start())
                 address = stacks[-1].address
             clients.append(Client(address, timeout=600))
-            # specdec-k0 does not draft: it runs on the first stack only.
-            for mode in (m for m in spec_modes if m == "specdec" or (m == "specdec-k0" and i == 0)):
-                name = mode if mode == "specdec-k0" or len(kinds) == 1 else f"specdec:{kind}"
+            # specdec-k0 and specdec-chain run on the first stack only.
+            for mode in (m for m in spec_modes if m == "specdec" or (m in ("specdec-k0", "specdec-chain") and i == 0)):
+                name = mode if mode != "specdec" or len(kinds) == 1 else f"specdec:{kind}"
                 runners[name] = specdec_runner(name, clients[-1], args.max_new_tokens, args.temperature, k)
             if i == 0 and "specdec-http" in modes:
                 runners["specdec-http"] = http_runner(stacks[0].http_address, args.max_new_tokens, args.temperature)

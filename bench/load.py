@@ -9,7 +9,8 @@ once for half its time. Modes, one after another on the same prompts at every le
 - ``hf-batched``: transformers ``generate`` over batches of C prompts (left-padded), in process: the
   library's own way to serve C users at once;
 - ``specdec-k0``: the specdec stack with speculation off;
-- ``specdec``: the specdec stack with speculation (adaptive, load-aware k).
+- ``specdec-chain``: the stack with speculation by chains only (the request's ``tree_nodes`` 0);
+- ``specdec``: the specdec stack with speculation (adaptive, load-aware k, trees where they pay).
 
 For each level: aggregate tokens/s, p50/p95 time to first token, p50/p95 per-token latency after
 the first, and, for greedy runs, how many specdec outputs equal target-only decoding (HF ``generate``
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from bench.single import BenchPrompt
 
-LOAD_MODES = ("hf-batched", "specdec-k0", "specdec")
+LOAD_MODES = ("hf-batched", "specdec-k0", "specdec-chain", "specdec")
 
 
 @dataclass
@@ -124,7 +125,11 @@ def run_specdec_level(
             stats = None
             try:
                 for chunk in client.stream(
-                    p.prompt, max_new_tokens=max_new_tokens, seed=i, k=0 if mode == "specdec-k0" else k
+                    p.prompt,
+                    max_new_tokens=max_new_tokens,
+                    seed=i,
+                    k=0 if mode == "specdec-k0" else k,
+                    tree_nodes=0 if mode == "specdec-chain" else None,
                 ):
                     if chunk.token_ids and first is None:
                         first = time.perf_counter()

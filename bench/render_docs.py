@@ -143,7 +143,9 @@ multi-turn chat, summarisation, QA, maths and translation; the first N are used)
 - `hf-target`: transformers `generate` on the target alone, in process: the reference.
 - `hf-assisted`: transformers' own speculation (prompt lookup, or an assistant model for a token draft).
 - `specdec-k0`: the whole stack (SDK, coordinator, target, Redis) with speculation off.
-- `specdec` (or `specdec:<kind>` with several draft kinds): the stack with its draft.
+- `specdec` (or `specdec:<kind>` with several draft kinds): the stack with its draft, each round a
+  token tree or a chain as the cost model picks ([trees.md](trees.md)).
+- `specdec-chain`: the same stack, chains only (each request's `tree_nodes` 0).
 
 The modes take turns prompt by prompt in A B B A order. Per speculative mode the report gives rounds,
 the per-round time split (draft, verify, other: the coordinator's own overhead, mean and median; the
@@ -153,9 +155,10 @@ standard formula predicts from the measured acceptance and round costs:
     predicted = (prefill_k0 + T * step_k0) / (prefill + T / E(a, k) * round_ms),
     E(a, k) = (1 - a^(k+1)) / (1 - a)
 
-with T the tokens generated, a the per-token acceptance and k the mean k. **efficiency** is the
-measured speedup over the predicted one: near 1 means the stack loses nothing the formula does not
-account for.
+with T the tokens generated, a the per-token acceptance and k the mean k. Extended to trees, a tree
+round counts its depth in k, and a is a level's chance that some child passes (a tree round judges
+its levels down to the first where none did). **efficiency** is the measured speedup over the
+predicted one: near 1 means the stack loses nothing the formula does not account for.
 
 ```bash
 make bench     # specdec bench --n 12 --max-new-tokens 64 --out reports/bench.json --plot reports/bench.png
@@ -169,10 +172,11 @@ LOAD_METHOD = """\
 Closed loop: at each level C, C clients each send their next request as soon as the previous one ends.
 A level sends the first N prompts rounded up to a multiple of C, so every client sends as many requests
 and no level ends in a half-empty wave. Modes: `hf-batched` (transformers `generate` over batches of C
-left-padded prompts), `specdec-k0` and `specdec`. `--repeats 2` runs each specdec mode twice per level
-in A B B A order and sums the runs. Per mode and level: aggregate tokens/s, time to first token and
-per-token latency (p50 / p95), mean k, acceptance, and how many outputs are token-identical to
-target-only decoding. Scaling is a mode's tokens/s over its own at C = 1.
+left-padded prompts), `specdec-k0`, `specdec-chain` (chains only) and `specdec` (trees where they
+pay). `--repeats 2` runs each specdec mode twice per level in A B B A order and sums the runs. Per
+mode and level: aggregate tokens/s, time to first token and per-token latency (p50 / p95), mean k,
+acceptance, and how many outputs are token-identical to target-only decoding. Scaling is a mode's
+tokens/s over its own at C = 1.
 
 ```bash
 make bench-load   # specdec bench --concurrency 1,2,4,8,16 --n 24 --max-new-tokens 48 --repeats 2 \\
@@ -231,7 +235,7 @@ draft service's rule of trying prompt lookup first; "bench prompts" scores the 6
 
 
 def speculative(mode: str) -> bool:
-    return mode == "specdec" or mode.startswith("specdec:")
+    return mode in ("specdec", "specdec-chain") or mode.startswith("specdec:")
 
 
 def bench_section(report: dict | None, root: Path, reports: Path) -> list[str]:
@@ -259,7 +263,7 @@ def bench_section(report: dict | None, root: Path, reports: Path) -> list[str]:
                 f"`{mode}`",
                 str(m.get("rounds", DASH)),
                 num(m.get("mean_k")),
-                num(m.get("mean_accepted_length")),
+                num(m.get("tokens_per_target_pass")),
                 num(m.get("acceptance_rate")),
                 num(m.get("per_token_acceptance")),
                 num(m.get("predicted_speedup_vs_k0")),
@@ -274,7 +278,7 @@ def bench_section(report: dict | None, root: Path, reports: Path) -> list[str]:
                 "mode",
                 "rounds",
                 "mean k",
-                "mean accepted length",
+                "tokens per target pass",
                 "acceptance",
                 "per-token acceptance",
                 "predicted vs k0",
@@ -293,6 +297,30 @@ def bench_section(report: dict | None, root: Path, reports: Path) -> list[str]:
             ]
             lines += ["Acceptance by draft position:", ""]
             lines += table(["mode"] + [str(i + 1) for i in range(width)], rows) + [""]
+
+    trees = [(mode, m) for mode, m in spec if m.get("tree_rounds")]
+    if trees:
+        rows = [
+            [
+                f"`{mode}`",
+                str(m["tree_rounds"]),
+                num(m.get("mean_tree_nodes")),
+                num(m.get("mean_tree_depth")),
+                " / ".join(num(a) for a in m.get("tree_accepted_by_depth") or []),
+                " / ".join(str(n) for n in m.get("tree_accepted_by_rank") or []),
+                f"{num(m.get('speedup_vs_chains'), 3)}×" if m.get("speedup_vs_chains") else DASH,
+            ]
+            for mode, m in trees
+        ]
+        lines += [
+            "Token trees (accepted by depth: the share of tree rounds whose path reached depth 1, 2, ...; "
+            "by rank: accepted nodes that were their parent's first, second, ... child):",
+            "",
+        ]
+        lines += table(
+            ["mode", "tree rounds", "mean nodes", "mean depth", "accepted by depth", "by rank", "vs specdec-chain"],
+            rows,
+        ) + [""]
 
     split = [(mode, m["per_round_ms"]) for mode, m in modes.items() if isinstance(m.get("per_round_ms"), dict)]
     if split:
@@ -375,6 +403,11 @@ def load_section(report: dict | None, root: Path, reports: Path) -> list[str]:
                 f"**{ratio(cell('specdec', c, 'tokens_per_s'), cell('specdec-k0', c, 'tokens_per_s'), 3)}**"
                 for c in levels
             ]
+        )
+    if "specdec" in modes and "specdec-chain" in modes:
+        rows.append(
+            ["specdec / specdec-chain"]
+            + [ratio(cell("specdec", c, "tokens_per_s"), cell("specdec-chain", c, "tokens_per_s"), 3) for c in levels]
         )
     if "specdec" in modes and "hf-batched" in modes:
         rows.append(
@@ -604,7 +637,7 @@ def render_results(root: Path, reports: Path) -> str:
             num(m.get("tokens_per_s")),
             ratio(m.get("tokens_per_s"), base),
             ratio(m.get("tokens_per_s"), k0),
-            num(m.get("mean_accepted_length")),
+            num(m.get("tokens_per_target_pass")),
             m.get("exact", DASH),
         ]
         for mode, m in modes.items()
@@ -613,7 +646,7 @@ def render_results(root: Path, reports: Path) -> str:
     where = provenance(report)
     caption = f"From `{name}` (`make bench`)" + (f", {where}" if where else "") + "."
     lines = [caption] + ([config] if config else []) + [""]
-    lines += table(["mode", "tokens/s", "vs hf-target", "vs specdec-k0", "mean accepted length", "exact"], rows)
+    lines += table(["mode", "tokens/s", "vs hf-target", "vs specdec-k0", "tokens per target pass", "exact"], rows)
     lines += [
         "",
         "Load, the ceiling, long prompts and the drafts' held-out quality: [docs/benchmarks.md](docs/benchmarks.md).",

@@ -7,7 +7,10 @@ Modes take turns prompt by prompt (see ``run_interleaved``):
 - ``hf-assisted``: transformers assisted generation with the same draft (prompt lookup for the
   n-gram draft, ``assistant_model`` for a model draft);
 - ``specdec-k0``: the specdec stack with speculation off;
-- ``specdec``: the specdec stack with speculation;
+- ``specdec``: the specdec stack with speculation, each round a token tree or a chain as the
+  coordinator's cost model picks;
+- ``specdec-chain``: the same stack with chains only (the request's ``tree_nodes`` 0), so trees
+  and chains are compared in one run, on the same processes;
 - ``specdec-http``: the same stack through its OpenAI-compatible HTTP API, streamed as server-sent
   events; its ``overhead_ms_per_token_vs_specdec`` is what the HTTP path adds per token over the
   gRPC SDK's ``specdec``, measured in the same run.
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-MODES = ("hf-target", "hf-assisted", "specdec-k0", "specdec", "specdec-http")
+MODES = ("hf-target", "hf-assisted", "specdec-k0", "specdec-chain", "specdec", "specdec-http")
 # The shipped prompt set (package data of ``bench``): one JSON object a line, see ``load_prompts``.
 PROMPTS = Path(str(files("bench") / "prompts.jsonl"))
 
@@ -69,6 +72,12 @@ class ModeResult:
     drafted_at: list[int] = field(default_factory=list)
     accepted_at: list[int] = field(default_factory=list)
     round_overheads_ms: list[float] = field(default_factory=list)
+    # Token trees: rounds, nodes verified, depths summed, accepted paths by depth, accepted nodes by rank.
+    tree_rounds: int = 0
+    tree_nodes: int = 0
+    tree_depths: int = 0
+    accepted_at_depth: list[int] = field(default_factory=list)
+    accepted_at_rank: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -158,6 +167,7 @@ def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k
             temperature=temperature,
             seed=index,
             k=0 if mode == "specdec-k0" else k,
+            tree_nodes=0 if mode == "specdec-chain" else None,
         )
         result.seconds += time.perf_counter() - start
         s = reply.stats
@@ -174,6 +184,11 @@ def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k
         result.prefill_ms += s.prefill_ms
         add_counts(result.drafted_at, s.drafted_at_position)
         add_counts(result.accepted_at, s.accepted_at_position)
+        result.tree_rounds += s.tree_rounds
+        result.tree_nodes += s.tree_nodes
+        result.tree_depths += s.tree_depths
+        add_counts(result.accepted_at_depth, s.accepted_at_depth)
+        add_counts(result.accepted_at_rank, s.accepted_at_rank)
         if s.rounds:
             result.round_overheads_ms.append(s.other_ms / s.rounds)
 
@@ -233,7 +248,7 @@ def expected_tokens_per_round(alpha: float, k: float) -> float:
 
 def is_speculative(mode: str) -> bool:
     """Whether a mode drafts through the stack: ``specdec`` or ``specdec:<draft kind>``."""
-    return mode == "specdec" or mode.startswith("specdec:")
+    return mode in ("specdec", "specdec-chain") or mode.startswith("specdec:")
 
 
 def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
@@ -256,19 +271,29 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
             }
         if is_speculative(mode) and r.rounds:
             alpha = r.accepted / r.drafted if r.drafted else 0.0
-            mean_k = r.drafted / r.rounds
+            # A tree's depth plays a chain's k: the rounds the formula counts are levels, not nodes.
+            mean_k = (r.drafted - r.tree_nodes + r.tree_depths) / r.rounds
             entry["acceptance_rate"] = round(alpha, 4)
             entry["mean_k"] = round(mean_k, 3)
             if r.ahead_rounds:
                 entry["ahead_rounds"] = r.ahead_rounds
             entry["mean_accepted_length"] = round((r.accepted + r.rounds) / r.rounds, 3)
+            entry["tokens_per_target_pass"] = round(r.tokens / r.rounds, 3)
+            if r.tree_rounds:
+                entry["tree_rounds"] = r.tree_rounds
+                entry["mean_tree_nodes"] = round(r.tree_nodes / r.tree_rounds, 2)
+                entry["mean_tree_depth"] = round(r.tree_depths / r.tree_rounds, 2)
+                entry["tree_accepted_by_depth"] = [round(n / r.tree_rounds, 4) for n in r.accepted_at_depth]
+                entry["tree_accepted_by_rank"] = list(r.accepted_at_rank)
             entry["acceptance_by_position"] = [
                 round(a / d, 4) if d else 0.0 for a, d in zip(r.accepted_at, r.drafted_at)
             ]
             if k0 is not None and k0.rounds:
                 # The formula's a is a token's chance to pass given the ones before it passed: accepted
                 # over judged tokens. Over drafted tokens it would count the tokens after a rejection,
-                # which the target never judged, as failures.
+                # which the target never judged, as failures. Extended to trees, a is a level's chance
+                # that some child passes (a tree round judges levels down to its first miss) and k is
+                # the tree's depth.
                 per_token = r.accepted / r.judged if r.judged else 0.0
                 entry["per_token_acceptance"] = round(per_token, 4)
                 # One k0 round is one target step through the same stack: the cost unit of the formula.
@@ -282,6 +307,9 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
                 entry["predicted_speedup_vs_k0"] = round(predicted, 3)
                 entry["measured_speedup_vs_k0"] = round(measured, 3)
                 entry["efficiency"] = round(measured / predicted, 3) if predicted else 0.0
+        chains = results.get("specdec-chain")
+        if mode == "specdec" and chains is not None and chains.tokens_per_s:
+            entry["speedup_vs_chains"] = round(r.tokens_per_s / chains.tokens_per_s, 3)
         grpc = results.get("specdec")
         if mode == "specdec-http" and grpc is not None and grpc.tokens and r.tokens:
             # Same stack, same prompts, taking turns: the difference is the HTTP path's.

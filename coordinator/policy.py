@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 from coordinator.adaptive import AcceptanceTracker, CostModel, FleetAcceptance, expected_tokens
 from coordinator.replicas import DraftResult, VerifyResult
-from coordinator.tree_choice import TreeAcceptance, best_tree, spine_tokens
+from coordinator.tree_choice import TreeAcceptance, TreeDraftCosts, best_tree, spine_tokens
 from coordinator.turns import Turn
 from specdec.batching import PassLoad
+from specdec.config import MAX_TREE_NODES
 from specdec.ngram import LOOKUP_MAX_N, propose_ngram
 from specdec.trees import TreeShape
 
@@ -129,6 +130,8 @@ class SpeculationPolicy:
         self.fleet = FleetAcceptance()
         # Greedy sessions' acceptance by tree depth and sibling rank (``coordinator.tree_choice``).
         self.trees = TreeAcceptance()
+        # What tree draft calls cost, by shape (a level feeds several nodes: dearer than a chain's step).
+        self.tree_draft_ms = TreeDraftCosts()
         self.loads = LoadTable(live_targets)
         # Whether the targets report their passes (a target that does not batch reports none).
         self.batching_targets = True
@@ -169,7 +172,10 @@ class SpeculationPolicy:
     def observe(self, turn: Turn, outcome: RoundOutcome) -> None:
         """Learns from a finished round: its costs, the target's load, the draft's acceptance."""
         if self._prices_drafting(outcome):
-            self.costs.record_draft(outcome.draft_ms, outcome.drafted)
+            if outcome.plan.tree is None:
+                self.costs.record_draft(outcome.draft_ms, outcome.drafted)
+            else:
+                self.tree_draft_ms.record(outcome.plan.tree, outcome.draft_ms)
         load = outcome.verdict.load
         self.costs.record_verify(outcome.verify_ms, outcome.drafted + 1, load)
         if load is not None:
@@ -206,8 +212,12 @@ class SpeculationPolicy:
         Greedy turns read the fleet's acceptance by depth and rank, sampled ones their own (their
         draws must not depend on other sessions), each starting from the chain's rates by depth.
         """
-        if not self.config.tree_nodes or fixed is not None or room < 2 or turn.target is None:
+        asked = turn.request.tree_nodes
+        most = self.config.tree_nodes if asked is None or not self.config.tree_nodes else min(asked, MAX_TREE_NODES)
+        if not most or room < 2 or turn.target is None:
             return None
+        if fixed is not None:
+            return self._fixed_tree(turn, fixed, asked, room)
         greedy = turn.sampling.greedy
         load = self.loads.fresh(turn.target.address) if greedy else None
         if greedy and load is None and self.batching_targets:
@@ -219,16 +229,16 @@ class SpeculationPolicy:
         chain_rates = turn.stats.positions.rates(costs.k_max)
         gain = 1.05 if load is not None and load.curve_ms and load.sessions > 1 else 1.0001
 
-        def per_ms(tokens: float, depth: int, nodes: int) -> float:
-            return (others + tokens) / (draft[min(depth, costs.k_max)] + verify[nodes + 1])
+        def per_ms(tokens: float, drafting: float, nodes: int) -> float:
+            return (others + tokens) / (drafting + verify[nodes + 1])
 
-        best = per_ms(expected_tokens(chain_rates, k), k, k)
+        best = per_ms(expected_tokens(chain_rates, k), draft[k], k)
         acceptance = self.trees if greedy else turn.stats.trees
 
         def rate(depth: int, rank: int) -> float:
             return acceptance.rate(depth, rank, chain_rates)
 
-        max_nodes = min(self.config.tree_nodes, len(verify) - 2)
+        max_nodes = min(most, len(verify) - 2)
         max_depth = min(costs.k_max, room - 1)
         if greedy or turn.sampling.coupled:
             candidates = best_tree(rate, max_nodes, max_depth)
@@ -243,10 +253,27 @@ class SpeculationPolicy:
         for tokens, shape in candidates:
             if shape.width < 2:
                 continue  # a chain: ``k`` is the best of those
-            value = per_ms(tokens, shape.depth, shape.nodes)
+            drafting = self.tree_draft_ms.estimate(shape, draft[min(shape.depth, costs.k_max)])
+            value = per_ms(tokens, drafting, shape.nodes)
             if value > best * gain:
                 best, choice = value, shape
         return choice
+
+    def _fixed_tree(self, turn: Turn, k: int, nodes: int | None, room: int) -> TreeShape | None:
+        """A request's fixed tree: ``nodes`` nodes at most ``k`` deep every round (a fixed k alone is a
+        chain), shaped best first from the acceptance seen so far; a sampled one is ``k`` levels of
+        ``nodes // k`` siblings."""
+        depth = min(k, room - 1)
+        if not nodes or depth <= 0:
+            return None
+        if not turn.sampling.greedy and not turn.sampling.coupled:
+            width = max(1, nodes // depth)
+            return TreeShape(depth * width, depth, width) if width > 1 else None
+        chain_rates = turn.stats.positions.rates(max(depth, 1))
+        acceptance = self.trees if turn.sampling.greedy else turn.stats.trees
+        shapes = best_tree(lambda d, r: acceptance.rate(d, r, chain_rates), nodes, depth)
+        shape = shapes[-1][1]
+        return shape if shape.width > 1 else None
 
     def _costs_for(self, turn: Turn) -> CostModel:
         return self.costs if turn.sampling.greedy else self.prior_costs

@@ -199,6 +199,7 @@ class RoundLoop:
                     verify_ms / 1000,
                     time.perf_counter() - round_t0,
                     fallback=plan.k > 0 and draft is None,
+                    accepted_ranks=_path_ranks(draft, verdict) if verdict.path is not None else None,
                 )
             span.set_attributes(
                 {

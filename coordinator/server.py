@@ -33,7 +33,7 @@ from coordinator.turns import (
     TurnMismatch,
     Turns,
 )
-from specdec.config import FEATURE_KIND, MAX_K, CoordinatorConfig
+from specdec.config import FEATURE_KIND, MAX_K, MAX_TREE_NODES, CoordinatorConfig
 from specdec.metadata import RETRY_AFTER_METADATA
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
 from specdec.rpc import (
@@ -87,6 +87,9 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
     k = request.k if request.HasField("k") else None
     if k is not None and not 0 <= k <= MAX_K:
         raise ValueError(f"k: must lie in [0, {MAX_K}]")
+    tree_nodes = request.tree_nodes if request.HasField("tree_nodes") else None
+    if tree_nodes is not None and tree_nodes > MAX_TREE_NODES:
+        raise ValueError(f"tree_nodes: must lie in [0, {MAX_TREE_NODES}]")
     resume = None
     if request.HasField("resume"):
         if not request.session_id:
@@ -105,6 +108,7 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
         k=k,
         resume=resume,
         fingerprint=fingerprint(request),
+        tree_nodes=tree_nodes,
     )
 
 
@@ -142,6 +146,8 @@ def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
         tree_nodes=stats.tree_nodes,
         accepted_at_depth=stats.accepted_at_depth,
         accepted_at_rank=stats.accepted_at_rank,
+        tree_depths=stats.tree_depths,
+        tree_levels_judged=stats.tree_levels_judged,
     )
 
 

@@ -77,6 +77,35 @@ class TreeAcceptance:
         return {d: a / j for d, (a, j) in sorted(out.items()) if j}
 
 
+@dataclass
+class TreeDraftCosts:
+    """Moving averages of tree draft calls' milliseconds by (depth, width): a level of a tree feeds
+    several nodes, so it costs more than a chain's step, by how much only measuring tells."""
+
+    smoothing: float = 0.2
+    # Before a shape is measured: its chain of the same depth's cost times this.
+    prior_factor: float = 1.5
+    seen: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def record(self, shape: TreeShape, ms: float) -> None:
+        """Folds in one routine tree draft call of ``shape``."""
+        key = (shape.depth, shape.width)
+        known = self.seen.get(key)
+        self.seen[key] = ms if known is None else known + self.smoothing * (ms - known)
+
+    def estimate(self, shape: TreeShape, chain_ms: float) -> float:
+        """The call's expected cost: measured for its depth and width, else from the nearest measured
+        width at its depth scaled by width, else ``prior_factor`` times the chain's ``chain_ms``."""
+        known = self.seen.get((shape.depth, shape.width))
+        if known is not None:
+            return known
+        widths = [w for d, w in self.seen if d == shape.depth]
+        if widths:
+            near = min(widths, key=lambda w: abs(w - shape.width))
+            return self.seen[(shape.depth, near)] * max(1.0, shape.width / near)
+        return chain_ms * self.prior_factor
+
+
 def best_tree(rate, max_nodes: int, max_depth: int, max_width: int = MAX_WIDTH) -> list[tuple[float, TreeShape]]:
     """For N = 1 .. max_nodes: the expected tokens of the best tree of N nodes and its shape.
 

@@ -21,7 +21,7 @@ from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable, 
 from coordinator.tree_choice import TreeAcceptance
 from specdec.sampling_params import Sampling
 from specdec.token_lists import common_prefix_len
-from specdec.trees import ranks
+from specdec.trees import depths, ranks
 from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ class GenerationRequest:
     # Who sent it (``coordinator.identity.Caller``): the limits' count and the sessions' owner.
     client: str = ""
     owner: str = ""
+    # Most nodes of a round's token tree; None: the coordinator's default, 0: chains only.
+    tree_nodes: int | None = None
 
 
 @dataclass
@@ -104,6 +106,8 @@ class Stats:
     tree_nodes: int = 0
     accepted_at_depth: list[int] = field(default_factory=list)
     accepted_at_rank: list[int] = field(default_factory=list)
+    tree_depths: int = 0
+    tree_levels_judged: int = 0
     # Acceptance by depth and sibling rank of this turn's trees (a sampled turn's tree choice reads it).
     trees: TreeAcceptance = field(default_factory=TreeAcceptance)
 
@@ -117,6 +121,9 @@ class Stats:
         self._count(len(parents), len(path), committed)
         self.tree_rounds += 1
         self.tree_nodes += len(parents)
+        depth = max(depths(parents), default=0)
+        self.tree_depths += depth
+        self.tree_levels_judged += min(depth, len(path) + 1)
         add_counts(self.accepted_at_depth, [1] * len(path))
         for rank in (ranks(parents)[node] for node in path):
             add_counts(self.accepted_at_rank, [0] * rank + [1])
@@ -138,7 +145,7 @@ class Stats:
     @property
     def judged_tokens(self) -> int:
         """Draft tokens the target judged (each round's up to its first rejection), every source."""
-        return sum(self.positions.tried) + sum(self.lookup.tried)
+        return sum(self.positions.tried) + sum(self.lookup.tried) + self.tree_levels_judged
 
     @property
     def acceptance_rate(self) -> float:

@@ -547,11 +547,9 @@ class FeatureDrafter(DraftEngine):
         roots = draft.predict_ragged(feats, toks, caches, layout)[[b - 1 for b in layout.bounds[1:]]]  # [B, D]
         bases = [kv.get_seq_length() for kv in caches]  # true pairs every node sees
         root_pos = [start + len(f) - 1 for f, _, start in catch]  # position of the last true pair
-        logits = on_host(draft.full_logits(roots))  # [B, V]
         predicted: list[dict[int, torch.Tensor]] = [{-1: roots[b]} for b in range(len(jobs))]
         rows_of: list[dict[int, int]] = [{} for _ in jobs]  # node -> its KV row
-        for b, (_, grower) in enumerate(jobs):
-            grower.grow(-1, logits[b])
+        self._grow_rows(roots, [(grower, -1) for _, grower in jobs])
         while level := [(b, node) for b, (_, grower) in enumerate(jobs) for node in grower.frontier()]:
             sessions = sorted({b for b, _ in level})
             masks, positions, bounds = [], [], [0]
@@ -576,15 +574,37 @@ class FeatureDrafter(DraftEngine):
             inputs = torch.stack([predicted[b][jobs[b][1].nodes[node].parent] for b, node in ordered])  # [R, D]
             tokens = torch.tensor([jobs[b][1].nodes[node].token for b, node in ordered], device=device)  # [R]
             out = draft.predict_ragged(inputs, tokens, [caches[b] for b in sessions], step)  # [R, D]
-            logits = on_host(draft.full_logits(out))  # [R, V]
             for r, (b, node) in enumerate(ordered):
                 predicted[b][node] = out[r]
-                jobs[b][1].grow(node, logits[r])
+            self._grow_rows(out, [(jobs[b][1], node) for b, node in ordered])
         results = []
         for _, grower in jobs:
             tokens, parents, qs = grower.result()
             results.append((tokens, qs, False, parents))
         return results
+
+    def _grow_rows(self, features: torch.Tensor, growing: list[tuple[TreeGrower, int]]) -> None:
+        """Adds children to each ``(grower, node)`` from the draft's predicted ``features [R, D]`` (row r:
+        after that node). Greedy trees take their top ``width`` on the draft's reduced head, all rows
+        at once: its softmax is the full vocabulary's, which is -inf outside the head."""
+        draft = self._draft_model
+        greedy = [r for r, (grower, _) in enumerate(growing) if grower.sampling.greedy]
+        if greedy:
+            reduced = torch.log_softmax(draft.head_logits(features[greedy]).float(), dim=-1)  # [G, H]
+            width = max(growing[r][0].shape.width for r in greedy)
+            top = torch.topk(reduced, min(width, reduced.shape[-1]), dim=-1)
+            ids = on_host(draft.head_ids[top.indices]).tolist()  # [G, width]
+            probs = on_host(top.values.exp()).tolist()
+            for row, r in enumerate(greedy):
+                grower, node = growing[r]
+                n = grower.shape.width
+                grower.grow_top(node, ids[row][:n], probs[row][:n])
+        rest = [r for r in range(len(growing)) if r not in set(greedy)]
+        if rest:
+            logits = on_host(draft.full_logits(features[rest]))  # [S, V]
+            for row, r in enumerate(rest):
+                grower, node = growing[r]
+                grower.grow(node, logits[row])
 
     def _draft_together(self, jobs: list) -> list[tuple[list[int], list]]:
         draft = self._draft_model

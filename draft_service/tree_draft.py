@@ -66,8 +66,17 @@ class TreeGrower:
         else:
             probs = warp_probs(logits[None], self.sampling, extra_top_k=self.sample_top_k)[0]  # [V]
             picked, qs = self._draw(probs, depth, width)
-        for token, q in zip(picked, qs):
-            mass = float(probs[token])
+        self._add(parent, depth, base, picked, [float(probs[t]) for t in picked], qs)
+
+    def grow_top(self, parent: int, tokens: list[int], probs: list[float]) -> None:
+        """``grow`` for a greedy tree from the draft's ``width`` likeliest tokens after ``parent`` and
+        their probabilities, found by the caller (for many nodes at once, on the draft's own head)."""
+        depth = 1 if parent < 0 else self.nodes[parent].depth + 1
+        base = 0.0 if parent < 0 else self.nodes[parent].logp
+        self._add(parent, depth, base, tokens, probs, [None] * len(tokens))
+
+    def _add(self, parent: int, depth: int, base: float, tokens: list[int], probs: list[float], qs: list) -> None:
+        for token, mass, q in zip(tokens, probs, qs):
             logp = base + (math.log(mass) if mass > 0 else -math.inf)
             self.nodes.append(_Node(int(token), parent, depth, logp, q))
 

@@ -118,6 +118,8 @@ class Stats:
     tree_nodes: int = 0
     accepted_at_depth: list[int] = field(default_factory=list)
     accepted_at_rank: list[int] = field(default_factory=list)
+    tree_depths: int = 0
+    tree_levels_judged: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -166,6 +168,7 @@ def build_request(
     stop: str | list[str] | tuple[str, ...] = (),
     session_id: str | None = None,
     k: int | None = None,
+    tree_nodes: int | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The wire request for a prompt: a ``str`` is plain text, a list of dicts is chat.
 
@@ -174,7 +177,15 @@ def build_request(
     """
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     _check_fields(
-        prompt, stop, max_new_tokens=max_new_tokens, top_k=top_k, seed=seed, k=k, temperature=temperature, top_p=top_p
+        prompt,
+        stop,
+        max_new_tokens=max_new_tokens,
+        top_k=top_k,
+        seed=seed,
+        k=k,
+        temperature=temperature,
+        top_p=top_p,
+        tree_nodes=tree_nodes,
     )
     request = coordinator_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens,
@@ -196,6 +207,8 @@ def build_request(
         request.seed = seed
     if k is not None:
         request.k = k
+    if tree_nodes is not None:
+        request.tree_nodes = tree_nodes
     return request
 
 
@@ -205,6 +218,7 @@ _WIRE_INTS = {
     "top_k": (-(2**31), 2**31 - 1),
     "seed": (0, 2**64 - 1),
     "k": (-(2**31), 2**31 - 1),
+    "tree_nodes": (0, 2**32 - 1),
 }
 
 

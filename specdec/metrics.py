@@ -64,6 +64,24 @@ class CoordinatorMetrics:
             ["position"],
             registry=r,
         )
+        self.num_tree_rounds = Counter(
+            f"{PREFIX}spec_decode_num_tree_rounds", "Rounds that verified a token tree.", registry=r
+        )
+        self.num_tree_nodes = Counter(
+            f"{PREFIX}spec_decode_num_tree_nodes", "Tree nodes verified (draft tokens of tree rounds).", registry=r
+        )
+        self.num_accepted_tree_nodes_per_depth = Counter(
+            f"{PREFIX}spec_decode_num_accepted_tree_nodes_per_depth",
+            "Accepted tree nodes, by depth (1: a child of the last committed token).",
+            ["depth"],
+            registry=r,
+        )
+        self.num_accepted_tree_nodes_per_rank = Counter(
+            f"{PREFIX}spec_decode_num_accepted_tree_nodes_per_rank",
+            "Accepted tree nodes, by rank among their siblings (0: the draft's first guess).",
+            ["rank"],
+            registry=r,
+        )
         self.accepted_length = Histogram(
             f"{PREFIX}spec_decode_accepted_length",
             "Tokens committed per round: accepted draft tokens plus the target's recovered or bonus token.",
@@ -131,12 +149,21 @@ class CoordinatorMetrics:
         verify_s: float,
         round_s: float,
         fallback: bool,
+        accepted_ranks: tuple[int, ...] | None = None,
     ) -> None:
-        """Records one round; ``draft_s`` is None when the round did not call a draft."""
+        """Records one round; ``draft_s`` is None when the round did not call a draft. A tree round
+        gives its accepted nodes' sibling ranks, root to leaf (``accepted_ranks``; None: a chain)."""
         if drafted:
             self.num_drafts.inc()
             self.num_draft_tokens.inc(drafted)
             self.num_accepted_tokens.inc(accepted)
+        if accepted_ranks is not None:
+            self.num_tree_rounds.inc()
+            self.num_tree_nodes.inc(drafted)
+            for depth, rank in enumerate(accepted_ranks, start=1):
+                self.num_accepted_tree_nodes_per_depth.labels(depth=str(depth)).inc()
+                self.num_accepted_tree_nodes_per_rank.labels(rank=str(rank)).inc()
+        elif drafted:
             for position in range(drafted):
                 self.num_draft_tokens_per_pos.labels(position=str(position)).inc()
             for position in range(accepted):

@@ -122,6 +122,24 @@ def test_greedy_under_concurrency_equals_hf_generate(stack, references, default_
         check_against_reference(result, prompt, ids, expected, default_model.model)
 
 
+def test_greedy_trees_equal_hf_generate_alone_and_at_eight(stack, references, default_model):
+    """Every round a token tree of 10 nodes at most 4 deep (the stack's k), verified by the target's
+    separate process beside other sessions' trees: the answers stay the target's, one stream at a
+    time and eight at once, and siblings do get accepted."""
+
+    def complete(client, prompt):
+        return client.complete(prompt, max_new_tokens=NEW_TOKENS, tree_nodes=10)
+
+    with Client(stack.address, timeout=300) as client, ThreadPoolExecutor(8) as pool:
+        alone = [complete(client, p) for p in PROMPTS[:3]]
+        together = list(pool.map(lambda p: complete(client, p), PROMPTS[:8]))
+    for result, prompt, (ids, expected) in [*zip(alone, PROMPTS, references), *zip(together, PROMPTS, references)]:
+        check_against_reference(result, prompt, ids, expected, default_model.model)
+    results = alone + together
+    assert sum(r.stats.tree_rounds for r in results) > 0.8 * sum(r.stats.rounds for r in results)
+    assert sum(sum(r.stats.accepted_at_rank[1:]) for r in results) > 0, "no sibling was ever accepted"
+
+
 def test_seeded_sampling_repeats_on_real_model(stack):
     with Client(stack.address, timeout=300) as client:
         runs = [client.complete(PROMPTS[3], max_new_tokens=24, temperature=0.8, top_p=0.95, seed=42) for _ in range(2)]

@@ -46,6 +46,7 @@ BENCH = {
             "acceptance_rate": 0.5,
             "mean_k": 2.0,
             "mean_accepted_length": 2.0,
+            "tokens_per_target_pass": 2.0,
             "acceptance_by_position": [0.75, 0.25],
             "per_token_acceptance": 0.6,
             "predicted_speedup_vs_k0": 1.3,

@@ -358,3 +358,111 @@ def test_seeded_sampled_tree_output_equals_the_chain_and_no_draft(tiny_target, t
     tree, _ = _run(_tree_loop(tiny_target, ModelDrafter(tiny_draft, 8, 0), TreeShape(6, 3, 2)), **sampled)
     chain, _ = _run(_tree_loop(tiny_target, ModelDrafter(tiny_draft, 8, 0), TreeShape(3, 3, 1)), **sampled)
     assert tree == chain and len(tree) == 20
+
+
+# --- drafting trees ------------------------------------------------------------------------------
+
+
+def _feature_drafter(tiny_target, lookup_min=0):
+    from draft_service.engine import FeatureDrafter
+    from draft_service.feature_draft import FeatureDraftArch, build_feature_draft
+
+    torch.manual_seed(3)
+    draft = build_feature_draft(tiny_target.model, torch.arange(4, 30), FeatureDraftArch(head_size=26))
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+    return FeatureDrafter(draft.eval().requires_grad_(False), tiny_target.facts("target"), 8, 0, lookup_min=lookup_min)
+
+
+def _feature_loop(tiny_target, drafter, shape):
+    from opentelemetry import trace
+
+    from coordinator.rounds import RoundLoop
+    from coordinator.routing import Router
+    from coordinator.sessions import MemorySessionStore
+    from coordinator.turns import Turns
+    from draft_service.inprocess import InProcessDraft
+    from target_service.inprocess import InProcessTarget
+
+    router = Router([InProcessDraft(drafter)], [InProcessTarget(TargetEngine(tiny_target, 8))], want_hidden=True)
+    facts = tiny_target.facts("target")
+    turns = Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600))
+    return RoundLoop(tiny_target.tokenizer, facts, router, TreePolicy(shape), turns, trace.NoOpTracer())
+
+
+def test_feature_draft_trees_give_target_only_greedy_output(tiny_target):
+    """The feature draft grows dynamic trees level by level (tree masks over its own KV): the output
+    is the target's greedy output, and the trees it proposed were trees, not chains."""
+    drafter = _feature_drafter(tiny_target)
+    tokens, stats = _run(_feature_loop(tiny_target, drafter, TreeShape(8, 4, 3)))
+    assert tokens == _hf_greedy(tiny_target, "w1 w2 w3", 20)
+    assert stats.tree_rounds > 0 and stats.tree_nodes > 4 * stats.tree_rounds
+
+
+def test_feature_tree_levels_see_only_their_ancestors(tiny_target):
+    """A node's predicted feature, grown in a level beside its cousins, equals the one a chain along
+    its own path predicts: the level's tree mask hides every other branch."""
+    from draft_service.engine import ProposeCall
+    from specdec.kvcache import HiddenRows
+    from specdec.sampling import Sampling
+
+    engine = TargetEngine(tiny_target, 4)
+    drafter = _feature_drafter(tiny_target)
+    tid, n, hidden = engine.prefill(PROMPT, with_hidden=True)
+    did, _ = drafter.prefill(PROMPT)
+    tree = drafter.propose_batch([ProposeCall(did, n, [], 0, Sampling(), 0, hidden, tree=TreeShape(10, 4, 3))])[0]
+    assert len(tree.tokens) == 10 and tree.parents and not all(p == i - 1 for i, p in enumerate(tree.parents))
+    deepest = max(range(len(tree.tokens)), key=lambda i: (depths(tree.parents)[i], -i))
+    path = [tree.tokens[i] for i in path_to(tree.parents, deepest)]
+    # The chain along that path: a fresh drafter proposes greedily, and its top tokens must match the
+    # path wherever the tree's node was the draft's first choice there.
+    fresh = _feature_drafter(tiny_target)
+    did2, _ = fresh.prefill(PROMPT)
+    chain = fresh.propose_batch(
+        [ProposeCall(did2, n, [], len(path), Sampling(), 0, HiddenRows(hidden.start, hidden.rows))]
+    )[0]
+    node_ranks = ranks(tree.parents)
+    first_choice = [node_ranks[i] == 0 for i in path_to(tree.parents, deepest)]
+    agree = 0
+    for k, (token, top) in enumerate(zip(path, chain.tokens)):
+        if not all(first_choice[: k + 1]):
+            break
+        assert token == top
+        agree += 1
+    assert agree >= 1
+
+
+def test_sampled_trees_have_a_fixed_shape_and_exact_sibling_q():
+    from draft_service.tree_draft import TreeGrower
+    from specdec.sampling import Sampling
+
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    for seed in range(5):
+        grower = TreeGrower(TreeShape(6, 3, 2), Sampling(1.0, 0, 1.0, seed), 0, 10)
+        grower.grow(-1, logits)
+        while frontier := grower.frontier():
+            assert len(frontier) == 1  # only the first drawn child expands: a shape no draw changes
+            grower.grow(frontier[0], logits)
+        tokens, parents, qs = grower.result()
+        assert parents == (-1, -1, 0, 0, 2, 2)
+        for first, second in ((0, 1), (2, 3), (4, 5)):
+            ids, probs = qs[second]
+            assert tokens[first] not in ids and tokens[first] != tokens[second]
+            assert sum(probs) == pytest.approx(1.0)
+            assert dict(zip(*qs[first]))[tokens[second]] / (1 - dict(zip(*qs[first]))[tokens[first]]) == pytest.approx(
+                dict(zip(ids, probs))[tokens[second]]
+            )
+
+
+def test_lookup_trees_branch_at_every_continuation():
+    from specdec.ngram import lookup_tree
+
+    context = [1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 1, 2, 3, 4, 8, 1, 2, 3]
+    tokens, parents = lookup_tree(context, nodes=8, depth=2, width=3, max_n=3, min_n=2)
+    kids = children(parents)
+    assert [tokens[c] for c in kids[-1]] == [4, 5]  # 4 followed twice, 5 once
+    four = kids[-1][0]
+    assert sorted(tokens[c] for c in kids[four]) == [8, 9]
+    assert lookup_tree([1, 2, 3], 8, 2, 3, 3, 2) == ([], ())

@@ -21,7 +21,7 @@ class Messages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "k", "resume", "request_id")
+    __slots__ = ("text", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "k", "resume", "request_id", "tree_nodes")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class GenerateRequest(_message.Message):
     K_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: Messages
     max_new_tokens: int
@@ -46,7 +47,8 @@ class GenerateRequest(_message.Message):
     k: int
     resume: Resume
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., k: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    tree_nodes: int
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., k: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., request_id: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("tokens", "text_chars")
@@ -57,7 +59,7 @@ class Resume(_message.Message):
     def __init__(self, tokens: _Optional[int] = ..., text_chars: _Optional[int] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "draft_ms", "verify_ms", "other_ms", "total_ms", "time_to_first_token_ms", "drafted_at_position", "accepted_at_position", "prefill_ms", "ahead_rounds", "judged_tokens", "tree_rounds", "tree_nodes", "accepted_at_depth", "accepted_at_rank")
+    __slots__ = ("prompt_tokens", "generated_tokens", "rounds", "drafted_tokens", "accepted_tokens", "acceptance_rate", "mean_accepted_length", "draft_ms", "verify_ms", "other_ms", "total_ms", "time_to_first_token_ms", "drafted_at_position", "accepted_at_position", "prefill_ms", "ahead_rounds", "judged_tokens", "tree_rounds", "tree_nodes", "accepted_at_depth", "accepted_at_rank", "tree_depths", "tree_levels_judged")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
@@ -79,6 +81,8 @@ class GenerationStats(_message.Message):
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_AT_DEPTH_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_AT_RANK_FIELD_NUMBER: _ClassVar[int]
+    TREE_DEPTHS_FIELD_NUMBER: _ClassVar[int]
+    TREE_LEVELS_JUDGED_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     generated_tokens: int
     rounds: int
@@ -100,7 +104,9 @@ class GenerationStats(_message.Message):
     tree_nodes: int
     accepted_at_depth: _containers.RepeatedScalarFieldContainer[int]
     accepted_at_rank: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., other_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., drafted_at_position: _Optional[_Iterable[int]] = ..., accepted_at_position: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., ahead_rounds: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., accepted_at_depth: _Optional[_Iterable[int]] = ..., accepted_at_rank: _Optional[_Iterable[int]] = ...) -> None: ...
+    tree_depths: int
+    tree_levels_judged: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ..., other_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., drafted_at_position: _Optional[_Iterable[int]] = ..., accepted_at_position: _Optional[_Iterable[int]] = ..., prefill_ms: _Optional[float] = ..., ahead_rounds: _Optional[int] = ..., judged_tokens: _Optional[int] = ..., tree_rounds: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., accepted_at_depth: _Optional[_Iterable[int]] = ..., accepted_at_rank: _Optional[_Iterable[int]] = ..., tree_depths: _Optional[int] = ..., tree_levels_judged: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "stats", "session_id")
