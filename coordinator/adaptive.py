@@ -305,7 +305,7 @@ class CostModel:
         far more often than the model draft, costs no draft call, and may run longer than the k the
         model draft is held to.
         """
-        verify, others = self._pass_curve(load)
+        verify, others = self.pass_curve(load)
 
         def rate(tracker: AcceptanceTracker, n: int, draft_ms: float) -> float:
             n = min(n, len(verify) - 2)
@@ -313,7 +313,7 @@ class CostModel:
 
         return rate(free, free_k, 0.0) >= rate(drafted, k, self.draft_curve()[min(k, self.k_max)])
 
-    def _pass_curve(self, load: PassLoad | None) -> tuple[list[float], float]:
+    def pass_curve(self, load: PassLoad | None) -> tuple[list[float], float]:
         """A round's cost by tokens verified (index 0 unused) and the tokens the same pass commits for
         the other sessions: the target's reported pass curve, or the costs measured here without one
         (a target that does not batch)."""
@@ -322,8 +322,8 @@ class CostModel:
         return [0.0] + [self.overhead_ms + ms for ms in load.curve_ms], load.others_committed
 
     def _best(self, rates: list[float], draft: list[float], load: PassLoad | None, k_max: int) -> int:
-        """``choose_k`` over this load's pass curve (``_pass_curve``)."""
-        verify, others = self._pass_curve(load)
+        """``choose_k`` over this load's pass curve (``pass_curve``)."""
+        verify, others = self.pass_curve(load)
         # In a shared pass the estimates carry other sessions' noise, a late draft delays them all, and
         # near compute-bound a row costs about its share of the pass: speculation, a free lookup too,
         # must promise a clear gain (5%) before it is worth the risk.

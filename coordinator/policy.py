@@ -31,6 +31,8 @@ from specdec.trees import TreeShape
 PROBE_EVERY = 8
 # Seconds a target's load report stays current for choosing k.
 LOAD_FRESH_S = 1.0
+# How much more a tree must promise, in tokens per millisecond, than the best chain.
+TREE_MIN_GAIN = 1.03
 
 
 @dataclass(frozen=True)
@@ -224,7 +226,7 @@ class SpeculationPolicy:
             return None  # the load is unknown: the round measures it target-only (``_choose_k``)
         if costs.colocated and load is not None and load.sessions > 1:
             return None  # a shared pass gets no draft from shared cores (``CostModel.choose``)
-        verify, others = costs._pass_curve(load)
+        verify, others = costs.pass_curve(load)
         draft = costs.draft_curve()
         chain_rates = turn.stats.positions.rates(costs.k_max)
         gain = 1.05 if load is not None and load.curve_ms and load.sessions > 1 else 1.0001
@@ -232,7 +234,9 @@ class SpeculationPolicy:
         def per_ms(tokens: float, drafting: float, nodes: int) -> float:
             return (others + tokens) / (drafting + verify[nodes + 1])
 
-        best = per_ms(expected_tokens(chain_rates, k), draft[k], k)
+        # A tree must beat the best chain by a margin as well: its estimates (sibling acceptance, the
+        # cost of rows past the chain's) are the least measured, and a tie is worth nothing.
+        best = per_ms(expected_tokens(chain_rates, k), draft[k], k) * TREE_MIN_GAIN
         acceptance = self.trees if greedy else turn.stats.trees
 
         def rate(depth: int, rank: int) -> float:

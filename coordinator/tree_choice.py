@@ -41,9 +41,14 @@ class TreeAcceptance:
 
     judged: dict[tuple[int, int], int] = field(default_factory=dict)
     accepted: dict[tuple[int, int], int] = field(default_factory=dict)
+    # Past this many judged first children the counts halve, so the estimate follows a changing draft.
+    horizon: int = 2000
 
     def record(self, parents: tuple[int, ...], path: tuple[int, ...]) -> None:
         """Counts one verified tree and its accepted path (root to leaf)."""
+        if self.judged.get((1, 0), 0) > self.horizon:
+            self.judged = {key: n // 2 for key, n in self.judged.items()}
+            self.accepted = {key: n // 2 for key, n in self.accepted.items()}
         kids = children(parents)
         node = -1
         for depth in range(1, len(path) + 2):

@@ -466,3 +466,74 @@ def test_lookup_trees_branch_at_every_continuation():
     four = kids[-1][0]
     assert sorted(tokens[c] for c in kids[four]) == [8, 9]
     assert lookup_tree([1, 2, 3], 8, 2, 3, 3, 2) == ([], ())
+
+
+# --- bad trees over gRPC -----------------------------------------------------------------------------
+
+
+def test_bad_trees_over_grpc_get_invalid_argument_and_the_services_stay_up(
+    tiny_target, tiny_draft, tiny_dir, redis_url
+):
+    import grpc
+    from harness import InProcessStack
+
+    from draft_service.engine import ModelDrafter
+    from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+
+    target, drafter = TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 0)
+    stack = InProcessStack(target, drafter, tiny_dir / "target", redis_url)
+    greedy = common_pb2.SamplingParams(temperature=0.0, top_p=1.0)
+    try:
+        verify = target_pb2_grpc.TargetServiceStub(grpc.insecure_channel(stack.add_target(target)))
+        propose = draft_pb2_grpc.DraftServiceStub(grpc.insecure_channel(stack.add_draft(drafter)))
+        assert verify.GetModelInfo(common_pb2.ModelInfoRequest()).trees
+        assert propose.GetModelInfo(common_pb2.ModelInfoRequest()).trees
+        cache = verify.Prefill(common_pb2.PrefillRequest(tokens=PROMPT))
+        bad = [
+            ([4, 5], [-1, 1], "earlier node"),  # a parent after its child
+            ([4, 5], [0, -1], "earlier node"),  # a node its own parent (a cycle)
+            ([4, 5, 6], [-1, 0], "one parent per draft token"),
+            ([4] * 33, list(range(-1, 32)), "at most 32"),
+        ]
+        for tokens, parents, message in bad:
+            with pytest.raises(grpc.RpcError) as caught:
+                verify.Verify(
+                    target_pb2.VerifyRequest(
+                        sync=common_pb2.CacheSync(cache_id=cache.cache_id, start=cache.committed),
+                        draft_tokens=tokens,
+                        draft_parents=parents,
+                        sampling=greedy,
+                    )
+                )
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in caught.value.details()
+        draft_cache = propose.Prefill(common_pb2.PrefillRequest(tokens=PROMPT))
+        for shape, message in (
+            (draft_pb2.TreeShape(nodes=40, depth=3, width=2), "tree.nodes"),
+            (draft_pb2.TreeShape(nodes=4, depth=9, width=2), "tree.depth"),
+        ):
+            with pytest.raises(grpc.RpcError) as caught:
+                propose.Propose(
+                    draft_pb2.ProposeRequest(
+                        sync=common_pb2.CacheSync(cache_id=draft_cache.cache_id, start=draft_cache.committed),
+                        sampling=greedy,
+                        tree=shape,
+                    )
+                )
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in caught.value.details()
+        # Both still serve the same sessions: a good tree is proposed, verified and committed.
+        sync = common_pb2.CacheSync(cache_id=draft_cache.cache_id, start=draft_cache.committed)
+        tree = propose.Propose(
+            draft_pb2.ProposeRequest(sync=sync, sampling=greedy, tree=draft_pb2.TreeShape(nodes=6, depth=3, width=2))
+        )
+        assert len(tree.tokens) == 6 and list(tree.parents) != list(range(-1, 5))
+        reply = verify.Verify(
+            target_pb2.VerifyRequest(
+                sync=common_pb2.CacheSync(cache_id=cache.cache_id, start=cache.committed),
+                draft_tokens=tree.tokens,
+                draft_parents=tree.parents,
+                sampling=greedy,
+            )
+        )
+        assert reply.committed == cache.committed + len(reply.tokens) and len(reply.accepted_nodes) == reply.accepted
+    finally:
+        stack.close()
