@@ -44,6 +44,9 @@ class LevelResult:
     drafted: int = 0
     accepted: int = 0
     rounds: int = 0
+    # Rounds that verified a token tree, and their nodes.
+    tree_rounds: int = 0
+    tree_nodes: int = 0
     # Outputs of earlier runs of the same mode and level folded in by ``absorb``.
     earlier_outputs: list[dict[str, list[int]]] = field(default_factory=list)
 
@@ -56,6 +59,8 @@ class LevelResult:
         self.drafted += other.drafted
         self.accepted += other.accepted
         self.rounds += other.rounds
+        self.tree_rounds += other.tree_rounds
+        self.tree_nodes += other.tree_nodes
         self.earlier_outputs += [self.outputs, *other.earlier_outputs]
         self.outputs = other.outputs
 
@@ -72,6 +77,9 @@ class LevelResult:
             entry["mean_k"] = round(self.drafted / self.rounds, 3)
         if self.drafted:
             entry["acceptance_rate"] = round(self.accepted / self.drafted, 3)
+        if self.tree_rounds:
+            entry["tree_rounds"] = self.tree_rounds
+            entry["mean_tree_nodes"] = round(self.tree_nodes / self.tree_rounds, 2)
         if reference is not None:
             runs = [*self.earlier_outputs, self.outputs]
             same = sum(1 for outputs in runs for pid, out in outputs.items() if reference.get(pid) == out)
@@ -151,6 +159,8 @@ def run_specdec_level(
                     result.drafted += stats.drafted_tokens
                     result.accepted += stats.accepted_tokens
                     result.rounds += stats.rounds
+                    result.tree_rounds += stats.tree_rounds
+                    result.tree_nodes += stats.tree_nodes
                 _progress(mode, level, len(result.outputs), len(prompts))
 
     with Client(address, timeout=900) as client:
@@ -226,14 +236,15 @@ def summarize_load(results: dict[str, dict[int, LevelResult]], reference: dict[s
     for mode, levels in results.items():
         ref = reference if mode.startswith("specdec") else None
         report["modes"][mode] = {str(c): r.summary(ref) for c, r in levels.items()}
-    spec, k0 = results.get("specdec"), results.get("specdec-k0")
-    if spec and k0:
-        ratios = {
-            str(c): round(spec[c].tokens / spec[c].seconds / (k0[c].tokens / k0[c].seconds), 3)
-            for c in spec
-            if c in k0 and spec[c].seconds and k0[c].seconds
-        }
-        report["specdec_vs_k0"] = ratios
+    spec = results.get("specdec")
+    for other, key in (("specdec-k0", "specdec_vs_k0"), ("specdec-chain", "specdec_vs_chains")):
+        base = results.get(other)
+        if spec and base:
+            report[key] = {
+                str(c): round(spec[c].tokens / spec[c].seconds / (base[c].tokens / base[c].seconds), 3)
+                for c in spec
+                if c in base and spec[c].seconds and base[c].seconds
+            }
     for mode, levels in results.items():
         if 1 in levels and levels[1].seconds:
             single = levels[1].tokens / levels[1].seconds

@@ -418,6 +418,8 @@ def load_section(report: dict | None, root: Path, reports: Path) -> list[str]:
         if any(cell(mode, c, "mean_k") for c in levels):
             rows.append([f"`{mode}` mean k"] + [num(cell(mode, c, "mean_k")) for c in levels])
             rows.append([f"`{mode}` acceptance"] + [num(cell(mode, c, "acceptance_rate")) for c in levels])
+        if any(cell(mode, c, "tree_rounds") for c in levels):
+            rows.append([f"`{mode}` tree rounds"] + [str(cell(mode, c, "tree_rounds") or 0) for c in levels])
     scaling = report.get("scaling_vs_single_session", {})
     for mode in modes:
         if mode in scaling:

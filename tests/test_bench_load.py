@@ -78,3 +78,13 @@ def test_repeated_runs_sum_tokens_and_seconds_and_check_every_output():
     assert entry["mean_k"] == round(4 / 7, 3)
     assert entry["acceptance_rate"] == 0.25  # accepted over drafted tokens, both runs
     assert entry["ttft_ms"]["p50"] == 20.0
+
+
+def test_report_compares_trees_with_chains_and_counts_tree_rounds():
+    chains = {1: LevelResult(tokens=10, seconds=2.0, rounds=5)}
+    trees = {1: LevelResult(tokens=11, seconds=2.0, rounds=5, drafted=9, tree_rounds=2, tree_nodes=7)}
+    report = summarize_load({"specdec-chain": chains, "specdec": trees}, None)
+    assert report["specdec_vs_chains"] == {"1": 1.1}
+    assert report["modes"]["specdec"]["1"]["tree_rounds"] == 2
+    assert report["modes"]["specdec"]["1"]["mean_tree_nodes"] == 3.5
+    assert "tree_rounds" not in report["modes"]["specdec-chain"]["1"]
