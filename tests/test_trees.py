@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny import EOS_ID as EOS
 
 from specdec.kvcache import SessionCache
 from specdec.sampling import Sampling
@@ -537,3 +538,54 @@ def test_bad_trees_over_grpc_get_invalid_argument_and_the_services_stay_up(
         assert reply.committed == cache.committed + len(reply.tokens) and len(reply.accepted_nodes) == reply.accepted
     finally:
         stack.close()
+
+
+def test_unseeded_sampled_trees_through_the_loop_follow_the_target(tiny_target, tiny_draft):
+    """Unseeded sampling (recursive rejection over siblings drawn without replacement) with a fixed
+    tree every round, through the round loop: the first and the second committed tokens each follow
+    the target's own distribution (chi-square over the tiny vocabulary, p = 0.001)."""
+    from draft_service.engine import ModelDrafter
+    from specdec.sampling import Sampling, warp_probs
+
+    sampling = Sampling(1.0, 0, 1.0)
+    ids = tiny_target.tokenizer.encode("w1 w2 w3", add_special_tokens=False)
+    with torch.inference_mode():
+        first = warp_probs(tiny_target.model(torch.tensor([ids])).logits[0, -1:], sampling)[0]  # [V]
+        nexts = warp_probs(
+            tiny_target.model(torch.tensor([ids + [t] for t in range(len(first))])).logits[:, -1], sampling
+        )  # [V, V]
+    # The second position, given the first was not EOS (which ends the request there).
+    go_on = first.clone()
+    go_on[EOS] = 0.0
+    second = (go_on / go_on.sum()) @ nexts  # [V]
+    loop = _tree_loop(tiny_target, ModelDrafter(tiny_draft, 8, 0), TreeShape(4, 2, 2))
+    n, counts, trees = 1500, torch.zeros(2, len(first)), 0
+    for _ in range(n):
+        tokens, stats = _run_n(loop, 2, temperature=1.0)
+        counts[0, tokens[0]] += 1
+        if len(tokens) > 1:
+            counts[1, tokens[1]] += 1
+        trees += stats.tree_rounds
+    assert trees > n // 2
+    for observed, p in zip(counts, (first, second)):
+        expected = p.float() * observed.sum()
+        big = expected >= 5
+        obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+        exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+        keep = exp > 0
+        chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+        dof = int(keep.sum()) - 1
+        assert chi2 < dof + 3.1 * (2 * dof) ** 0.5 + 5, f"chi2={chi2:.1f} with {dof} degrees of freedom"
+
+
+def _run_n(loop, max_new_tokens: int, **fields):
+    import asyncio
+
+    from coordinator.turns import GenerationRequest
+
+    async def collect():
+        request = GenerationRequest("w1 w2 w3", None, max_new_tokens, **fields)
+        chunks = [c async for c in loop.generate(request, lambda: None)]
+        return [t for c in chunks for t in c.token_ids], chunks[-1].stats
+
+    return asyncio.run(collect())
