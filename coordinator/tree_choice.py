@@ -72,15 +72,6 @@ class TreeAcceptance:
         key = (depth, rank)
         return (self.accepted.get(key, 0) + prior * PRIOR_WEIGHT) / (self.judged.get(key, 0) + PRIOR_WEIGHT)
 
-    def by_depth(self) -> dict[int, float]:
-        """Measured share of judged children accepted at each depth (any rank), for reports."""
-        out: dict[int, list[int]] = {}
-        for (depth, _), n in self.judged.items():
-            out.setdefault(depth, [0, 0])[1] += n
-        for (depth, _), n in self.accepted.items():
-            out[depth][0] += n
-        return {d: a / j for d, (a, j) in sorted(out.items()) if j}
-
 
 @dataclass
 class TreeDraftCosts:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import Verdict, coupled_token
+from specdec.sampling import coupled_token
 from specdec.trees import children
 
 
@@ -63,10 +63,6 @@ class TreeVerdict:
     def accepted(self) -> int:
         """Draft tokens accepted."""
         return len(self.path)
-
-    def as_verdict(self) -> Verdict:
-        """The chain-shaped verdict (accepted count and tokens)."""
-        return Verdict(len(self.path), self.tokens)
 
 
 def _walk(tokens: Sequence[int], parents: Sequence[int], pick) -> TreeVerdict:
