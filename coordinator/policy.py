@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 from coordinator.adaptive import AcceptanceTracker, CostModel, FleetAcceptance, expected_tokens
 from coordinator.replicas import DraftResult, VerifyResult
@@ -25,7 +26,7 @@ from coordinator.turns import Turn
 from specdec.batching import PassLoad
 from specdec.config import MAX_TREE_NODES
 from specdec.ngram import LOOKUP_MAX_N, propose_ngram
-from specdec.trees import TreeShape
+from specdec.trees import TreeShape, ranks
 
 # Rounds of target-only decoding after which an adaptive session tries k = 1 again.
 PROBE_EVERY = 8
@@ -90,6 +91,14 @@ class RoundOutcome:
     def drafted(self) -> int:
         """Tokens verified beside the target's own one."""
         return len(self.draft.tokens) if self.draft is not None else 0
+
+    @cached_property
+    def accepted_ranks(self) -> tuple[int, ...] | None:
+        """For a tree round: each accepted node's rank among its siblings, root to leaf; None for a chain."""
+        if self.draft is None or self.verdict.path is None:
+            return None
+        node_ranks = ranks(self.draft.parents)
+        return tuple(node_ranks[node] for node in self.verdict.path)
 
     @property
     def model_drafted(self) -> int:

@@ -27,7 +27,6 @@ from coordinator.textstream import Release, TextStream
 from coordinator.turns import Chunk, GenerationRequest, Stats, Turn, Turns, clip
 from specdec.metrics import CoordinatorMetrics
 from specdec.sampling_params import Sampling
-from specdec.trees import ranks
 from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -118,8 +117,10 @@ class RoundLoop:
                 self.policy.observe(turn, outcome)
                 turn.state.round += 1
                 verdict = outcome.verdict
-                if verdict.path is not None and outcome.draft is not None:
-                    turn.stats.add_tree_round(outcome.draft.parents, verdict.path, len(verdict.tokens))
+                if outcome.accepted_ranks is not None and outcome.draft is not None:
+                    turn.stats.add_tree_round(
+                        outcome.draft.parents, verdict.path or (), outcome.accepted_ranks, len(verdict.tokens)
+                    )
                 else:
                     turn.stats.add_round(
                         outcome.drafted, verdict.accepted, len(verdict.tokens), plan.lookup is not None
@@ -199,7 +200,7 @@ class RoundLoop:
                     verify_ms / 1000,
                     time.perf_counter() - round_t0,
                     fallback=plan.k > 0 and draft is None,
-                    accepted_ranks=_path_ranks(draft, verdict) if verdict.path is not None else None,
+                    accepted_ranks=outcome.accepted_ranks,
                 )
             span.set_attributes(
                 {
@@ -210,10 +211,10 @@ class RoundLoop:
                     "specdec.looked_up": plan.lookup is not None,
                     "specdec.from_ahead": bool(draft is not None and draft.from_ahead),
                     "specdec.accepted": verdict.accepted,
-                    "specdec.tree_nodes": len(draft.parents) if draft is not None and verdict.path is not None else 0,
+                    "specdec.tree_nodes": outcome.drafted if outcome.accepted_ranks is not None else 0,
                     "specdec.tree_depth": plan.tree.depth if plan.tree is not None else 0,
                     "specdec.tree_width": plan.tree.width if plan.tree is not None else 0,
-                    "specdec.accepted_ranks": _path_ranks(draft, verdict),
+                    "specdec.accepted_ranks": outcome.accepted_ranks or (),
                     "specdec.draft_ms": draft_ms,
                     "specdec.verify_ms": verify_ms,
                 }
@@ -296,14 +297,6 @@ class RoundLoop:
             }
         )
         return Chunk(turn.record.session_id, tail.text, tail.token_ids, finish, stats)
-
-
-def _path_ranks(draft, verdict) -> tuple[int, ...]:
-    """The sibling rank of each accepted tree node, root to leaf (empty for a chain)."""
-    if draft is None or verdict.path is None:
-        return ()
-    node_ranks = ranks(draft.parents)
-    return tuple(node_ranks[node] for node in verdict.path)
 
 
 def _request_attributes(

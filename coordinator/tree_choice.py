@@ -110,18 +110,23 @@ def best_tree(rate, max_nodes: int, max_depth: int, max_width: int = MAX_WIDTH) 
     """
     out: list[tuple[float, TreeShape]] = []
     heap: list[tuple[float, int, int, int]] = []  # (-P, tie, depth, rank) of the offered nodes
+    shares: dict[int, list[float]] = {}  # by depth: a(d, r) times the misses of the ranks before r
     tie = 0
 
     def offer(p_parent: float, depth: int) -> None:
         nonlocal tie
         if depth > max_depth:
             return
-        missed = 1.0
-        for rank in range(max_width):
-            a = rate(depth, rank)
-            heapq.heappush(heap, (-(p_parent * missed * a), tie, depth, rank))
+        if depth not in shares:
+            missed, row = 1.0, []
+            for rank in range(max_width):
+                a = rate(depth, rank)
+                row.append(missed * a)
+                missed *= 1.0 - a
+            shares[depth] = row
+        for rank, share in enumerate(shares[depth]):
+            heapq.heappush(heap, (-(p_parent * share), tie, depth, rank))
             tie += 1
-            missed *= 1.0 - a
 
     offer(1.0, 1)
     total, deepest, widest = 1.0, 0, 0

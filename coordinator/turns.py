@@ -21,7 +21,7 @@ from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable, 
 from coordinator.tree_choice import TreeAcceptance
 from specdec.sampling_params import Sampling
 from specdec.token_lists import common_prefix_len
-from specdec.trees import depths, ranks
+from specdec.trees import depths
 from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -116,8 +116,11 @@ class Stats:
         self._count(drafted, accepted, committed)
         (self.lookup if looked_up else self.positions).record(drafted, accepted)
 
-    def add_tree_round(self, parents: tuple[int, ...], path: tuple[int, ...], committed: int) -> None:
-        """Counts one finished tree round: its nodes' ``parents`` and the accepted ``path``."""
+    def add_tree_round(
+        self, parents: tuple[int, ...], path: tuple[int, ...], path_ranks: tuple[int, ...], committed: int
+    ) -> None:
+        """Counts one finished tree round: its nodes' ``parents``, the accepted ``path`` and its nodes'
+        sibling ranks."""
         self._count(len(parents), len(path), committed)
         self.tree_rounds += 1
         self.tree_nodes += len(parents)
@@ -125,7 +128,7 @@ class Stats:
         self.tree_depths += depth
         self.tree_levels_judged += min(depth, len(path) + 1)
         add_counts(self.accepted_at_depth, [1] * len(path))
-        for rank in (ranks(parents)[node] for node in path):
+        for rank in path_ranks:
             add_counts(self.accepted_at_rank, [0] * rank + [1])
         self.trees.record(parents, path)
 

@@ -535,18 +535,9 @@ class FeatureDrafter(DraftEngine):
         draft = self._draft_model
         device = draft.device
         caches = [cache.kv for cache, _ in jobs]
-        catch = [cache.catch_up() for cache, _ in jobs]
-        layout = RaggedLayout.of(
-            [len(f) for f, _, _ in catch],
-            [kv.get_seq_length() for kv in caches],
-            [start for _, _, start in catch],
-            device=device,
-        )
-        feats = torch.cat([f for f, _, _ in catch])  # [N, D]
-        toks = torch.tensor([t for _, tokens, _ in catch for t in tokens], device=device)  # [N]
-        roots = draft.predict_ragged(feats, toks, caches, layout)[[b - 1 for b in layout.bounds[1:]]]  # [B, D]
+        roots, positions = self._catch_up_together([cache for cache, _ in jobs])  # [B, D]
         bases = [kv.get_seq_length() for kv in caches]  # true pairs every node sees
-        root_pos = [start + len(f) - 1 for f, _, start in catch]  # position of the last true pair
+        root_pos = [p - 1 for p in positions]  # position of the last true pair
         predicted: list[dict[int, torch.Tensor]] = [{-1: roots[b]} for b in range(len(jobs))]
         rows_of: list[dict[int, int]] = [{} for _ in jobs]  # node -> its KV row
         self._grow_rows(roots, [(grower, -1) for _, grower in jobs])
@@ -606,11 +597,14 @@ class FeatureDrafter(DraftEngine):
                 grower, node = growing[r]
                 grower.grow(node, logits[row])
 
-    def _draft_together(self, jobs: list) -> list[tuple[list[int], list]]:
+    def _catch_up_together(self, sessions: list[FeatureSession]) -> tuple[torch.Tensor, list[int]]:
+        """One ragged pass over every session's catch-up pairs (``FeatureSession.catch_up``): the
+        predicted features ``[B, D]`` after each session's last true pair, and the position each
+        session's first draft token is fed at."""
         draft = self._draft_model
         device = draft.device
-        catch = [cache.catch_up() for cache, _, _ in jobs]
-        caches = [cache.kv for cache, _, _ in jobs]
+        catch = [cache.catch_up() for cache in sessions]
+        caches = [cache.kv for cache in sessions]
         layout = RaggedLayout.of(
             [len(f) for f, _, _ in catch],
             [kv.get_seq_length() for kv in caches],
@@ -620,7 +614,13 @@ class FeatureDrafter(DraftEngine):
         feats = torch.cat([f for f, _, _ in catch])  # [N, D]
         toks = torch.tensor([t for _, tokens, _ in catch for t in tokens], device=device)  # [N]
         predicted = draft.predict_ragged(feats, toks, caches, layout)[[b - 1 for b in layout.bounds[1:]]]  # [B, D]
-        positions = [start + len(f) for f, _, start in catch]
+        return predicted, [start + len(f) for f, _, start in catch]
+
+    def _draft_together(self, jobs: list) -> list[tuple[list[int], list]]:
+        draft = self._draft_model
+        device = draft.device
+        caches = [cache.kv for cache, _, _ in jobs]
+        predicted, positions = self._catch_up_together([cache for cache, _, _ in jobs])  # [B, D]
         tokens: list[list[int]] = [[] for _ in jobs]
         qs: list[list] = [[] for _ in jobs]
         live = list(range(len(jobs)))
