@@ -491,17 +491,23 @@ def test_coordinator_in_process_fields(in_process):
             _check_in_process(in_process, method, request.SerializeToString(), request.session_id, "fields", request)
 
     run()
-    seen = _in_process_seen["fields"]
+    seen = _report_in_process("fields", "in process, structured", t0)
+    assert sum(seen.values()) >= IN_PROCESS["fields"], seen
+    # The drawing reaches the model, not only the validation: some requests generate.
+    assert seen.get("OK", 0) >= 200 and seen.get("INVALID_ARGUMENT", 0) >= 1000, seen
+
+
+def _report_in_process(kind: str, label: str, t0: float) -> dict[str, int]:
+    """The statuses one in-process fuzz drew, written to the chaos report under ``label`` and printed."""
+    seen = _in_process_seen[kind]
     seconds = time.monotonic() - t0
     write_report(
         os.environ.get("SPECDEC_CHAOS_REPORT"),
         "fuzz",
-        {"in process, structured": {"requests": sum(seen.values()), "statuses": seen, "seconds": round(seconds, 1)}},
+        {label: {"requests": sum(seen.values()), "statuses": seen, "seconds": round(seconds, 1)}},
     )
-    print("in-process fields", seen, f"{sum(seen.values()) / seconds:.0f} requests/s")
-    assert sum(seen.values()) >= IN_PROCESS["fields"], seen
-    # The drawing reaches the model, not only the validation: some requests generate.
-    assert seen.get("OK", 0) >= 200 and seen.get("INVALID_ARGUMENT", 0) >= 1000, seen
+    print(f"in-process {kind}", seen, f"{sum(seen.values()) / seconds:.0f} requests/s")
+    return seen
 
 
 def test_coordinator_in_process_raw_bytes(in_process):
@@ -526,14 +532,7 @@ def test_coordinator_in_process_raw_bytes(in_process):
             _check_in_process(in_process, method, payload, session_id, "bytes", payload)
 
     run()
-    seen = _in_process_seen["bytes"]
-    seconds = time.monotonic() - t0
-    write_report(
-        os.environ.get("SPECDEC_CHAOS_REPORT"),
-        "fuzz",
-        {"in process, raw bytes": {"requests": sum(seen.values()), "statuses": seen, "seconds": round(seconds, 1)}},
-    )
-    print("in-process bytes", seen, f"{sum(seen.values()) / seconds:.0f} requests/s")
+    seen = _report_in_process("bytes", "in process, raw bytes", t0)
     assert sum(seen.values()) >= IN_PROCESS["bytes"], seen
 
 
