@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     if not extra_installed("server"):
         return
     p = subparsers.add_parser(
-        "bench", help="tokens/s of hf-target, hf-assisted, specdec-k0, specdec and specdec-http, side by side"
+        "bench", help="tokens/s of transformers generate and of the specdec stack's modes, side by side"
     )
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL prompt file")
     p.add_argument("--n", type=int, help="use the first N prompts")
@@ -40,9 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--k", type=k_arg, default=None, help="draft length of the specdec mode: N or auto (default)")
     p.add_argument(
         "--modes",
-        help="comma-separated modes (default: hf-target,hf-assisted,specdec-k0,specdec,"
-        "specdec-http; "
-        "with --concurrency: hf-batched,specdec-k0,specdec)",
+        help="comma-separated modes (default: hf-target,hf-assisted,specdec-k0,specdec-chain,specdec,"
+        "specdec-tree,specdec-http; with --concurrency: hf-batched,specdec-k0,specdec-chain,specdec)",
     )
     p.add_argument(
         "--concurrency",
@@ -94,6 +93,7 @@ def run_bench(args: argparse.Namespace) -> None:
 
     from bench.single import (
         MODES,
+        STACK_VARIANTS,
         hf_runner,
         http_runner,
         load_prompts,
@@ -154,8 +154,8 @@ def run_bench(args: argparse.Namespace) -> None:
                 stacks.append(LocalStack(config).start())
                 address = stacks[-1].address
             clients.append(Client(address, timeout=600))
-            # specdec-k0 and specdec-chain run on the first stack only.
-            for mode in (m for m in spec_modes if m == "specdec" or (m in ("specdec-k0", "specdec-chain") and i == 0)):
+            # The fixed variants (specdec-k0, specdec-chain, specdec-tree) run on the first stack only.
+            for mode in (m for m in spec_modes if m == "specdec" or (m in STACK_VARIANTS and i == 0)):
                 name = mode if mode != "specdec" or len(kinds) == 1 else f"specdec:{kind}"
                 runners[name] = specdec_runner(name, clients[-1], args.max_new_tokens, args.temperature, k)
             if i == 0 and "specdec-http" in modes:

@@ -11,7 +11,7 @@ load levels are sorted by number, files by name), so a test can check the commit
     python bench/render_docs.py            # rewrite docs/benchmarks.md and README.md's results table
     python bench/render_docs.py --check    # exit 1, naming the stale files, instead of writing
 
-Standard library only.
+Standard library only (and ``bench.single``, which is too).
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import os
 import statistics
 import sys
 from pathlib import Path
+
+from bench.single import is_speculative  # standard library only, like this script
 
 ROOT = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- results:begin -->"
@@ -146,6 +148,8 @@ multi-turn chat, summarisation, QA, maths and translation; the first N are used)
 - `specdec` (or `specdec:<kind>` with several draft kinds): the stack with its draft, each round a
   token tree or a chain as the cost model picks ([trees.md](trees.md)).
 - `specdec-chain`: the same stack, chains only (each request's `tree_nodes` 0).
+- `specdec-tree`: the same stack with one fixed tree every round (5 nodes at most 3 deep, shaped by
+  the acceptance seen so far), whether or not it pays: what tree verification does by itself.
 
 The modes take turns prompt by prompt in A B B A order. Per speculative mode the report gives rounds,
 the per-round time split (draft, verify, other: the coordinator's own overhead, mean and median; the
@@ -234,10 +238,6 @@ draft service's rule of trying prompt lookup first; "bench prompts" scores the 6
 # Sections from the reports
 
 
-def speculative(mode: str) -> bool:
-    return mode in ("specdec", "specdec-chain") or mode.startswith("specdec:")
-
-
 def bench_section(report: dict | None, root: Path, reports: Path) -> list[str]:
     lines = BENCH_METHOD.splitlines() + [""]
     if report is None or not isinstance(report.get("modes"), dict):
@@ -256,7 +256,7 @@ def bench_section(report: dict | None, root: Path, reports: Path) -> list[str]:
         )
     lines += table(["mode", "tokens/s", "vs hf-target", "vs hf-assisted", "vs specdec-k0", "exact"], rows) + [""]
 
-    spec = [(mode, m) for mode, m in modes.items() if speculative(mode)]
+    spec = [(mode, m) for mode, m in modes.items() if is_speculative(mode)]
     if spec:
         rows = [
             [

@@ -11,6 +11,9 @@ Modes take turns prompt by prompt (see ``run_interleaved``):
   coordinator's cost model picks;
 - ``specdec-chain``: the same stack with chains only (the request's ``tree_nodes`` 0), so trees
   and chains are compared in one run, on the same processes;
+- ``specdec-tree``: the same stack with one fixed tree every round (``FIXED_TREE``), whether or not
+  it pays: what verifying a tree does to tokens per target pass and to speed, apart from the
+  policy's choice;
 - ``specdec-http``: the same stack through its OpenAI-compatible HTTP API, streamed as server-sent
   events; its ``overhead_ms_per_token_vs_specdec`` is what the HTTP path adds per token over the
   gRPC SDK's ``specdec``, measured in the same run.
@@ -31,7 +34,16 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
-MODES = ("hf-target", "hf-assisted", "specdec-k0", "specdec-chain", "specdec", "specdec-http")
+MODES = ("hf-target", "hf-assisted", "specdec-k0", "specdec-chain", "specdec", "specdec-tree", "specdec-http")
+# The ``specdec-tree`` mode's tree, (nodes, depth): on the 2-core development CPU, the fixed shape
+# that committed the most tokens per second in process (more nodes add tokens per pass but cost more).
+FIXED_TREE = (5, 3)
+# The stack's modes that run one fixed request setting, on the first stack only: (k, tree_nodes).
+STACK_VARIANTS: dict[str, tuple[int | None, int | None]] = {
+    "specdec-k0": (0, None),
+    "specdec-chain": (None, 0),
+    "specdec-tree": (FIXED_TREE[1], FIXED_TREE[0]),
+}
 # The shipped prompt set (package data of ``bench``): one JSON object a line, see ``load_prompts``.
 PROMPTS = Path(str(files("bench") / "prompts.jsonl"))
 
@@ -159,15 +171,13 @@ def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k
     """Runs each prompt through a specdec coordinator (``client``, a ``specdec.client.Client``)."""
     from coordinator.adaptive import add_counts
 
+    fixed_k, tree_nodes = STACK_VARIANTS.get(mode, (None, None))
+    k = k if fixed_k is None else fixed_k
+
     def run(index: int, p: BenchPrompt, result: ModeResult) -> None:
         start = time.perf_counter()
         reply = client.complete(
-            p.prompt,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            seed=index,
-            k=0 if mode == "specdec-k0" else k,
-            tree_nodes=0 if mode == "specdec-chain" else None,
+            p.prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=index, k=k, tree_nodes=tree_nodes
         )
         result.seconds += time.perf_counter() - start
         s = reply.stats
@@ -247,8 +257,9 @@ def expected_tokens_per_round(alpha: float, k: float) -> float:
 
 
 def is_speculative(mode: str) -> bool:
-    """Whether a mode drafts through the stack: ``specdec`` or ``specdec:<draft kind>``."""
-    return mode in ("specdec", "specdec-chain") or mode.startswith("specdec:")
+    """Whether a mode drafts through the stack: ``specdec``, ``specdec-chain``, ``specdec-tree`` or
+    ``specdec:<draft kind>``."""
+    return mode in ("specdec", "specdec-chain", "specdec-tree") or mode.startswith("specdec:")
 
 
 def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
@@ -308,7 +319,7 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
                 entry["measured_speedup_vs_k0"] = round(measured, 3)
                 entry["efficiency"] = round(measured / predicted, 3) if predicted else 0.0
         chains = results.get("specdec-chain")
-        if mode == "specdec" and chains is not None and chains.tokens_per_s:
+        if mode in ("specdec", "specdec-tree") and chains is not None and chains.tokens_per_s:
             entry["speedup_vs_chains"] = round(r.tokens_per_s / chains.tokens_per_s, 3)
         grpc = results.get("specdec")
         if mode == "specdec-http" and grpc is not None and grpc.tokens and r.tokens:

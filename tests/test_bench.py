@@ -5,7 +5,8 @@ from __future__ import annotations
 from harness import InProcessStack
 from test_e2e_tiny import hf_greedy
 
-from bench.single import BenchPrompt, ModeResult, hf_runner, run_interleaved, specdec_runner, summarize
+from bench.single import FIXED_TREE, BenchPrompt, ModeResult, hf_runner, run_interleaved, specdec_runner, summarize
+from coordinator.tree_choice import MAX_WIDTH
 from draft_service.engine import ModelDrafter
 from specdec.client import Client
 from target_service.engine import TargetEngine
@@ -40,6 +41,8 @@ def test_every_mode_matches_target_greedy_output_through_a_real_stack(tiny_targe
                 "hf-assisted": hf_runner("hf-assisted", tiny_target, None, 10, 0.0, None),
                 "specdec-k0": specdec_runner("specdec-k0", client, 10, 0.0, None),
                 "specdec": specdec_runner("specdec", client, 10, 0.0, 3),
+                "specdec-chain": specdec_runner("specdec-chain", client, 10, 0.0, None),
+                "specdec-tree": specdec_runner("specdec-tree", client, 10, 0.0, None),
             }
             results = run_interleaved(runners, PROMPTS, progress=False)
     finally:
@@ -52,8 +55,16 @@ def test_every_mode_matches_target_greedy_output_through_a_real_stack(tiny_targe
     # A round judges its tokens up to the first rejected one; the tiny random draft is rejected often.
     assert spec.accepted < spec.judged < spec.drafted
     report = summarize(results, greedy=True)
-    assert [report[m]["exact"] for m in ("hf-assisted", "specdec-k0", "specdec")] == ["4/4"] * 3
+    modes = ("hf-assisted", "specdec-k0", "specdec", "specdec-chain", "specdec-tree")
+    assert [report[m]["exact"] for m in modes] == ["4/4"] * 5
     assert report["specdec"]["mean_k"] > 0 and "efficiency" in report["specdec"]
+    # The chain mode never verifies a tree; the tree mode verifies a full one every round with room,
+    # except a prompt's last tree when one token of room is left: one level holds MAX_WIDTH nodes.
+    assert results["specdec-chain"].tree_rounds == 0 and results["specdec-chain"].drafted > 0
+    tree = results["specdec-tree"]
+    full = FIXED_TREE[0] * tree.tree_rounds
+    assert tree.tree_rounds > 0 and full - len(PROMPTS) * (FIXED_TREE[0] - MAX_WIDTH) <= tree.tree_nodes <= full
+    assert "speedup_vs_chains" in report["specdec-tree"] and "mean_tree_nodes" in report["specdec-tree"]
 
 
 def test_exact_counts_outputs_that_differ_from_the_target():
