@@ -51,6 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=2,
         help="a feature draft tries prompt lookup first, from suffixes of this many tokens up (0: off)",
     )
+    p.add_argument(
+        "--tree-beam",
+        type=int,
+        default=0,
+        help="nodes each level of a draft tree expands (0: 4 for a feature draft, 1 for a model draft)",
+    )
     p.set_defaults(run=serve)
 
 
@@ -69,5 +75,6 @@ def serve(args: argparse.Namespace) -> None:
             sample_top_k=args.sample_top_k,
             int8_head=not args.fp32_head,
             lookup_min=args.lookup_min,
+            tree_beam=args.tree_beam,
         )
     )

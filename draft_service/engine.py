@@ -13,8 +13,9 @@ import torch
 
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import AheadDraft, DraftTail, FeatureDraft, FeatureSession, on_host
+from draft_service.model_trees import grow_model_trees, grows_ragged_trees
 from draft_service.picking import TokenPicker, take_next
-from draft_service.tree_draft import TreeGrower
+from draft_service.tree_draft import TREE_BEAM, TreeGrower, TreeRows, level_layout
 from specdec.batching import waves
 from specdec.config import MAX_K
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
@@ -190,7 +191,7 @@ class DraftEngine:
         position = call.start + len(call.new_tokens)
         return TreeGrower(tree, call.sampling, call.round_index, position, self.tree_beam, self._sample_top_k)
 
-    # Nodes a level of the tree feeds (``TreeGrower.beam``): 1 for drafters that feed one path.
+    # Nodes a level of the tree expands (``TreeGrower.beam``): 1 for drafters that feed one path.
     tree_beam = 1
 
     def _draft_trees(self, jobs: list[tuple]) -> list:
@@ -321,10 +322,21 @@ class ModelDrafter(DraftEngine):
 
     kind = "model"
 
-    def __init__(self, loaded: LoadedModel, max_sessions: int, sample_top_k: int, **limits) -> None:
+    def __init__(self, loaded: LoadedModel, max_sessions: int, sample_top_k: int, tree_beam: int = 1, **limits) -> None:
         super().__init__(loaded.facts("model"), max_sessions, **limits)
         self._loaded = loaded
         self._sample_top_k = sample_top_k
+        # Where the model runs ragged, every session's tree level is one pass (``draft_service.model_trees``)
+        # and may expand ``tree_beam`` nodes; otherwise trees grow along one path, a session at a time.
+        # One path is the default: on the development CPU the shipped token draft's wider levels
+        # cost more draft time than their extra nodes gained.
+        self._ragged_trees = grows_ragged_trees(loaded.model)
+        self.tree_beam = tree_beam if self._ragged_trees else 1
+
+    def _draft_trees(self, jobs):
+        if not self._ragged_trees:
+            return super()._draft_trees(jobs)
+        return grow_model_trees(self._loaded.model, jobs)
 
     def _prefill(self, cache: SessionCache) -> None:
         cache.prefill(self._loaded.model)
@@ -365,6 +377,7 @@ class FeatureDrafter(DraftEngine):
         sample_top_k: int,
         lookup_max: int = LOOKUP_MAX_N,
         lookup_min: int = 2,
+        tree_beam: int = TREE_BEAM,
         **limits,
     ) -> None:
         super().__init__(
@@ -373,6 +386,7 @@ class FeatureDrafter(DraftEngine):
             FeatureSession,
             **limits,
         )
+        self.tree_beam = tree_beam
         self._draft_model = draft
         self._sample_top_k = sample_top_k
         self._lookup_max = lookup_max
@@ -495,9 +509,6 @@ class FeatureDrafter(DraftEngine):
                 out[j] = (tokens, q, False)
         return out
 
-    # EAGLE-2 expands the best few nodes of each level; each is one more row in a level's pass.
-    tree_beam = 4
-
     @torch.inference_mode()
     def _draft_trees(self, jobs):
         """Lookup first, as for chains: a whole continuation found makes every continuation a branch.
@@ -526,48 +537,27 @@ class FeatureDrafter(DraftEngine):
         return out
 
     def _grow_together(self, jobs: list) -> list[tuple]:
-        """Level-wise tree growth for ``(cache, grower)`` jobs over the draft's KV caches.
-
-        A level feeds each frontier node as the pair (its parent's predicted feature, its token) at
-        its depth's position; it attends to the session's true pairs, its own ancestors' rows (fed at
-        earlier levels) and itself. Those rows are speculative: the next catch-up crops them.
-        """
+        """Level-wise tree growth for ``(cache, grower)`` jobs over the draft's KV caches
+        (``draft_service.tree_draft.level_layout``). A node is fed as the pair (its parent's predicted
+        feature, its token); the next catch-up crops the nodes' rows."""
         draft = self._draft_model
         device = draft.device
-        caches = [cache.kv for cache, _ in jobs]
         roots, positions = self._catch_up_together([cache for cache, _ in jobs])  # [B, D]
-        bases = [kv.get_seq_length() for kv in caches]  # true pairs every node sees
-        root_pos = [p - 1 for p in positions]  # position of the last true pair
+        trees = [
+            TreeRows(grower, cache.kv, cache.kv.get_seq_length(), position - 1)
+            for (cache, grower), position in zip(jobs, positions)
+        ]
         predicted: list[dict[int, torch.Tensor]] = [{-1: roots[b]} for b in range(len(jobs))]
-        rows_of: list[dict[int, int]] = [{} for _ in jobs]  # node -> its KV row
         self._grow_rows(roots, [(grower, -1) for _, grower in jobs])
-        while level := [(b, node) for b, (_, grower) in enumerate(jobs) for node in grower.frontier()]:
-            sessions = sorted({b for b, _ in level})
-            masks, positions, bounds = [], [], [0]
-            for b in sessions:
-                grower = jobs[b][1]
-                mine = [node for s, node in level if s == b]
-                past = caches[b].get_seq_length()
-                mask = torch.zeros(len(mine), past + len(mine), dtype=torch.bool, device=device)  # [n_b, past + n_b]
-                mask[:, : bases[b]] = True
-                for r, node in enumerate(mine):
-                    parent = grower.nodes[node].parent
-                    while parent >= 0:
-                        mask[r, rows_of[b][parent]] = True
-                        parent = grower.nodes[parent].parent
-                    mask[r, past + r] = True
-                    rows_of[b][node] = past + r
-                    positions.append(root_pos[b] + grower.nodes[node].depth)
-                masks.append(mask)
-                bounds.append(bounds[-1] + len(mine))
-            step = RaggedLayout(bounds, masks, torch.tensor(positions, device=device))
-            ordered = [(b, node) for b in sessions for s, node in level if s == b]
-            inputs = torch.stack([predicted[b][jobs[b][1].nodes[node].parent] for b, node in ordered])  # [R, D]
-            tokens = torch.tensor([jobs[b][1].nodes[node].token for b, node in ordered], device=device)  # [R]
-            out = draft.predict_ragged(inputs, tokens, [caches[b] for b in sessions], step)  # [R, D]
+        while (level := level_layout(trees, device)) is not None:
+            layout, ordered = level
+            sessions = list(dict.fromkeys(b for b, _ in ordered))
+            inputs = torch.stack([predicted[b][trees[b].grower.nodes[node].parent] for b, node in ordered])  # [R, D]
+            tokens = torch.tensor([trees[b].grower.nodes[node].token for b, node in ordered], device=device)  # [R]
+            out = draft.predict_ragged(inputs, tokens, [trees[b].cache for b in sessions], layout)  # [R, D]
             for r, (b, node) in enumerate(ordered):
                 predicted[b][node] = out[r]
-            self._grow_rows(out, [(jobs[b][1], node) for b, node in ordered])
+            self._grow_rows(out, [(trees[b].grower, node) for b, node in ordered])
         results = []
         for _, grower in jobs:
             tokens, parents, qs = grower.result()

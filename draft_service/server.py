@@ -15,6 +15,7 @@ from draft_service.feature_draft import load_feature_draft
 from draft_service.scheduler import DraftScheduler
 from draft_service.target_parts import read_target
 from draft_service.token_draft import CARD_FILE, load_token_draft
+from draft_service.tree_draft import TREE_BEAM
 from specdec.cache_servicer import CacheServicer
 from specdec.config import DraftConfig
 from specdec.hidden_wire import hidden_from_pb
@@ -148,6 +149,7 @@ def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
         config.model.max_sessions,
         config.sample_top_k,
         lookup_min=config.lookup_min,
+        tree_beam=config.tree_beam or TREE_BEAM,
         **config.model.cache_limits(),
     )
 
@@ -157,7 +159,11 @@ def build_drafter(config: DraftConfig) -> DraftEngine:
     tokenizer."""
     if config.kind == "model":
         return ModelDrafter(
-            load_draft_model(config), config.model.max_sessions, config.sample_top_k, **config.model.cache_limits()
+            load_draft_model(config),
+            config.model.max_sessions,
+            config.sample_top_k,
+            tree_beam=config.tree_beam or 1,
+            **config.model.cache_limits(),
         )
     if config.kind == FEATURE_KIND:
         return load_feature_drafter(config)

@@ -33,6 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from draft_service.target_parts import hash_entry
 from specdec.models import LoadedModel
+from specdec.ragged import RaggedLayout, ragged_decoder_layer
 
 KIND = "token"
 CARD_FILE = "draft_card.json"
@@ -294,10 +295,24 @@ class TokenDraft(nn.Module):
         hidden = self.hidden(input_ids, cache, use_cache, attention_mask, position_ids)  # [B, T, D]
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]  # [B, m, D]
-        reduced = self.head_logits(hidden)  # [B, m, N]
-        logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))  # [B, m, V]
+        return CausalLMOutputWithPast(logits=self.full_logits(hidden), cache=cache if use_cache else None)
+
+    def full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[..., V]`` of final-norm hidden states ``[..., D]``, ``-inf`` outside
+        the head."""
+        reduced = self.head_logits(hidden)  # [..., N]
+        logits = reduced.new_full((*reduced.shape[:-1], self.vocab_size), float("-inf"))  # [..., V]
         logits[..., self.head_ids] = reduced
-        return CausalLMOutputWithPast(logits=logits, cache=cache if use_cache else None)
+        return logits
+
+    def ragged_logits(self, input_ids: torch.Tensor, caches: list, layout: RaggedLayout) -> torch.Tensor:
+        """Full-vocabulary logits ``[N, V]`` of ragged rows ``input_ids [N]`` laid out by ``layout``, each
+        session attending to its own cache, which grows by its rows (``specdec.ragged``)."""
+        h = embed(input_ids, self.embedding, self.embed_scale)  # [N, D], frozen
+        rope = self.rotary_emb(h, layout.positions[None])  # [1, N, hd] each
+        for i, layer in enumerate(self.layers):
+            h = ragged_decoder_layer(layer, h, rope, caches, layout, i)
+        return self.full_logits(self.norm(h))  # [N, V]
 
 
 def _output_weight(target: nn.Module) -> torch.Tensor:

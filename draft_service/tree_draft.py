@@ -13,8 +13,10 @@ children without replacement from the draft's q and only the first drawn expands
 holds ``width`` nodes whatever was drawn, and each node carries the q it was drawn from given the
 siblings before it.
 
-With ``beam`` 1 only one node per level is fed, along one path, so a drafter that feeds its model a
-chain (the token draft) grows trees with no tree mask and no extra draft passes: the siblings come
+A drafter whose model runs ragged grows every session's tree in one pass per level
+(``level_layout``): each frontier node is a row that attends to its session's true rows and its own
+ancestors' rows. With ``beam`` 1 only one node per level is fed, along one path, so a drafter whose
+model has no ragged pass grows trees with no tree mask and no extra draft passes: the siblings come
 from distributions it computes anyway.
 """
 
@@ -26,9 +28,13 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.picking import DRAFT_STREAM
+from specdec.ragged import RaggedLayout
 from specdec.sampling import Sampling, dense_to_sparse, position_generator, round_generator, warp_probs
 from specdec.tree_verify import without_replacement
 from specdec.trees import TreeShape
+
+# EAGLE-2 expands the best few nodes of each level; each is one more row in a level's pass.
+TREE_BEAM = 4
 
 
 @dataclass
@@ -135,3 +141,53 @@ class TreeGrower:
         parents = tuple(-1 if self.nodes[i].parent < 0 else index[self.nodes[i].parent] for i in kept)
         qs = [] if self.sampling.greedy else [self.nodes[i].q for i in kept]
         return tokens, parents, qs
+
+
+@dataclass
+class TreeRows:
+    """One session's tree while it grows level by level over its draft's KV cache."""
+
+    grower: TreeGrower
+    cache: object
+    """The session's draft KV cache (a transformers ``Cache``)."""
+    base: int
+    """Cached rows every node attends to: the session's true (committed) rows."""
+    root_position: int
+    """Sequence position of the root, the last true row; a node at depth d sits d after it."""
+    rows: dict[int, int] = field(default_factory=dict)
+    """Node -> its row in the cache, once fed."""
+
+
+def level_layout(
+    trees: list[TreeRows], device: torch.device | str
+) -> tuple[RaggedLayout, list[tuple[int, int]]] | None:
+    """The next level of every growing tree as one ragged block, or None once every tree is grown.
+
+    Each frontier node is fed at its depth's position and attends to its session's true rows, its
+    ancestors' rows (fed at earlier levels) and itself, never to its cousins. Those rows are
+    speculative: the drafter crops them once the trees are grown. Returns the layout and the
+    ``(tree index, node)`` of each row, in order.
+    """
+    masks, positions, bounds, ordered = [], [], [0], []
+    for b, tree in enumerate(trees):
+        mine = tree.grower.frontier()
+        if not mine:
+            continue
+        nodes = tree.grower.nodes
+        past = tree.cache.get_seq_length()
+        mask = torch.zeros(len(mine), past + len(mine), dtype=torch.bool, device=device)  # [n_b, past + n_b]
+        mask[:, : tree.base] = True
+        for r, node in enumerate(mine):
+            parent = nodes[node].parent
+            while parent >= 0:
+                mask[r, tree.rows[parent]] = True
+                parent = nodes[parent].parent
+            mask[r, past + r] = True
+            tree.rows[node] = past + r
+            positions.append(tree.root_position + nodes[node].depth)
+            ordered.append((b, node))
+        masks.append(mask)
+        bounds.append(bounds[-1] + len(mine))
+    if not ordered:
+        return None
+    return RaggedLayout(bounds, masks, torch.tensor(positions, device=device)), ordered

@@ -183,6 +183,13 @@ class DraftConfig:
     # A feature draft first tries prompt lookup (suffixes of lookup_min..4 tokens) and keeps it when it
     # yields all k tokens; 0 turns that off.
     lookup_min: int = 2
+    # Nodes each level of a draft tree expands (EAGLE-2's beam); 0: the kind's default, 4 for a
+    # feature draft, 1 (one path) for a model draft.
+    tree_beam: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tree_beam <= MAX_TREE_NODES:
+            raise ValueError(f"tree_beam: must be 0 (the kind's default) or a node count up to {MAX_TREE_NODES}")
 
 
 @dataclass(frozen=True)

@@ -251,18 +251,24 @@ def ragged_decoder_layer(
 
 
 @torch.inference_mode()
-def ragged_forward(model: PreTrainedModel, items: list[RaggedItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def ragged_forward(
+    model: PreTrainedModel, items: list[RaggedItem], layout: RaggedLayout | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Feeds every item's tokens into its own cache in one pass over the model's weights.
 
     Returns, per item, the logits ``[logits_to_keep, V]`` (float32) of its last positions and the
     final-norm hidden states ``[n_i, D]`` of every position it fed, followed by the outputs of the
     item's side layers (``[n_i, D * (1 + S_i)]``). The caches grow by the fed tokens, exactly as a
     single-session forward would grow them.
+
+    ``layout`` replaces the masks and positions the items imply (chains, or trees fed whole), for a
+    caller that grows a tree level by level over rows already in the caches
+    (``draft_service.tree_draft.level_layout``).
     """
     decoder = model.get_decoder()
     device = model.device
     windows = layer_windows(model.config)
-    layout = RaggedLayout.of(
+    layout = layout or RaggedLayout.of(
         [len(item.tokens) for item in items],
         [item.cache.get_seq_length() for item in items],
         device=device,
