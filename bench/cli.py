@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bench.single import PROMPTS
 from specdec.cli import add_cache_dir, add_stack, env, extra_installed, k_arg, stack_config
-from specdec.config import DRAFT_KINDS, default_draft_model
+from specdec.config import DRAFT_KINDS, MAX_TREE_NODES, default_draft_model
 
 
 def levels_arg(value: str) -> list[int]:
@@ -24,6 +24,20 @@ def levels_arg(value: str) -> list[int]:
     if not levels or min(levels) < 1:
         raise argparse.ArgumentTypeError("--concurrency takes positive integers, for example 1,2,4,8,16")
     return levels
+
+
+def trees_arg(value: str) -> list[tuple[int, int]]:
+    """``--trees``: NODESxDEPTH shapes, comma-separated (``5x3,15x6``), each a tree a round may verify."""
+    shapes = []
+    for part in value.split(","):
+        try:
+            nodes, depth = (int(n) for n in part.split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not NODESxDEPTH, such as 5x3") from None
+        if not 1 <= depth <= nodes <= MAX_TREE_NODES:
+            raise argparse.ArgumentTypeError(f"{part!r}: need 1 <= depth <= nodes <= {MAX_TREE_NODES}")
+        shapes.append((nodes, depth))
+    return shapes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,6 +52,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--k", type=k_arg, default=None, help="draft length of the specdec mode: N or auto (default)")
+    p.add_argument(
+        "--trees",
+        type=trees_arg,
+        default=None,
+        help="the fixed trees of the specdec-tree mode, NODESxDEPTH comma-separated (default: 5x3,15x6)",
+    )
     p.add_argument(
         "--modes",
         help="comma-separated modes (default: hf-target,hf-assisted,specdec-k0,specdec-chain,specdec,"
@@ -92,15 +112,18 @@ def run_bench(args: argparse.Namespace) -> None:
     import torch
 
     from bench.single import (
+        FIXED_TREES,
         MODES,
-        STACK_VARIANTS,
+        TREE_MODE,
         hf_runner,
         http_runner,
         load_prompts,
         plot,
         run_interleaved,
         specdec_runner,
+        stack_variant,
         summarize,
+        tree_mode,
     )
     from specdec.client import Client
     from specdec.models import load_model
@@ -114,6 +137,9 @@ def run_bench(args: argparse.Namespace) -> None:
     unknown = set(modes) - set(MODES)
     if unknown:
         raise SystemExit(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    # specdec-tree stands for one mode per fixed tree.
+    trees = [tree_mode(nodes, depth) for nodes, depth in (args.trees or FIXED_TREES)]
+    modes = [expanded for m in modes for expanded in (trees if m == TREE_MODE else [m])]
     k = args.k
     prompts = load_prompts(args.prompts, args.n)
     torch.set_num_threads(args.threads)
@@ -154,8 +180,8 @@ def run_bench(args: argparse.Namespace) -> None:
                 stacks.append(LocalStack(config).start())
                 address = stacks[-1].address
             clients.append(Client(address, timeout=600))
-            # The fixed variants (specdec-k0, specdec-chain, specdec-tree) run on the first stack only.
-            for mode in (m for m in spec_modes if m == "specdec" or (m in STACK_VARIANTS and i == 0)):
+            # The fixed variants (specdec-k0, specdec-chain, specdec-tree:NxD) run on the first stack only.
+            for mode in (m for m in spec_modes if m == "specdec" or (stack_variant(m) is not None and i == 0)):
                 name = mode if mode != "specdec" or len(kinds) == 1 else f"specdec:{kind}"
                 runners[name] = specdec_runner(name, clients[-1], args.max_new_tokens, args.temperature, k)
             if i == 0 and "specdec-http" in modes:

@@ -148,8 +148,9 @@ multi-turn chat, summarisation, QA, maths and translation; the first N are used)
 - `specdec` (or `specdec:<kind>` with several draft kinds): the stack with its draft, each round a
   token tree or a chain as the cost model picks ([trees.md](trees.md)).
 - `specdec-chain`: the same stack, chains only (each request's `tree_nodes` 0).
-- `specdec-tree`: the same stack with one fixed tree every round (5 nodes at most 3 deep, shaped by
-  the acceptance seen so far), whether or not it pays: what tree verification does by itself.
+- `specdec-tree:NxD`: the same stack with one fixed tree of N nodes at most D deep every round (shaped
+  by the acceptance seen so far; `--trees`, by default 5x3 and 15x6), whether or not it pays: what
+  verifying a tree of that size does by itself, to tokens per target pass and to speed.
 
 The modes take turns prompt by prompt in A B B A order. Per speculative mode the report gives rounds,
 the per-round time split (draft, verify, other: the coordinator's own overhead, mean and median; the

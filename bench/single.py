@@ -11,9 +11,9 @@ Modes take turns prompt by prompt (see ``run_interleaved``):
   coordinator's cost model picks;
 - ``specdec-chain``: the same stack with chains only (the request's ``tree_nodes`` 0), so trees
   and chains are compared in one run, on the same processes;
-- ``specdec-tree``: the same stack with one fixed tree every round (``FIXED_TREE``), whether or not
-  it pays: what verifying a tree does to tokens per target pass and to speed, apart from the
-  policy's choice;
+- ``specdec-tree:NxD``: the same stack with one fixed tree of N nodes at most D deep every round
+  (``--trees``, default ``FIXED_TREES``), whether or not it pays: what verifying a tree of that size
+  does to tokens per target pass and to speed, apart from the policy's choice;
 - ``specdec-http``: the same stack through its OpenAI-compatible HTTP API, streamed as server-sent
   events; its ``overhead_ms_per_token_vs_specdec`` is what the HTTP path adds per token over the
   gRPC SDK's ``specdec``, measured in the same run.
@@ -35,15 +35,31 @@ from importlib.resources import files
 from pathlib import Path
 
 MODES = ("hf-target", "hf-assisted", "specdec-k0", "specdec-chain", "specdec", "specdec-tree", "specdec-http")
-# The ``specdec-tree`` mode's tree, (nodes, depth): on the 2-core development CPU, the fixed shape
-# that committed the most tokens per second in process (more nodes add tokens per pass but cost more).
-FIXED_TREE = (5, 3)
-# The stack's modes that run one fixed request setting, on the first stack only: (k, tree_nodes).
-STACK_VARIANTS: dict[str, tuple[int | None, int | None]] = {
-    "specdec-k0": (0, None),
-    "specdec-chain": (None, 0),
-    "specdec-tree": (FIXED_TREE[1], FIXED_TREE[0]),
-}
+# The fixed trees ``specdec-tree`` runs by default, (nodes, depth): the shape that committed the most
+# tokens per second on the 2-core development CPU, and a larger one that commits more tokens per target
+# pass at a cost a CPU feels and an accelerator barely does.
+FIXED_TREES = ((5, 3), (15, 6))
+TREE_MODE = "specdec-tree"
+
+
+def tree_mode(nodes: int, depth: int) -> str:
+    """The mode name of the fixed tree of ``nodes`` nodes at most ``depth`` deep."""
+    return f"{TREE_MODE}:{nodes}x{depth}"
+
+
+def stack_variant(mode: str) -> tuple[int | None, int | None] | None:
+    """The fixed request setting ``(k, tree_nodes)`` of a stack mode that has one (None: the stack's
+    own choice). Such modes run on the first stack only."""
+    if mode == "specdec-k0":
+        return 0, None
+    if mode == "specdec-chain":
+        return None, 0
+    if mode.startswith(TREE_MODE + ":"):
+        nodes, depth = (int(n) for n in mode.split(":", 1)[1].split("x"))
+        return depth, nodes
+    return None
+
+
 # The shipped prompt set (package data of ``bench``): one JSON object a line, see ``load_prompts``.
 PROMPTS = Path(str(files("bench") / "prompts.jsonl"))
 
@@ -171,7 +187,7 @@ def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k
     """Runs each prompt through a specdec coordinator (``client``, a ``specdec.client.Client``)."""
     from coordinator.adaptive import add_counts
 
-    fixed_k, tree_nodes = STACK_VARIANTS.get(mode, (None, None))
+    fixed_k, tree_nodes = stack_variant(mode) or (None, None)
     k = k if fixed_k is None else fixed_k
 
     def run(index: int, p: BenchPrompt, result: ModeResult) -> None:
@@ -257,9 +273,9 @@ def expected_tokens_per_round(alpha: float, k: float) -> float:
 
 
 def is_speculative(mode: str) -> bool:
-    """Whether a mode drafts through the stack: ``specdec``, ``specdec-chain``, ``specdec-tree`` or
+    """Whether a mode drafts through the stack: ``specdec``, ``specdec-chain``, ``specdec-tree:NxD`` or
     ``specdec:<draft kind>``."""
-    return mode in ("specdec", "specdec-chain", "specdec-tree") or mode.startswith("specdec:")
+    return mode in ("specdec", "specdec-chain") or mode.startswith(("specdec:", TREE_MODE + ":"))
 
 
 def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
@@ -319,7 +335,7 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
                 entry["measured_speedup_vs_k0"] = round(measured, 3)
                 entry["efficiency"] = round(measured / predicted, 3) if predicted else 0.0
         chains = results.get("specdec-chain")
-        if mode in ("specdec", "specdec-tree") and chains is not None and chains.tokens_per_s:
+        if (mode == "specdec" or mode.startswith(TREE_MODE)) and chains is not None and chains.tokens_per_s:
             entry["speedup_vs_chains"] = round(r.tokens_per_s / chains.tokens_per_s, 3)
         grpc = results.get("specdec")
         if mode == "specdec-http" and grpc is not None and grpc.tokens and r.tokens:

@@ -5,12 +5,22 @@ from __future__ import annotations
 from harness import InProcessStack
 from test_e2e_tiny import hf_greedy
 
-from bench.single import FIXED_TREE, BenchPrompt, ModeResult, hf_runner, run_interleaved, specdec_runner, summarize
+from bench.single import (
+    BenchPrompt,
+    ModeResult,
+    hf_runner,
+    run_interleaved,
+    specdec_runner,
+    summarize,
+    tree_mode,
+)
 from coordinator.tree_choice import MAX_WIDTH
 from draft_service.engine import ModelDrafter
 from specdec.client import Client
 from target_service.engine import TargetEngine
 
+TREE_NODES = 5
+TREE = tree_mode(TREE_NODES, 3)
 PROMPTS = [BenchPrompt(str(i), f"w{i} w{i + 3} w{(7 * i) % 30}") for i in range(4)]
 
 
@@ -42,7 +52,7 @@ def test_every_mode_matches_target_greedy_output_through_a_real_stack(tiny_targe
                 "specdec-k0": specdec_runner("specdec-k0", client, 10, 0.0, None),
                 "specdec": specdec_runner("specdec", client, 10, 0.0, 3),
                 "specdec-chain": specdec_runner("specdec-chain", client, 10, 0.0, None),
-                "specdec-tree": specdec_runner("specdec-tree", client, 10, 0.0, None),
+                TREE: specdec_runner(TREE, client, 10, 0.0, None),
             }
             results = run_interleaved(runners, PROMPTS, progress=False)
     finally:
@@ -55,16 +65,16 @@ def test_every_mode_matches_target_greedy_output_through_a_real_stack(tiny_targe
     # A round judges its tokens up to the first rejected one; the tiny random draft is rejected often.
     assert spec.accepted < spec.judged < spec.drafted
     report = summarize(results, greedy=True)
-    modes = ("hf-assisted", "specdec-k0", "specdec", "specdec-chain", "specdec-tree")
+    modes = ("hf-assisted", "specdec-k0", "specdec", "specdec-chain", TREE)
     assert [report[m]["exact"] for m in modes] == ["4/4"] * 5
     assert report["specdec"]["mean_k"] > 0 and "efficiency" in report["specdec"]
     # The chain mode never verifies a tree; the tree mode verifies a full one every round with room,
     # except a prompt's last tree when one token of room is left: one level holds MAX_WIDTH nodes.
     assert results["specdec-chain"].tree_rounds == 0 and results["specdec-chain"].drafted > 0
-    tree = results["specdec-tree"]
-    full = FIXED_TREE[0] * tree.tree_rounds
-    assert tree.tree_rounds > 0 and full - len(PROMPTS) * (FIXED_TREE[0] - MAX_WIDTH) <= tree.tree_nodes <= full
-    assert "speedup_vs_chains" in report["specdec-tree"] and "mean_tree_nodes" in report["specdec-tree"]
+    tree = results[TREE]
+    full = TREE_NODES * tree.tree_rounds
+    assert tree.tree_rounds > 0 and full - len(PROMPTS) * (TREE_NODES - MAX_WIDTH) <= tree.tree_nodes <= full
+    assert "speedup_vs_chains" in report[TREE] and "mean_tree_nodes" in report[TREE]
 
 
 def test_exact_counts_outputs_that_differ_from_the_target():
@@ -98,3 +108,20 @@ def test_the_formula_reads_acceptance_per_judged_token_and_prefill_on_both_sides
     # 700 tokens: k0 takes 500 + 700 * 100 ms; speculation 500 + 700 / 1.75 * 120 ms.
     assert entry["predicted_speedup_vs_k0"] == round((500 + 70000) / (500 + 400 * 120), 3)
     assert entry["measured_speedup_vs_k0"] == 1.1
+
+
+def test_trees_flag_takes_shapes_and_refuses_bad_ones():
+    import argparse
+
+    import pytest
+
+    from bench.cli import trees_arg
+    from bench.single import stack_variant
+
+    assert trees_arg("5x3,15x6") == [(5, 3), (15, 6)]
+    for bad in ("5", "3x5", "0x0", "40x4", "ax3"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            trees_arg(bad)
+    # A fixed tree of N nodes at most D deep is requested as k = D with tree_nodes = N.
+    assert stack_variant(tree_mode(15, 6)) == (6, 15)
+    assert stack_variant("specdec-chain") == (None, 0) and stack_variant("specdec") is None
