@@ -236,43 +236,68 @@ def _sampled_tree(g: torch.Generator, width: int, depth: int, replace_rule: bool
     return tokens, parents, torch.stack(qs), prefixes
 
 
-def _committed_pairs(trials: int, wrong: bool) -> torch.Tensor:
-    """Counts ``[V, V]`` of the first two committed tokens over many sampled tree rounds (a round that
-    commits one token is followed by a target-only draw, as the next round would be)."""
+def _committed_prefixes(trials: int, wrong: bool, positions: int = 3) -> torch.Tensor:
+    """Counts ``[V] * positions`` of the first ``positions`` committed tokens over many sampled tree
+    rounds (depth ``positions``, two siblings a level); where a round commits fewer, target-only draws
+    follow, as exact later rounds would give."""
     from specdec.tree_verify import verify_tree_sampled
 
-    counts = torch.zeros(VOCAB, VOCAB)
+    counts = torch.zeros((VOCAB,) * positions)
     g = torch.Generator().manual_seed(7)
     for _ in range(trials):
-        tokens, parents, q, prefixes = _sampled_tree(g, width=2, depth=2, replace_rule=wrong)
+        tokens, parents, q, prefixes = _sampled_tree(g, width=2, depth=positions, replace_rule=wrong)
         p = torch.stack([_target_p(())] + [_target_p(prefixes[i]) for i in range(len(tokens))])
-        verdict = verify_tree_sampled(p, q, tokens, parents, g)
-        first = verdict.tokens[0]
-        second = (
-            verdict.tokens[1]
-            if len(verdict.tokens) > 1
-            else int(torch.multinomial(_target_p((first,)), 1, generator=g))
-        )
-        counts[first, second] += 1
+        out = list(verify_tree_sampled(p, q, tokens, parents, g).tokens[:positions])
+        while len(out) < positions:
+            out.append(int(torch.multinomial(_target_p(tuple(out)), 1, generator=g)))
+        counts[tuple(out)] += 1
     return counts
 
 
-def _chi2(counts: torch.Tensor) -> float:
-    expected = torch.stack([_target_p(())[a] * _target_p((a,)) for a in range(VOCAB)]).float() * counts.sum()
-    keep = expected > 5
-    return float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+def _target_joint(positions: int) -> torch.Tensor:
+    """The target's own joint distribution ``[V] * positions`` of its first ``positions`` tokens."""
+    joint = _target_p(())
+    for depth in range(1, positions):
+        shape = (VOCAB,) * depth
+        step = torch.stack(
+            [
+                _target_p(tuple(int(t) for t in index))
+                for index in torch.cartesian_prod(*[torch.arange(VOCAB)] * depth).view(-1, depth)
+            ]
+        ).view(*shape, VOCAB)  # p(next | prefix)
+        joint = joint.unsqueeze(-1) * step
+    return joint
 
 
-def test_sampled_trees_follow_the_target_over_two_positions():
+def _chi2(counts: torch.Tensor) -> tuple[float, int]:
+    """Pearson's chi-square of ``counts`` against the target's joint (cells expecting under 5 pooled)
+    and its degrees of freedom."""
+    expected = (_target_joint(counts.dim()) * counts.sum()).flatten().float()
+    observed = counts.flatten()
+    big = expected >= 5
+    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    return float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()), int(keep.sum()) - 1
+
+
+def _p_001_bound(dof: int) -> float:
+    """About the 0.999 quantile of chi-square with ``dof`` degrees of freedom (Wilson-Hilferty)."""
+    return dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+
+
+def test_sampled_trees_follow_the_target_over_three_positions():
     """Recursive rejection sampling over siblings drawn without replacement: the joint distribution of
-    the first two committed tokens is the target's (24 degrees of freedom: p < 1e-4 at 57)."""
-    assert _chi2(_committed_pairs(12_000, wrong=False)) < 57.0
+    the first three committed tokens, from trees three levels deep, is the target's (p = 0.001)."""
+    chi2, dof = _chi2(_committed_prefixes(20_000, wrong=False))
+    assert dof > 50 and chi2 < _p_001_bound(dof), f"chi2={chi2:.1f} with {dof} degrees of freedom"
 
 
 def test_the_wrong_residual_rule_fails_the_same_test():
-    """Judging a second sibling against the plain q it was not drawn from (ignoring that the first
-    sibling's token was removed) biases the output: the same test rejects it."""
-    assert _chi2(_committed_pairs(12_000, wrong=True)) > 200.0
+    """Judging a later sibling against the plain q it was not drawn from (ignoring that the earlier
+    siblings' tokens were removed) biases the output: the same test rejects it."""
+    chi2, dof = _chi2(_committed_prefixes(20_000, wrong=True))
+    assert chi2 > 3 * _p_001_bound(dof), f"chi2={chi2:.1f} with {dof} degrees of freedom"
 
 
 # --- trees through the round loop (in process) --------------------------------------------------
