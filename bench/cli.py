@@ -26,6 +26,15 @@ def levels_arg(value: str) -> list[int]:
     return levels
 
 
+def shown_path(path: Path) -> str:
+    """``path`` as a report records it: relative to the working directory when inside it, so reports
+    made from a checkout do not name the machine's folders."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def trees_arg(value: str) -> list[tuple[int, int]]:
     """``--trees``: NODESxDEPTH shapes, comma-separated (``5x3,15x6``), each a tree a round may verify."""
     shapes = []
@@ -194,7 +203,7 @@ def run_bench(args: argparse.Namespace) -> None:
             stack.close()
     report = {
         "config": {
-            "prompts": str(args.prompts),
+            "prompts": shown_path(args.prompts),
             "n": len(prompts),
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature,
@@ -271,7 +280,7 @@ def run_load(args: argparse.Namespace) -> None:
                 stack.close()
     report = {
         "config": {
-            "prompts": str(args.prompts),
+            "prompts": shown_path(args.prompts),
             "n": n,
             "max_new_tokens": args.max_new_tokens,
             "requests_per_level": {str(level): len(p) for level, p in prompts.items()},
@@ -315,7 +324,7 @@ def run_pass_grid(args: argparse.Namespace) -> None:
     report = {
         "config": {
             "target_model": args.target_model,
-            "prompts": str(args.prompts),
+            "prompts": shown_path(args.prompts),
             "threads": args.threads,
             "repeats": args.repeats,
             "accept": args.accept,
