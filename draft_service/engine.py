@@ -15,7 +15,7 @@ from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import AheadDraft, DraftTail, FeatureDraft, FeatureSession, on_host
 from draft_service.model_trees import grow_model_trees, grows_ragged_trees
 from draft_service.picking import TokenPicker, take_next
-from draft_service.tree_draft import TREE_BEAM, TreeGrower, TreeRows, level_layout
+from draft_service.tree_draft import TREE_BEAM, TreeGrower, TreeRows, grow_level, level_layout
 from specdec.batching import waves
 from specdec.config import MAX_K
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
@@ -566,26 +566,16 @@ class FeatureDrafter(DraftEngine):
 
     def _grow_rows(self, features: torch.Tensor, growing: list[tuple[TreeGrower, int]]) -> None:
         """Adds children to each ``(grower, node)`` from the draft's predicted ``features [R, D]`` (row r:
-        after that node). Greedy trees take their top ``width`` on the draft's reduced head, all rows
-        at once: its softmax is the full vocabulary's, which is -inf outside the head."""
+        after that node). Greedy trees take their top ``width`` on the draft's reduced head: its
+        softmax is the full vocabulary's, which is -inf outside the head."""
         draft = self._draft_model
-        greedy = [r for r, (grower, _) in enumerate(growing) if grower.sampling.greedy]
-        if greedy:
-            reduced = torch.log_softmax(draft.head_logits(features[greedy]).float(), dim=-1)  # [G, H]
-            width = max(growing[r][0].shape.width for r in greedy)
-            top = torch.topk(reduced, min(width, reduced.shape[-1]), dim=-1)
-            ids = on_host(draft.head_ids[top.indices]).tolist()  # [G, width]
-            probs = on_host(top.values.exp()).tolist()
-            for row, r in enumerate(greedy):
-                grower, node = growing[r]
-                n = grower.shape.width
-                grower.grow_top(node, ids[row][:n], probs[row][:n])
-        rest = [r for r in range(len(growing)) if r not in set(greedy)]
-        if rest:
-            logits = on_host(draft.full_logits(features[rest]))  # [S, V]
-            for row, r in enumerate(rest):
-                grower, node = growing[r]
-                grower.grow(node, logits[row])
+
+        def top(rows: list[int], width: int) -> tuple[list[list[int]], list[list[float]]]:
+            reduced = torch.log_softmax(draft.head_logits(features[rows]).float(), dim=-1)  # [G, H]
+            best = torch.topk(reduced, min(width, reduced.shape[-1]), dim=-1)
+            return on_host(draft.head_ids[best.indices]).tolist(), on_host(best.values.exp()).tolist()
+
+        grow_level(growing, top, lambda rows: on_host(draft.full_logits(features[rows])))  # [S, V]
 
     def _catch_up_together(self, sessions: list[FeatureSession]) -> tuple[torch.Tensor, list[int]]:
         """One ragged pass over every session's catch-up pairs (``FeatureSession.catch_up``): the

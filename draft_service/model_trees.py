@@ -19,7 +19,7 @@ from torch import nn
 
 from draft_service.feature_draft import on_host
 from draft_service.token_draft import TokenDraft
-from draft_service.tree_draft import TreeGrower, TreeRows, level_layout
+from draft_service.tree_draft import TreeGrower, TreeRows, grow_level, level_layout
 from specdec.kvcache import SessionCache
 from specdec.ragged import RaggedItem, RaggedLayout, layer_windows, ragged_forward, ragged_unsupported
 
@@ -42,20 +42,13 @@ def level_logits(model: nn.Module, caches: list, fed: list[list[int]], layout: R
 
 def grow_rows(logits: torch.Tensor, growing: list[tuple[TreeGrower, int]]) -> None:
     """Adds children to each ``(grower, node)`` from the draft's logits ``[R, V]`` after it (row r: after
-    that node). Greedy trees take their top ``width`` of all rows at once; the others draw per row."""
-    greedy = [r for r, (grower, _) in enumerate(growing) if grower.sampling.greedy]
-    if greedy:
-        width = max(growing[r][0].shape.width for r in greedy)
-        top = torch.topk(torch.softmax(logits[greedy].float(), dim=-1), width, dim=-1)  # [G, width]
-        ids, probs = on_host(top.indices).tolist(), on_host(top.values).tolist()
-        for row, r in enumerate(greedy):
-            grower, node = growing[r]
-            top = [(i, q) for i, q in zip(ids[row][: grower.shape.width], probs[row]) if q > 0]  # the support only
-            grower.grow_top(node, [i for i, _ in top], [q for _, q in top])
-    taken = set(greedy)
-    for r, (grower, node) in enumerate(growing):
-        if r not in taken:
-            grower.grow(node, on_host(logits[r]))  # [V]
+    that node), greedy trees' for all their rows at once."""
+
+    def top(rows: list[int], width: int) -> tuple[list[list[int]], list[list[float]]]:
+        best = torch.topk(torch.softmax(logits[rows].float(), dim=-1), width, dim=-1)  # [G, width]
+        return on_host(best.indices).tolist(), on_host(best.values).tolist()
+
+    grow_level(growing, top, lambda rows: on_host(logits[rows]))
 
 
 @torch.inference_mode()

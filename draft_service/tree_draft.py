@@ -23,6 +23,7 @@ from distributions it computes anyway.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -191,3 +192,26 @@ def level_layout(
     if not ordered:
         return None
     return RaggedLayout(bounds, masks, torch.tensor(positions, device=device)), ordered
+
+
+def grow_level(
+    growing: list[tuple[TreeGrower, int]],
+    top_of: Callable[[list[int], int], tuple[list[list[int]], list[list[float]]]],
+    logits_of: Callable[[list[int]], torch.Tensor],
+) -> None:
+    """Adds children to each ``(grower, node)`` of one level, row r being the draft's output after that
+    node. Greedy trees take their likeliest ``width`` children for all their rows at once, from
+    ``top_of(rows, width)`` (host lists ``[G, width]`` of ids and probabilities); the others draw from
+    ``logits_of(rows)`` (``[S, V]`` on the host), row by row."""
+    greedy = [r for r, (grower, _) in enumerate(growing) if grower.sampling.greedy]
+    if greedy:
+        ids, probs = top_of(greedy, max(growing[r][0].shape.width for r in greedy))
+        for row, r in enumerate(greedy):
+            grower, node = growing[r]
+            top = [(i, q) for i, q in zip(ids[row], probs[row]) if q > 0][: grower.shape.width]  # its support only
+            grower.grow_top(node, [i for i, _ in top], [q for _, q in top])
+    taken = set(greedy)
+    rest = [r for r in range(len(growing)) if r not in taken]
+    if rest:
+        for (grower, node), logits in zip((growing[r] for r in rest), logits_of(rest)):
+            grower.grow(node, logits)
