@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test lint format docs test-fast proto up bench bench-load bench-long-prompt pass-grid clean
+.PHONY: install run test lint format docs test-fast proto up bench bench-load bench-long-prompt pass-grid tree-ceiling clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -71,6 +71,10 @@ bench-long-prompt: install
 # The target's pass cost by sessions and draft length, and the ceiling on speculation's gain it implies.
 pass-grid: install
 	$(VENV)/bin/specdec pass-grid --cache-dir $(CACHE_DIR) --out reports/pass-grid.json
+
+# The most token trees could gain over chains with the shipped draft on this machine (in process).
+tree-ceiling: install
+	$(VENV)/bin/specdec tree-ceiling --cache-dir $(CACHE_DIR) --out reports/tree-ceiling.json
 
 proto:
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/specdec/v1/*.proto

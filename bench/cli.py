@@ -1,9 +1,10 @@
-"""``specdec bench`` and ``specdec pass-grid``: their flags, and the runs that fill their reports.
+"""``specdec bench``, ``pass-grid`` and ``tree-ceiling``: their flags, and the runs that fill their reports.
 
 Registered with the ``specdec`` command through the ``specdec.commands`` entry point group. The
 parts each run is made of live beside it: ``bench.single`` (one stream, ``specdec bench``),
-``bench.load`` (concurrent sessions, ``specdec bench --concurrency``) and ``bench.pass_grid``
-(``specdec pass-grid``). Each run writes a JSON report (``--out``), and ``--plot`` a PNG.
+``bench.load`` (concurrent sessions, ``specdec bench --concurrency``), ``bench.pass_grid``
+(``specdec pass-grid``) and ``bench.tree_ceiling`` (``specdec tree-ceiling``). Each run writes a
+JSON report (``--out``), and ``--plot`` a PNG.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def trees_arg(value: str) -> list[tuple[int, int]]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Adds ``bench`` and ``pass-grid`` (with the server extra installed)."""
+    """Adds ``bench``, ``pass-grid`` and ``tree-ceiling`` (with the server extra installed)."""
     if not extra_installed("server"):
         return
     p = subparsers.add_parser(
@@ -109,6 +110,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the target")
     p.add_argument("--out", type=Path, default=Path("reports/pass-grid.json"))
     p.set_defaults(run=run_pass_grid)
+
+    p = subparsers.add_parser(
+        "tree-ceiling",
+        help="the most token trees could gain over chains with the shipped draft on this machine, in process",
+    )
+    add_cache_dir(p)
+    p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL prompt file")
+    p.add_argument("--n", type=int, default=12, help="use the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--goal-tokens", type=float, default=2.3, help="tokens per pass the report looks for")
+    p.add_argument("--repeats", type=int, default=15, help="timed passes per row count (median; at least one a prompt)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument("--out", type=Path, default=Path("reports/tree-ceiling.json"))
+    p.set_defaults(run=run_tree_ceiling)
 
 
 def _write(report: dict, out: Path) -> None:
@@ -333,3 +348,42 @@ def run_pass_grid(args: argparse.Namespace) -> None:
         "ceiling": {str(c): {"gain": round(g, 3), "k": k} for c, (g, k) in ceiling.items()},
     }
     _write(report, args.out)
+
+
+def run_tree_ceiling(args: argparse.Namespace) -> None:
+    """``specdec tree-ceiling``: acceptance by depth and rank, pass costs by rows, and the ceilings
+    they imply for chains and trees (``bench.tree_ceiling``), for the default target and its draft."""
+    import torch
+
+    from bench.single import load_prompts
+    from bench.tree_ceiling import MEASURED_DEPTH, MEASURED_NODES, measure_tree_rounds, passes_and_generate, report
+    from draft_service.server import build_drafter
+    from specdec.config import DraftConfig, ModelConfig
+    from specdec.models import load_model
+    from specdec.packed_linear import pack_linears
+
+    torch.set_num_threads(args.threads)
+    prompts = load_prompts(args.prompts, args.n)
+    plain, target = load_model("default", args.cache_dir), load_model("default", args.cache_dir)
+    pack_linears(target.model)  # as the target service runs it
+    pass_ms, generate_tps = passes_and_generate(
+        target, plain, prompts, args.max_new_tokens, MEASURED_NODES + 1, args.repeats
+    )
+    draft = DraftConfig(
+        kind="feature", model=ModelConfig(model=str(default_draft_model("feature")), cache_dir=args.cache_dir)
+    )
+    run = measure_tree_rounds(
+        target, build_drafter(draft), prompts, args.max_new_tokens, MEASURED_NODES, MEASURED_DEPTH
+    )
+    config = {"prompts": shown_path(args.prompts), "n": len(prompts), "max_new_tokens": args.max_new_tokens}
+    config |= {"threads": args.threads, "repeats": args.repeats}
+    out = report(run, pass_ms, generate_tps, args.goal_tokens, config)
+    for name in ("free_draft", "at_measured_draft"):
+        c = out[name]
+        print(
+            f"{name:18s} chain {c['best_chain']['tokens_per_s']:6.2f} tok/s  tree {c['best_tree']['tokens_per_s']:6.2f}"
+            f"  tree/chain {c['tree_vs_chain']:.3f}x  tree/generate {c['best_tree']['vs_generate']:.3f}x"
+        )
+    most = out["most_over_draft_costs"]
+    print(f"most tree/chain over draft costs: {most['tree_vs_chain']:.3f}x at {most['draft_ms_per_level']} ms/level")
+    _write(out, args.out)

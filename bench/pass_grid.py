@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 from specdec.sampling import Sampling
 from target_service.engine import TargetEngine, VerifyCall
@@ -21,12 +22,15 @@ def measure_pass_grid(
     levels: list[int],
     k_max: int,
     repeats: int = 3,
+    between: Callable[[int], None] | None = None,
 ) -> dict[int, list[float]]:
     """Median ms of one verify pass, by sessions C (``levels``) and draft tokens k = 0..k_max per session.
 
     Each level prefills C of ``prompts`` (cycled), then times ``repeats`` sweeps over k = 0..k_max
     after one warm-up sweep. The k take turns within a sweep, so a shared machine's drift falls on
     all of them alike. The caches grow by the committed tokens, a few per pass, as a decode's would.
+    ``between(sweep)``, when given, runs after each sweep: a measurement to compare with the passes
+    takes turns with them, so drift falls on both alike.
     """
     grid: dict[int, list[float]] = {}
     for sessions in levels:
@@ -44,6 +48,8 @@ def measure_pass_grid(
                     if isinstance(outcome, Exception):
                         raise outcome
                     cache[1] = outcome.committed
+            if between is not None:
+                between(sweep)
         grid[sessions] = [statistics.median(ms) for ms in times]
         for cache_id, _ in caches:
             engine.release(cache_id)

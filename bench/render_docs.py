@@ -1,7 +1,8 @@
 """Write docs/benchmarks.md, README.md's results table and docs/reliability.md's figures from the committed reports.
 
 Reads ``reports/bench.json`` (``make bench``), ``reports/bench-load.json`` (``make bench-load``),
-``reports/pass-grid.json`` (``make pass-grid``), ``reports/long-prompt*.json``
+``reports/pass-grid.json`` (``make pass-grid``), ``reports/tree-ceiling.json`` (``make tree-ceiling``),
+``reports/long-prompt*.json``
 (``make bench-long-prompt``), ``reports/chaos.json`` (the chaos, fuzz and soak suites with
 SPECDEC_CHAOS_REPORT set; ``make soak``) and the shipped drafts' ``drafts/*/draft_card.json``. A missing report
 gives its section a line saying how to make it. The method text is written here by hand; every
@@ -204,6 +205,27 @@ verify row is not nearly free (a compute-bound CPU under load), the ceiling fall
 
 ```bash
 make pass-grid    # specdec pass-grid --levels 1,2,4,8,16 --k-max 4 --accept 0.48 --out reports/pass-grid.json
+```
+"""
+
+TREE_METHOD = """\
+## What trees can gain here: `make tree-ceiling`
+
+In process, greedy, on the bench prompts: rounds that each verify a fixed tree of 32 nodes, 8 deep,
+through the round loop with the default target and its shipped feature draft measure a(d, r), the
+acceptance of the rank-r child at depth d given that its parent passed and its earlier siblings did
+not. The target's pass cost by rows for one session is timed as in `make pass-grid` (made
+non-decreasing: a lucky median must not make a row free). Every chain and every best-first tree of up
+to 32 nodes ([trees.md](trees.md)) is then priced at its verify pass plus a draft cost per level.
+
+With the draft's cost at 0 and no stack overhead this is a ceiling: a real stack only loses from it.
+A draft's cost can favour trees (a wide, shallow tree drafts fewer levels than the chain it replaces),
+so the largest ratio of trees over chains over draft costs from 0 to twice the measured one is given
+too. "vs generate" divides by transformers `generate`'s tokens/s on the same prompts, one prompt
+between two sweeps of the pass timings, so that both see the same machine.
+
+```bash
+make tree-ceiling   # specdec tree-ceiling --repeats 15 --out reports/tree-ceiling.json
 ```
 """
 
@@ -482,6 +504,56 @@ def grid_section(report: dict | None) -> list[str]:
     return lines + table(headers, rows) + [""]
 
 
+def tree_ceiling_section(report: dict | None) -> list[str]:
+    lines = TREE_METHOD.splitlines() + [""]
+    if report is None or not isinstance(report.get("free_draft"), dict):
+        return lines + missing("reports/tree-ceiling.json", "tree-ceiling")
+    measured = report.get("measured", {})
+    goal = report.get("config", {}).get("goal_tokens")
+    lines += [
+        f"Measured: the 32-node tree committed {num(measured.get('tokens_per_round'))} tokens a round "
+        f"(a(d, r) alone predicts {num(measured.get('model_tokens_per_round'))}); a pass over 1 row took "
+        f"{num((measured.get('pass_ms_by_rows') or [None])[0], 1)} ms; the draft cost "
+        f"{num(measured.get('draft_ms_per_level'))} ms a level; `generate` ran "
+        f"{num(measured.get('generate_tokens_per_s'))} tokens/s.",
+        "",
+    ]
+    rows = []
+    for key, name in (("free_draft", "free draft"), ("at_measured_draft", "measured draft")):
+        c = report.get(key, {})
+        for which in ("best_chain", "best_tree", "reaching_goal"):
+            o = c.get(which)
+            if not o:
+                continue
+            nodes = o.get("nodes")
+            shape = "target-only" if not nodes else f"{plural(nodes, 'node')}, {o['depth']} deep, {o['width']} wide"
+            what = {"best_chain": "best chain", "best_tree": "best tree", "reaching_goal": f"best ≥ {goal} tokens"}[
+                which
+            ]
+            rows.append(
+                [
+                    f"{name} ({num(c.get('draft_ms_per_level'))} ms/level)",
+                    what,
+                    shape,
+                    num(o.get("tokens_per_pass")),
+                    num(o.get("tokens_per_s")),
+                    f"{num(o.get('vs_generate'))}×",
+                ]
+            )
+        rows.append([f"{name}", "**tree / chain**", DASH, DASH, DASH, f"**{num(c.get('tree_vs_chain'), 3)}×**"])
+    lines += table(["draft", "", "shape", "tokens per pass", "tokens/s", "vs generate"], rows) + [""]
+    if goal is not None and not any("reaching_goal" in report.get(k, {}) for k in ("free_draft", "at_measured_draft")):
+        lines += [f"No chain or tree of up to 32 nodes expects {goal} tokens a pass.", ""]
+    most = report.get("most_over_draft_costs", {})
+    if most:
+        lines += [
+            f"Over draft costs from 0 to twice the measured one, trees beat chains by at most "
+            f"**{num(most.get('tree_vs_chain'), 3)}×** (at {num(most.get('draft_ms_per_level'))} ms a level).",
+            "",
+        ]
+    return lines
+
+
 GAP_KEYS = [("max_gap_s", "max gap s"), ("median_gap_during_s", "median gap s"), ("long_ttft_s", "long TTFT s")]
 
 
@@ -606,6 +678,7 @@ def gather(root: Path, reports: Path, drafts: Path) -> dict:
         "bench": (label(reports / "bench.json", root), load(reports / "bench.json")),
         "load": (label(reports / "bench-load.json", root), load(reports / "bench-load.json")),
         "grid": (label(reports / "pass-grid.json", root), load(reports / "pass-grid.json")),
+        "trees": (label(reports / "tree-ceiling.json", root), load(reports / "tree-ceiling.json")),
         "long": [(label(p, root), r) for p in long_files if (r := load(p)) is not None],
         "cards": [(p.parent.name, c) for p in card_files if (c := load(p)) is not None],
     }
@@ -618,9 +691,10 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines += bench_section(data["bench"][1], root, reports)
     lines += load_section(data["load"][1], root, reports)
     lines += grid_section(data["grid"][1])
+    lines += tree_ceiling_section(data["trees"][1])
     lines += long_section(data["long"])
     lines += drafts_section(data["cards"])
-    lines += files_section([data["bench"], data["load"], data["grid"]] + data["long"])
+    lines += files_section([data["bench"], data["load"], data["grid"], data["trees"]] + data["long"])
     while lines and not lines[-1]:
         lines.pop()
     return "\n".join(lines) + "\n"

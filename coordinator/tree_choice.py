@@ -151,3 +151,46 @@ def spine_tokens(rate, depth: int, width: int) -> float:
         total += reach * gained
         reach *= rate(d, 0)
     return total
+
+
+@dataclass(frozen=True)
+class RoundOption:
+    """A round's proposal priced: ``tokens`` expected per round over the round's milliseconds, ``ms``
+    (its verify pass plus ``depth`` draft levels). A chain has width 1; target-only, 0 nodes."""
+
+    shape: TreeShape | None
+    tokens: float
+    ms: float
+
+    @property
+    def per_ms(self) -> float:
+        """Expected tokens per millisecond."""
+        return self.tokens / self.ms
+
+    @property
+    def nodes(self) -> int:
+        return self.shape.nodes if self.shape is not None else 0
+
+
+def round_options(
+    rate, pass_ms: list[float], level_ms: float, max_depth: int, max_width: int = MAX_WIDTH
+) -> tuple[list[RoundOption], list[RoundOption]]:
+    """Every chain (target-only first) and every best-first tree (``best_tree``) that ``pass_ms``
+    prices, each costed at ``pass_ms[nodes]`` (a pass over nodes + 1 rows) plus ``level_ms`` per
+    draft level; returns ``(chains, trees)``, trees of width 1 left out (they are the chains).
+
+    With the measured a(d, r), a pass-cost curve and ``level_ms`` 0 this is the ceiling of speculation
+    on that hardware with that draft: a draft that cost nothing and a stack with no overhead could get
+    no more than the best of these (``bench.tree_ceiling``)."""
+    most = len(pass_ms) - 1
+    chains = [RoundOption(None, 1.0, pass_ms[0])]
+    chains += [
+        RoundOption(shape, tokens, pass_ms[shape.nodes] + level_ms * shape.depth)
+        for tokens, shape in best_tree(rate, min(most, max_depth), max_depth, max_width=1)
+    ]
+    trees = [
+        RoundOption(shape, tokens, pass_ms[shape.nodes] + level_ms * shape.depth)
+        for tokens, shape in best_tree(rate, most, max_depth, max_width)
+        if shape.width > 1
+    ]
+    return chains, trees

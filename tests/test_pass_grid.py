@@ -11,7 +11,11 @@ from target_service.engine import TargetEngine
 
 def test_grid_times_every_level_and_draft_length_and_releases_its_caches(tiny_target):
     engine = TargetEngine(tiny_target, 8)
-    grid = measure_pass_grid(engine, [[5, 6, 7], [9] * 12, [3, 4]], levels=[1, 4], k_max=2, repeats=1)
+    sweeps = []
+    grid = measure_pass_grid(
+        engine, [[5, 6, 7], [9] * 12, [3, 4]], levels=[1, 4], k_max=2, repeats=1, between=sweeps.append
+    )
+    assert sweeps == [0, 1, 0, 1]  # after the warm-up sweep and the timed one, at each level
     assert sorted(grid) == [1, 4]
     assert all(len(row) == 3 and all(ms > 0 for ms in row) for row in grid.values())
     assert len(engine.caches) == 0

@@ -92,6 +92,43 @@ GRID = {
     "ceiling": {"1": {"gain": 1.5, "k": 2}, "4": {"gain": 1.1, "k": 1}},
 }
 
+
+def _option(nodes: int, depth: int, width: int, tokens: float, tps: float) -> dict:
+    return {
+        "nodes": nodes,
+        "depth": depth,
+        "width": width,
+        "tokens_per_pass": tokens,
+        "tokens_per_s": tps,
+        "vs_generate": tps / 10,
+    }
+
+
+TREES = {
+    "config": {"goal_tokens": 2.3},
+    "measured": {
+        "pass_ms_by_rows": [50.0, 52.0],
+        "tokens_per_round": 2.2,
+        "model_tokens_per_round": 2.1,
+        "draft_ms_per_level": 5.0,
+        "generate_tokens_per_s": 10.0,
+    },
+    "free_draft": {
+        "draft_ms_per_level": 0.0,
+        "best_chain": _option(2, 2, 1, 1.5, 20.0),
+        "best_tree": _option(4, 3, 2, 1.7, 21.0),
+        "tree_vs_chain": 1.05,
+    },
+    "at_measured_draft": {
+        "draft_ms_per_level": 5.0,
+        "best_chain": _option(0, 0, 0, 1.0, 18.0),
+        "best_tree": _option(2, 1, 2, 1.5, 18.9),
+        "tree_vs_chain": 1.05,
+        "reaching_goal": _option(30, 6, 4, 2.31, 9.0),
+    },
+    "most_over_draft_costs": {"tree_vs_chain": 1.08, "draft_ms_per_level": 9.5},
+}
+
 LONG = {
     "config": {"chunks": "128,0", "tokens": 1500},
     "runs": [
@@ -127,9 +164,8 @@ def _tree(tmp_path: Path, reports: dict[str, dict]) -> Path:
 
 
 def test_tables_come_from_the_reports(tmp_path):
-    root = _tree(
-        tmp_path, {"bench.json": BENCH, "bench-load.json": LOAD, "pass-grid.json": GRID, "long-prompt.json": LONG}
-    )
+    reports = {"bench.json": BENCH, "bench-load.json": LOAD, "pass-grid.json": GRID, "long-prompt.json": LONG}
+    root = _tree(tmp_path, reports | {"tree-ceiling.json": TREES})
     assert render_docs.main(["--root", str(root)]) == 0
     page = (root / "docs" / "benchmarks.md").read_text()
     # Single stream: ratios side by side, the speculative mode's acceptance and efficiency, the split.
@@ -146,6 +182,15 @@ def test_tables_come_from_the_reports(tmp_path):
     assert "| `specdec` | 16 | 100 / 200 | 40.0 / 50.0 | 16/16 |" in page
     # The ceiling, pass costs relative to k = 0.
     assert "| 4 | 200.0 | 1.30× | 1.50× | **1.10×** (k = 1) |" in page
+    # The tree ceiling: the best chain and tree by draft cost, their ratio, the most over draft costs.
+    assert "| free draft (0.00 ms/level) | best tree | 4 nodes, 3 deep, 2 wide | 1.70 | 21.00 | 2.10× |" in page
+    assert "| measured draft (5.00 ms/level) | best chain | target-only | 1.00 | 18.00 | 1.80× |" in page
+    assert (
+        "| measured draft (5.00 ms/level) | best ≥ 2.3 tokens | 30 nodes, 6 deep, 4 wide | 2.31 | 9.00 | 0.90× |"
+        in page
+    )
+    assert "| free draft | **tree / chain** | — | — | — | **1.050×** |" in page
+    assert "trees beat chains by at most **1.080×** (at 9.50 ms a level)" in page
     # Long prompts: per setting, and against the unchunked one.
     assert (
         "| `--prefill-chunk 128` | 1 | 0.50 (0.50–0.50) | 0.30 (0.30–0.30) | 6.00 (6.00–6.00) | 0.10× | 1.20× |"
@@ -171,6 +216,7 @@ def test_same_reports_same_pages_and_missing_reports_say_how_to_make_them(tmp_pa
     page = first[0]
     assert "No `reports/bench-load.json` yet: run `make bench-load`." in page
     assert "No `reports/pass-grid.json` yet: run `make pass-grid`." in page
+    assert "No `reports/tree-ceiling.json` yet: run `make tree-ceiling`." in page
     assert "No `reports/long-prompt.json` yet: run `make bench-long-prompt`." in page
 
     # A changed report makes the pages stale, and --check says so without writing.

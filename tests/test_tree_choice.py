@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.adaptive import expected_tokens
-from coordinator.tree_choice import TreeAcceptance, TreeDraftCosts, best_tree, spine_tokens
+from coordinator.tree_choice import TreeAcceptance, TreeDraftCosts, best_tree, round_options, spine_tokens
 from specdec.trees import TreeShape
 
 
@@ -108,3 +108,32 @@ def test_a_request_can_turn_trees_off():
     policy, turn = _policy_with({"chain": [0.5] * 8, "sibling": 0.4}, flat)
     turn.request = replace(turn.request, tree_nodes=0)
     assert policy.plan(turn, 64).tree is None
+
+
+def test_round_options_price_chains_and_trees_by_rows_and_levels():
+    def rate(depth, rank):
+        return 0.5 if rank == 0 else 0.4
+
+    pass_ms = [10.0 + n for n in range(7)]  # a pass over n + 1 rows
+    chains, trees = round_options(rate, pass_ms, level_ms=2.0, max_depth=3)
+    assert [c.nodes for c in chains] == [0, 1, 2, 3]  # target-only, then chains up to max_depth
+    assert chains[0].tokens == 1.0 and chains[0].ms == 10.0
+    assert chains[2].tokens == pytest.approx(expected_tokens([0.5], 2)) and chains[2].ms == 12.0 + 2 * 2.0
+    assert all(t.shape.width > 1 for t in trees) and max(t.nodes for t in trees) == 6
+    for option in trees:
+        assert option.ms == pass_ms[option.nodes] + 2.0 * option.shape.depth
+    # A tree of N nodes expects at least the chain of N (within max_depth).
+    widest = max(trees, key=lambda t: t.nodes)
+    assert widest.tokens > chains[-1].tokens
+
+
+def test_costly_rows_make_the_chain_the_ceiling():
+    """Rows that cost as much as a pass: no proposal beats target-only, and trees never beat chains."""
+
+    def rate(depth, rank):
+        return 0.5 if rank == 0 else 0.3
+
+    chains, trees = round_options(rate, [10.0 * (n + 1) for n in range(9)], level_ms=0.0, max_depth=4)
+    best_chain = max(chains, key=lambda o: o.per_ms)
+    assert best_chain.shape is None
+    assert max(t.per_ms for t in trees) < best_chain.per_ms
