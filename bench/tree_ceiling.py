@@ -15,10 +15,14 @@ round_options``):
 
 The ceiling prices each round at its verify pass alone: a draft that cost nothing and a stack with no
 overhead. A real stack only loses from it, so a ratio it leaves below a goal no tuning of the stack
-reaches; ``at_measured_draft`` repeats it with the draft's measured cost per level. A draft's cost
+reaches. ``at_measured_draft`` repeats it with the draft's measured cost per level. A draft's cost
 can favour trees (a wide, shallow tree drafts fewer levels than the chain it replaces), so
 ``most_over_draft_costs`` scans draft costs from nothing to twice the measured one for the largest
 ratio of trees over chains any of them leaves.
+
+The priced rounds are the draft's. A served coordinator also answers some rounds from its own prompt
+lookup (a fixed tree takes none): the same chain with trees on or off, so they only bring the ratio
+of trees over chains closer to 1, though they can raise both speeds over ``generate``.
 
     specdec tree-ceiling --out reports/tree-ceiling.json   # or: make tree-ceiling
 """
