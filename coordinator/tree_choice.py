@@ -75,20 +75,12 @@ class TreeAcceptance:
 
 @dataclass
 class TreeDraftCosts:
-    """Moving averages of tree draft calls' milliseconds by (depth, width).
-
-    A tree's level feeds up to the draft's beam of nodes where a chain's step feeds one, but a small
-    draft's step costs mostly its pass over the weights and its fixed per-call work, not its rows: a
-    level of the shipped feature draft costs about what a chain's step does. Estimates before a shape
-    is measured lean optimistic on purpose, because the policy measures only the shapes it picks: a
-    pessimistic guess would keep a shape that pays from ever being tried, while an optimistic one is
-    corrected by the first call that tries it.
-    """
+    """Moving averages of tree draft calls' milliseconds by (depth, width): a level of a tree feeds
+    several nodes, so it costs more than a chain's step, by how much only measuring tells."""
 
     smoothing: float = 0.2
-    # Before any shape of a depth is measured: its chain of the same depth's cost times this (a tree
-    # one level deep is exactly the chain of one: a single level over the root).
-    prior_factor: float = 1.1
+    # Before a shape is measured: its chain of the same depth's cost times this.
+    prior_factor: float = 1.5
     seen: dict[tuple[int, int], float] = field(default_factory=dict)
 
     def record(self, shape: TreeShape, ms: float) -> None:
@@ -98,16 +90,16 @@ class TreeDraftCosts:
         self.seen[key] = ms if known is None else known + self.smoothing * (ms - known)
 
     def estimate(self, shape: TreeShape, chain_ms: float) -> float:
-        """The call's expected cost: measured for its depth and width, else that of the nearest
-        measured width at its depth, else the chain's ``chain_ms`` of the same depth (times
-        ``prior_factor`` past one level)."""
+        """The call's expected cost: measured for its depth and width, else from the nearest measured
+        width at its depth scaled by width, else ``prior_factor`` times the chain's ``chain_ms``."""
         known = self.seen.get((shape.depth, shape.width))
         if known is not None:
             return known
         widths = [w for d, w in self.seen if d == shape.depth]
         if widths:
-            return self.seen[(shape.depth, min(widths, key=lambda w: abs(w - shape.width)))]
-        return chain_ms if shape.depth == 1 else chain_ms * self.prior_factor
+            near = min(widths, key=lambda w: abs(w - shape.width))
+            return self.seen[(shape.depth, near)] * max(1.0, shape.width / near)
+        return chain_ms * self.prior_factor
 
 
 def best_tree(rate, max_nodes: int, max_depth: int, max_width: int = MAX_WIDTH) -> list[tuple[float, TreeShape]]:

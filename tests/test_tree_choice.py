@@ -53,21 +53,16 @@ def test_spine_tokens_count_a_passing_sibling_once():
     assert spine_tokens(rate, 1, 1) == pytest.approx(1.5)
 
 
-def test_tree_draft_costs_start_from_the_chain_and_learn():
+def test_tree_draft_costs_start_pessimistic_and_learn():
     costs = TreeDraftCosts()
-    assert costs.estimate(TreeShape(3, 1, 3), 10.0) == 10.0  # one level over the root: the chain of one
-    assert costs.estimate(TreeShape(6, 3, 2), 10.0) == pytest.approx(11.0)
+    assert costs.estimate(TreeShape(6, 3, 2), 10.0) == 15.0
     costs.record(TreeShape(6, 3, 2), 12.0)
     assert costs.estimate(TreeShape(6, 3, 2), 10.0) == 12.0
-    assert costs.estimate(TreeShape(9, 3, 3), 10.0) == 12.0  # the nearest width measured at that depth
-    costs.record(TreeShape(6, 3, 2), 22.0)
-    assert costs.estimate(TreeShape(6, 3, 2), 10.0) == pytest.approx(14.0)  # a moving average
+    assert costs.estimate(TreeShape(9, 3, 3), 10.0) == pytest.approx(18.0)  # scaled by width from the nearest
 
 
-def _policy_with(rates, curve, level_ms=2.0, call_ms=1.0):
-    """A policy over one batching target whose pass costs ``curve`` ms by rows, with acceptance ``rates``,
-    (a sibling rate, or one by rank from 1) and a draft whose call of n tokens costs
-    ``call_ms + n * level_ms``."""
+def _policy_with(rates, curve):
+    """A policy over one batching target whose pass costs ``curve`` ms by rows, with acceptance ``rates``."""
     from coordinator.policy import SpeculationConfig, SpeculationPolicy
     from coordinator.replicas import CacheRef
     from coordinator.sessions import SessionRecord, TurnState
@@ -83,14 +78,13 @@ def _policy_with(rates, curve, level_ms=2.0, call_ms=1.0):
     policy.start(turn)
     turn.stats.positions.prior_rates = rates["chain"]
     turn.stats.positions.prior_weight = 1e6
-    siblings = rates["sibling"] if isinstance(rates["sibling"], list) else [rates["sibling"]] * 3
     for depth in range(1, 9):
-        for rank, rate in enumerate(siblings, start=1):
+        for rank in range(1, 4):
             policy.trees.judged[(depth, rank)] = 10_000
-            policy.trees.accepted[(depth, rank)] = int(10_000 * rate)
+            policy.trees.accepted[(depth, rank)] = int(10_000 * rates["sibling"])
     policy.loads.note("t", PassLoad(1, 1, 0, curve[0], list(curve), list(curve)))
     for n in range(1, 9):
-        policy.costs.record_draft(level_ms * n + call_ms, n)
+        policy.costs.record_draft(2.0 * n + 1.0, n)
     return policy, turn
 
 
@@ -105,18 +99,6 @@ def test_the_policy_takes_a_tree_where_siblings_pay_and_a_chain_where_they_do_no
     useless = [60.0 + 1.0 * rows for rows in range(16)]
     policy, turn = _policy_with({"chain": [0.5] * 8, "sibling": 0.0}, useless)
     assert policy.plan(turn, 64).tree is None  # siblings never pass: the chain of the same rows is as good
-
-
-def test_an_untried_shallow_tree_is_priced_as_the_chain_it_drafts_like():
-    """The shipped draft on the 2-core CPU (``make tree-ceiling``): rows cost 4% of a pass and a draft
-    level 10%, and the best proposal is the draft's top two at the next position. Drafting them is
-    the chain of one's call, so the policy takes that tree before it ever measured one."""
-    cpu = [56.0 + 2.4 * rows for rows in range(16)]
-    rates = {"chain": [0.37, 0.38, 0.47] + [0.3] * 5, "sibling": [0.3, 0.1, 0.05]}
-    policy, turn = _policy_with(rates, cpu, level_ms=5.7, call_ms=0.0)
-    assert not policy.tree_draft_ms.seen
-    plan = policy.plan(turn, 64)
-    assert plan.tree == TreeShape(2, 1, 2) and plan.k == 1
 
 
 def test_a_request_can_turn_trees_off():
