@@ -61,7 +61,7 @@ def test_tree_draft_costs_start_pessimistic_and_learn():
     assert costs.estimate(TreeShape(9, 3, 3), 10.0) == pytest.approx(18.0)  # scaled by width from the nearest
 
 
-def _policy_with(rates, curve):
+def _policy_with(rates, curve, colocated=False, sessions=1):
     """A policy over one batching target whose pass costs ``curve`` ms by rows, with acceptance ``rates``."""
     from coordinator.policy import SpeculationConfig, SpeculationPolicy
     from coordinator.replicas import CacheRef
@@ -70,7 +70,7 @@ def _policy_with(rates, curve):
     from specdec.batching import PassLoad
     from specdec.sampling_params import Sampling
 
-    policy = SpeculationPolicy(SpeculationConfig(tree_nodes=15, max_auto_k=8))
+    policy = SpeculationPolicy(SpeculationConfig(tree_nodes=15, max_auto_k=8, draft_colocated=colocated))
     request = GenerationRequest("x", None, 64)
     record = SessionRecord("s", [1, 2, 3], turn=TurnState(fingerprint="", prompt_len=3, seed=0))
     target = CacheRef("t", "c", 3, 0)
@@ -82,7 +82,7 @@ def _policy_with(rates, curve):
         for rank in range(1, 4):
             policy.trees.judged[(depth, rank)] = 10_000
             policy.trees.accepted[(depth, rank)] = int(10_000 * rates["sibling"])
-    policy.loads.note("t", PassLoad(1, 1, 0, curve[0], list(curve), list(curve)))
+    policy.loads.note("t", PassLoad(sessions, sessions, sessions - 1, curve[0], list(curve), list(curve)))
     for n in range(1, 9):
         policy.costs.record_draft(2.0 * n + 1.0, n)
     return policy, turn
@@ -99,6 +99,18 @@ def test_the_policy_takes_a_tree_where_siblings_pay_and_a_chain_where_they_do_no
     useless = [60.0 + 1.0 * rows for rows in range(16)]
     policy, turn = _policy_with({"chain": [0.5] * 8, "sibling": 0.0}, useless)
     assert policy.plan(turn, 64).tree is None  # siblings never pass: the chain of the same rows is as good
+
+
+def test_no_tree_under_load_where_the_draft_shares_the_targets_cores():
+    """A shared pass with the draft on the target's cores gets no tree: under load trees cannot make
+    a level slower than chains, which the same rule already keeps short there."""
+    flat = [60.0 + 1.0 * rows for rows in range(16)]
+    rates = {"chain": [0.5] * 8, "sibling": 0.4}
+    policy, turn = _policy_with(rates, flat, colocated=True, sessions=1)
+    assert policy.plan(turn, 64).tree is not None  # alone, the same tree pays
+    for sessions in (2, 8):
+        policy, turn = _policy_with(rates, flat, colocated=True, sessions=sessions)
+        assert policy.plan(turn, 64).tree is None
 
 
 def test_a_request_can_turn_trees_off():
