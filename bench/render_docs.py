@@ -514,7 +514,8 @@ def tree_ceiling_section(report: dict | None) -> list[str]:
     if report is None or not isinstance(report.get("free_draft"), dict):
         return lines + missing("reports/tree-ceiling.json", "tree-ceiling")
     measured = report.get("measured", {})
-    goal = report.get("config", {}).get("goal_tokens")
+    config = report.get("config", {})
+    goal = config.get("goal_tokens")
     lines += [
         f"Measured: the 32-node tree committed {num(measured.get('tokens_per_round'))} tokens a round "
         f"(a(d, r) alone predicts {num(measured.get('model_tokens_per_round'))}); a pass over 1 row took "
@@ -548,7 +549,8 @@ def tree_ceiling_section(report: dict | None) -> list[str]:
         rows.append([f"{name}", "**tree / chain**", DASH, DASH, DASH, f"**{num(c.get('tree_vs_chain'), 3)}×**"])
     lines += table(["draft", "", "shape", "tokens per pass", "tokens/s", "vs generate"], rows) + [""]
     if goal is not None and not any("reaching_goal" in report.get(k, {}) for k in ("free_draft", "at_measured_draft")):
-        lines += [f"No chain or tree of up to 32 nodes expects {goal} tokens a pass.", ""]
+        most_nodes = config.get("measured_tree", {}).get("nodes", DASH)
+        lines += [f"No chain or tree of up to {most_nodes} nodes expects {goal} tokens a pass.", ""]
     most = report.get("most_over_draft_costs", {})
     if most:
         lines += [

@@ -14,11 +14,11 @@ round_options``):
   two sweeps of the pass timings.
 
 The ceiling prices each round at its verify pass alone: a draft that cost nothing and a stack with no
-overhead. A real stack only loses from it, so a ratio it leaves below a goal no tuning of the stack
-reaches. ``at_measured_draft`` repeats it with the draft's measured cost per level. A draft's cost
-can favour trees (a wide, shallow tree drafts fewer levels than the chain it replaces), so
-``most_over_draft_costs`` scans draft costs from nothing to twice the measured one for the largest
-ratio of trees over chains any of them leaves.
+overhead. A real stack only loses speed from it, so a speed it leaves below a goal no tuning of the
+stack reaches. ``at_measured_draft`` repeats it with the draft's measured cost per level. The ratio of
+trees over chains, though, moves with the draft's cost (a wide, shallow tree drafts fewer levels than
+the chain it replaces), so ``most_over_draft_costs`` scans draft costs from nothing to twice the
+measured one for the largest ratio any of them leaves.
 
 The priced rounds are the draft's. A served coordinator also answers some rounds from its own prompt
 lookup (a fixed tree takes none): the same chain with trees on or off, so they only bring the ratio
@@ -30,7 +30,6 @@ of trees over chains closer to 1, though they can raise both speeds over ``gener
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass
 
 from coordinator.tree_choice import RoundOption, TreeAcceptance, best_tree, round_options
@@ -51,7 +50,6 @@ class TreeRun:
     committed_in_rounds: int = 0
     draft_ms: float = 0.0
     tree_levels: int = 0
-    seconds: float = 0.0
 
     @property
     def level_ms(self) -> float:
@@ -85,13 +83,11 @@ def measure_tree_rounds(target, drafter, prompts, max_new_tokens: int, nodes: in
     from coordinator.sessions import MemorySessionStore
     from coordinator.turns import GenerationRequest, Turns
     from draft_service.inprocess import InProcessDraft
-    from specdec.config import FEATURE_KIND
     from target_service.engine import TargetEngine
     from target_service.inprocess import InProcessTarget
 
-    feature = drafter.facts.kind == FEATURE_KIND
-    side_layers = drafter.facts.side_layers if feature else ()
-    router = Router([InProcessDraft(drafter)], [InProcessTarget(TargetEngine(target, 1))], feature, side_layers)
+    router = Router([InProcessDraft(drafter)], [InProcessTarget(TargetEngine(target, 1))])
+    router.draft_joined(drafter.facts)  # a feature draft: the target sends its hidden states
     policy = SpeculationPolicy(SpeculationConfig(tree_nodes=nodes), live_targets=lambda: 1)
     facts = target.facts("target")
     turns = Turns(target.tokenizer, facts, MemorySessionStore(3600))
@@ -112,9 +108,7 @@ def measure_tree_rounds(target, drafter, prompts, max_new_tokens: int, nodes: in
             run.draft_ms += stats.draft_ms
             run.tree_levels += stats.tree_depths
 
-    started = time.perf_counter()
     asyncio.run(generate_all())
-    run.seconds = time.perf_counter() - started
     return run
 
 

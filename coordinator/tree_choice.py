@@ -169,6 +169,7 @@ class RoundOption:
 
     @property
     def nodes(self) -> int:
+        """Draft tokens the round verifies (0: target-only)."""
         return self.shape.nodes if self.shape is not None else 0
 
 

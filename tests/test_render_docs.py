@@ -105,7 +105,7 @@ def _option(nodes: int, depth: int, width: int, tokens: float, tps: float) -> di
 
 
 TREES = {
-    "config": {"goal_tokens": 2.3},
+    "config": {"goal_tokens": 2.3, "measured_tree": {"nodes": 32, "depth": 8}},
     "measured": {
         "pass_ms_by_rows": [50.0, 52.0],
         "tokens_per_round": 2.2,
@@ -204,6 +204,14 @@ def test_tables_come_from_the_reports(tmp_path):
     assert readme.startswith("# demo\n\nintro\n\n<!-- results:begin -->\nFrom `reports/bench.json`")
     assert readme.endswith("<!-- results:end -->\n\nafter\n")
     assert "| `specdec` | 20.00 | 2.00× | 1.25× | 2.00 | 2/2 |" in readme
+
+
+def test_the_tree_ceiling_says_when_no_tree_reaches_the_goal():
+    unreached = json.loads(json.dumps(TREES))
+    del unreached["at_measured_draft"]["reaching_goal"]
+    page = "\n".join(render_docs.tree_ceiling_section(unreached))
+    assert "No chain or tree of up to 32 nodes expects 2.3 tokens a pass." in page
+    assert "No chain or tree" not in "\n".join(render_docs.tree_ceiling_section(TREES))
 
 
 def test_same_reports_same_pages_and_missing_reports_say_how_to_make_them(tmp_path):
