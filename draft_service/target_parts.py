@@ -249,7 +249,7 @@ def read_target(
     read = None if layout is None else _read(layout, dtype, device)
     if layout is None or read is None:
         log.info("target %s: its files cannot say what the loaded model holds; loading it whole", spec)
-        loaded = load_model(spec, cache_dir)
+        loaded = load_model(spec, cache_dir, dtype=torch.float32)
         weights_hash = target_weights_hash(loaded.model)
         loaded.model.to(device=device, dtype=dtype)
         return replace(loaded, dtype=dtype), weights_hash

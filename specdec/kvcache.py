@@ -20,6 +20,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
 
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
+from specdec.invariance import round_up
 from specdec.side_layers import layer_outputs, with_sides
 from specdec.token_lists import common_prefix_len  # noqa: F401 - also imported from here
 
@@ -30,6 +31,10 @@ class GrowableLayer(DynamicLayer):
     ``torch.cat`` per step reallocates and copies the whole cache every token; here a step writes
     only its own keys and values, and cropping just moves the length back. ``keys`` / ``values``
     stay views of the valid prefix, so attention reads exactly the same numbers.
+
+    Buffers are zero-initialised and their capacity is a multiple of ``KEY_BLOCK``: the batch-invariant
+    attention widens these views to whole key blocks in place (``specdec.invariance.padded_keys``), and
+    masked entries past the length must be finite, so that their zero weights make exact zeros.
     """
 
     _INITIAL = 256
@@ -45,7 +50,7 @@ class GrowableLayer(DynamicLayer):
     @staticmethod
     def _alloc(like: torch.Tensor, capacity: int) -> torch.Tensor:
         batch, heads, _, dim = like.shape
-        return like.new_empty((batch, heads, capacity, dim))  # [B, H, capacity, D]
+        return like.new_zeros((batch, heads, round_up(capacity), dim))  # [B, H, capacity, D]
 
     def _expose(self) -> None:
         self.keys = self._key_buf[:, :, : self._length]  # [B, H, T, D]

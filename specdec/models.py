@@ -18,6 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from specdec.config import MODEL_DTYPES
+from specdec.invariance import use_invariant_attention
 from specdec.packed_linear import pack_linears
 from specdec.vocab import (
     DEFAULT_MODEL_FOLDER,
@@ -41,15 +42,29 @@ def checkpoint_dtype(config) -> torch.dtype:
     return stored if isinstance(stored, torch.dtype) and stored.is_floating_point else torch.float32
 
 
+def native_bf16(device: str) -> bool:
+    """Whether ``device`` computes bfloat16 natively: a GPU, or a CPU with AVX-512 BF16 or AMX (read from
+    ``/proc/cpuinfo``; elsewhere torch emulates bf16 and float32 is faster)."""
+    if device != "cpu":
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
 def resolve_dtype(name: str, device: str, config=None) -> torch.dtype:
     """The torch dtype of a ``--dtype`` value (``MODEL_DTYPES``) for a model computing on ``device``.
 
-    ``auto`` keeps float32 on a CPU, where half precision is no faster (bf16 measured no faster than
-    fp32 on the 2-core development CPU) and matmuls are prepacked for fp32 only, and takes the
-    checkpoint's own dtype (``config``'s) on a GPU, where it halves the weights read per pass.
+    ``auto`` takes bfloat16 on a CPU that computes it natively (``native_bf16``: a pass reads half the
+    bytes, and the batch-invariant kernels keep greedy speculation exact in it) and float32 on other
+    CPUs; on a GPU it takes the checkpoint's own dtype (``config``'s), float32 when it says none.
     """
     if name == "auto":
-        return torch.float32 if device == "cpu" or config is None else checkpoint_dtype(config)
+        if device == "cpu":
+            return torch.bfloat16 if native_bf16(device) else torch.float32
+        return torch.float32 if config is None else checkpoint_dtype(config)
     dtype = getattr(torch, name, None)
     if name not in MODEL_DTYPES or not isinstance(dtype, torch.dtype):
         raise ValueError(f"dtype: {name!r} is not one of {', '.join(MODEL_DTYPES)}")
@@ -146,8 +161,9 @@ def load_model(
     """Loads a Hugging Face causal LM (folder or GGUF file) for inference on ``device`` in ``dtype``
     (a torch dtype or a ``--dtype`` value, see ``resolve_dtype``).
 
-    ``pack`` swaps its float32 linear layers for oneDNN-prepacked ones (see ``specdec.packed_linear``),
-    on a CPU only.
+    ``pack`` swaps its linear layers for their fastest row-invariant kernels (see
+    ``specdec.packed_linear``), on a CPU only. Its attention is always the batch-invariant one
+    (``specdec.invariance``).
     """
     path = resolve_model_path(spec, cache_dir)
     if not isinstance(dtype, torch.dtype):
@@ -157,6 +173,7 @@ def load_model(
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model.eval()
+    use_invariant_attention(model)
     if device != "cpu":
         model.to(device)
     elif pack:

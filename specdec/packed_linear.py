@@ -16,6 +16,14 @@ The results equal plain ``linear`` up to float rounding (a different summation o
 bit for bit; greedy decoding can differ only where the top two logits nearly tie. Fusing changed no
 bit of them on the models tested (the default target at 1 to 100 rows, the tiny test models).
 
+Every kernel must also be *row-invariant* (``specdec.invariance``): row 0's bits may not depend on
+how many rows share the product. Which kernels are depends on the shape and the dtype: on the 2-core
+development CPU, packed products over 576 inputs are, but a packed product over the MLP's 1536 inputs
+is not (its reduction is blocked differently from 2 rows on), nor is plain fp32 ``linear`` (MKL) at
+any shape, while plain bf16 ``linear`` is. So ``pack_linears`` probes, once per weight shape, the
+packed kernel, then the packed kernel with its reduction split into fixed chunks of at most
+``SPLIT_INPUTS`` inputs summed in order, then the plain layer, and keeps the first that is invariant.
+
 oneDNN compiles a kernel for each weight shape and number of rows it meets and keeps it in two
 caches, its own primitive cache and ideep's, 1024 entries each by default. A batched pass feeds a
 different number of rows nearly every time (1 to ``max_batch_rows``: the sessions' pending and draft
@@ -28,16 +36,22 @@ default target's four layer shapes at 1 to 256 rows. ``pack_linears`` therefore 
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 from torch import nn
+
+from specdec.invariance import row_invariant
 
 # Children of one module that read the same input, fused into one product when all are present.
 SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 # Entries each of oneDNN's kernel caches keeps (see the module's docstring): a model has four or five
 # packed weight shapes, so this holds 25 to 32 row counts of each.
 KERNEL_CACHE_ENTRIES = 128
+# Longest reduction a split packed product runs as one chunk: the default target's 576-input products
+# are row-invariant packed, its 1536-input one is not.
+SPLIT_INPUTS = 576
 # The variables oneDNN (under either of its prefixes) and ideep read their cache's capacity from.
 _KERNEL_CACHE_VARIABLES = (
     ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"),
@@ -66,9 +80,10 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        weight = weight.detach().float().contiguous()  # [out, in]
+        dtype = weight.dtype
+        weight = weight.detach().contiguous()  # [out, in]
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight), persistent=False)
-        bias = None if bias is None else bias.detach().float().contiguous()
+        bias = None if bias is None else bias.detach().to(dtype).contiguous()
         self.register_buffer("bias", bias, persistent=False)
 
     @classmethod
@@ -82,6 +97,46 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class SplitPackedLinear(nn.Module):
+    """A packed product whose reduction over the inputs runs in fixed chunks of at most
+    ``SPLIT_INPUTS``, added in order: each chunk is a shape oneDNN blocks the same way at every row
+    count, so the sum is row-invariant where one long reduction is not."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, chunk: int | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        chunk = chunk or SPLIT_INPUTS
+        cuts = list(range(0, self.in_features, chunk))
+        self.bounds = [(lo, min(lo + chunk, self.in_features)) for lo in cuts]
+        self.parts = nn.ModuleList(PackedLinear(weight[:, lo:hi], bias if lo == 0 else None) for lo, hi in self.bounds)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.parts[0](x[..., : self.bounds[0][1]])
+        for (lo, hi), part in zip(self.bounds[1:], self.parts[1:]):
+            out = out + part(x[..., lo:hi])
+        return out
+
+
+def invariant_product(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+    """The fastest row-invariant packed kernel for ``weight [out, in]`` (see the module docstring), or
+    None when only a plain layer qualifies or none does (then the plain layer stays)."""
+    for kind in (PackedLinear, SplitPackedLinear):
+        if kind is SplitPackedLinear and weight.shape[1] <= SPLIT_INPUTS:
+            continue
+        if kernel_invariant(kind, tuple(weight.shape), bias is not None, weight.dtype):
+            return kind(weight, bias)
+    return None
+
+
+@functools.cache
+def kernel_invariant(kind: type[nn.Module], shape: tuple[int, int], bias: bool, dtype: torch.dtype) -> bool:
+    """Whether packed kernel ``kind`` over a weight of ``shape [out, in]`` and ``dtype`` is row-invariant,
+    probed once per process on a random weight of that shape."""
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=gen).to(dtype)
+    return row_invariant(kind(weight, torch.zeros(shape[0], dtype=dtype) if bias else None), shape[1], dtype)
+
+
 class FusedProjections(nn.Module):
     """Several linear layers over the same input as one packed product, split per layer.
 
@@ -91,16 +146,10 @@ class FusedProjections(nn.Module):
     by one thread at a time, as each service runs its model on one worker thread (``CacheServicer``).
     """
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], product: nn.Module | None = None) -> None:
+        """``product``: the kernel over the stacked weight (``stacked(linears)``); by default packed."""
         super().__init__()
-        weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
-        biases = [lin.bias for lin in linears]
-        bias = None
-        if any(b is not None for b in biases):
-            bias = torch.cat(
-                [b.detach() if b is not None else torch.zeros(lin.out_features) for b, lin in zip(biases, linears)]
-            )
-        self.product = PackedLinear(weight, bias)
+        self.product = product if product is not None else PackedLinear(*stacked(linears))
         self.sizes = [lin.out_features for lin in linears]
         self._input: torch.Tensor | None = None
         self._parts: list[torch.Tensor | None] = []
@@ -113,6 +162,21 @@ class FusedProjections(nn.Module):
         if all(p is None for p in self._parts):
             self._input = None  # every part taken: hold no activations between passes
         return out
+
+
+def stacked(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weights ``[sum(out), in]`` of sibling linear layers stacked, and their biases (zeros for a
+    layer without one; None when none has one)."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])  # [sum(out), in]
+    biases = [lin.bias for lin in linears]
+    if all(b is None for b in biases):
+        return weight, None
+    return weight, torch.cat(
+        [
+            b.detach() if b is not None else torch.zeros(lin.out_features, dtype=weight.dtype)
+            for b, lin in zip(biases, linears)
+        ]
+    )
 
 
 class ProjectionSlice(nn.Module):
@@ -130,13 +194,14 @@ class ProjectionSlice(nn.Module):
 
 
 def _packable(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) and module.weight.dtype == torch.float32
+    return isinstance(module, nn.Linear) and module.weight.dtype in (torch.float32, torch.bfloat16)
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replaces every fp32 ``nn.Linear`` of an inference model in place, fusing sibling projections;
-    returns how many linear layers were replaced. The process's oneDNN kernel caches are bounded
-    first (``bound_kernel_caches``)."""
+    """Replaces the fp32 and bf16 ``nn.Linear`` layers of an inference model in place by their fastest
+    row-invariant kernels, fusing sibling projections; returns how many linear layers were replaced (a
+    layer whose only row-invariant kernel is its plain self stays). The process's oneDNN kernel caches
+    are bounded first (``bound_kernel_caches``)."""
     if not packing_available():
         return 0
     bound_kernel_caches()
@@ -146,7 +211,12 @@ def pack_linears(model: nn.Module) -> int:
             linears = [getattr(parent, name, None) for name in names]
             if not all(_packable(lin) for lin in linears) or len({lin.in_features for lin in linears}) != 1:
                 continue
-            fused = FusedProjections(linears)
+            if len({lin.weight.dtype for lin in linears}) != 1:
+                continue
+            product = invariant_product(*stacked(linears))
+            if product is None:
+                continue
+            fused = FusedProjections(linears, product)
             for index, name in enumerate(names):
                 setattr(parent, name, ProjectionSlice(fused, index))
             replaced += len(names)
@@ -157,5 +227,8 @@ def pack_linears(model: nn.Module) -> int:
         if _packable(child)
     ]
     for parent, name, child in targets:
-        setattr(parent, name, PackedLinear.of(child))
-    return replaced + len(targets)
+        kernel = invariant_product(child.weight.detach(), None if child.bias is None else child.bias.detach())
+        if kernel is not None:
+            setattr(parent, name, kernel)
+            replaced += 1
+    return replaced

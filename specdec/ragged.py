@@ -16,10 +16,11 @@ session's cache already grows in place (``specdec.kvcache.GrowableLayer``), so b
 nothing here but indirection.
 
 The services run a lone session through it too. Its plain loop over the layers computes the same
-ops in the same order as transformers' forward (bit-identical logits, ``tests/test_batching.py``),
-without the generic per-call work around them: mask building, cache objects, output classes, and
-copying grouped KV heads once per query head when a pass has a mask. That made a one-token pass of
-the default target 85 instead of 95 ms on the 2-core development CPU.
+ops in the same order as transformers' forward (bit-identical logits, ``tests/test_batching.py``)
+once the model attends with ``specdec.invariance`` (``use_invariant_attention``), without the generic
+per-call work around them: mask building, cache objects and output classes. Every kernel it calls
+keeps a row's bits whatever else shares the pass (``specdec.invariance``), so a position scores the
+same alone, in a chain, in a tree or beside other sessions.
 
 The decoder families it runs are those whose layers share Llama's shape: pre-norm, rotary positions,
 grouped-query attention, a gated MLP (``RAGGED_FAMILIES``). What differs between them comes from the
@@ -46,11 +47,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from specdec.invariance import invariant_attention
 from specdec.side_layers import with_sides
 from specdec.tree_verify import tree_mask
 from specdec.trees import depths
@@ -242,9 +243,7 @@ def ragged_decoder_layer(
     for i, cache in enumerate(caches):
         lo, hi = layout.bounds[i], layout.bounds[i + 1]
         keys, values = cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx)  # [1, Hkv, T_i, hd]
-        out = F.scaled_dot_product_attention(
-            q[:, :, lo:hi], keys, values, attn_mask=masks[i], scale=attn.scaling, enable_gqa=True
-        )  # [1, Hq, n_i, hd]
+        out = invariant_attention(q[:, :, lo:hi], keys, values, masks[i], attn.scaling)  # [1, Hq, n_i, hd]
         outs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))  # [n_i, Hq * hd]
     x = x + attn.o_proj(torch.cat(outs))
     return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -5,6 +5,7 @@ where its model does (checked on the meta device, as no GPU runs here)."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers import AutoConfig
 
 import draft_service.engine
 import draft_service.feature_draft
+import specdec.models
 from draft_service.engine import FeatureDrafter, ModelDrafter
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import FeatureDraftArch, build_feature_draft, load_feature_draft
@@ -33,9 +35,12 @@ HALF = ["bfloat16", "float16"]
 NEW_TOKENS = 40
 
 
-def test_auto_keeps_float32_on_a_cpu_and_takes_the_checkpoints_dtype_on_a_gpu():
+def test_auto_takes_bf16_on_a_cpu_that_computes_it_and_the_checkpoints_dtype_on_a_gpu(monkeypatch):
     config = AutoConfig.for_model("llama", dtype="bfloat16")
-    assert resolve_dtype("auto", "cpu", config) == torch.float32
+    for native, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(specdec.models, "native_bf16", lambda device, native=native: native)
+        assert resolve_dtype("auto", "cpu", config) == want
+    monkeypatch.undo()
     assert resolve_dtype("auto", "cuda", config) == torch.bfloat16
     assert resolve_dtype("auto", "cuda:1", AutoConfig.for_model("llama")) == torch.float32  # says none
     assert resolve_dtype("float16", "cpu") == torch.float16
@@ -81,7 +86,7 @@ def test_half_precision_verify_equals_generate_in_the_same_dtype(family, dtype, 
 
 def _feature_draft_folder(target_folder, root):
     """A random feature draft for the target in ``target_folder``, with its card."""
-    target = load_model(str(target_folder), root)
+    target = load_model(str(target_folder), root, dtype=torch.float32)  # weights hash: float32 values
     draft = build_feature_draft(target.model, torch.arange(2, 30), FeatureDraftArch(head_size=28))
     return save_draft_with_card(draft, root / "feature-draft", target_weights_hash(target.model), jitter_seed=3)
 
@@ -157,3 +162,17 @@ def test_a_draft_computes_where_its_target_parts_live(half_dir, host_logits_as_z
     drafter = ModelDrafter(loaded, 4, 4)
     cache_id, committed = drafter.prefill([3, 4, 5])
     assert drafter.propose(cache_id, committed, [], 2, Sampling(), 0).tokens == [0, 0]
+
+
+def test_native_bf16_reads_the_cpus_flags(monkeypatch, tmp_path):
+    """A CPU counts as computing bf16 when /proc/cpuinfo lists avx512_bf16 or amx_bf16."""
+    real = Path.read_text
+    for flags, want in (
+        ("fpu avx512f avx512_bf16", True),
+        ("fpu amx_bf16 amx_tile", True),
+        ("fpu avx2 avx512f", False),
+    ):
+        monkeypatch.setattr(Path, "read_text", lambda self, flags=flags: f"flags\t: {flags}\n")
+        assert specdec.models.native_bf16("cpu") is want
+    monkeypatch.setattr(Path, "read_text", real)
+    assert specdec.models.native_bf16("cuda")

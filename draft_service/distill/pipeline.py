@@ -104,7 +104,8 @@ def run(config: DistillConfig) -> dict | None:
     if not config.resume and any(config.work.iterdir()):
         raise FileExistsError(f"{config.work} holds an earlier run: pass --resume to continue it, or remove it")
 
-    target = load_model(config.target, config.cache_dir)
+    # float32: the weights hash is over float32 values, and training reads the target in float32.
+    target = load_model(config.target, config.cache_dir, dtype=torch.float32)
     target.model.requires_grad_(False)
     target_hash = target_weights_hash(target.model)
     tokenizer = target.tokenizer

@@ -1,0 +1,187 @@
+"""Batch-invariant kernels: a position's numbers never depend on what else shares its pass.
+
+Greedy speculation is exact only if the target scores a position to the same bits whether that
+position is verified alone (``k=0``), as one row of a chain of k+1, as a node of a token tree, or
+beside other sessions' rows in one batched pass. Half-precision serving stacks lose this (vLLM bf16
+answers at 8 streams differ from its own one-at-a-time answers), because the kernels they call pick
+a different reduction order for a different number of rows. Invariance is a property of the
+kernels, so it is designed in here and checked, not hoped for:
+
+- **Attention** (``invariant_attention``). Neither SDPA's CPU flash kernel (bf16 from 8 query rows
+  on, fp32 from 2) nor a plain ``bmm`` over all keys (fp32 from 2 rows; bf16 now and then when the
+  key count crosses a block) keeps row 0's bits when more query rows or more (masked) keys join.
+  This attention pads the key axis to a multiple of ``KEY_BLOCK``, masks the padding, takes the
+  softmax in float32, and sums the value product block by block in key order, so a longer key axis
+  only appends exact zeros. Its products run batched over the query rows where a probe found that
+  row-invariant for the dtype (``batched_products_invariant``), else one query row at a time.
+- **Linear layers** (``row_invariant``). ``specdec.packed_linear.pack_linears`` probes each kernel it
+  might use for a weight (oneDNN-packed, packed with the reduction split into fixed chunks, plain)
+  and keeps the first whose row 0 is bit-identical at every probed row count.
+
+Norms, rotary embeddings and activations work row by row and are invariant as they are.
+
+Models computing through transformers' own forward (prefill, the reference ``generate``) use the
+same attention: ``use_invariant_attention`` registers it as the model's attention implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION_NAME = "specdec_invariant"
+"""The attention implementation name ``use_invariant_attention`` registers with transformers."""
+KEY_BLOCK = 256
+"""Keys are padded to a multiple of this, and the value product runs one block of this many keys at a
+time: a longer (masked) key axis then appends whole blocks and never reshuffles earlier ones."""
+PROBE_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 33)
+"""Row counts a probe compares row 0 across: single rows, chains, trees and batched sessions."""
+
+
+def round_up(n: int, block: int = KEY_BLOCK) -> int:
+    """``n`` rounded up to a multiple of ``block``."""
+    return -(-n // block) * block
+
+
+def padded_keys(t: torch.Tensor, length: int) -> torch.Tensor:
+    """Keys or values ``t [B, H, T, hd]`` extended to ``length >= T`` along the key axis.
+
+    A ``specdec.kvcache.GrowableLayer`` hands out views of a buffer that already holds the padding
+    (zero-initialised, later stale but finite entries that the mask hides), so the view is widened in
+    place; any other tensor is padded with zeros (a copy).
+    """
+    batch, heads, have, dim = t.shape
+    if length == have:
+        return t
+    stride = t.stride()
+    in_place = (
+        stride[3] == 1
+        and stride[2] == dim
+        and length * stride[2] <= stride[1]  # stays inside each head's slab of the buffer
+        and t.storage_offset() + (batch - 1) * stride[0] + (heads - 1) * stride[1] + length * dim
+        <= t.untyped_storage().nbytes() // t.element_size()
+    )
+    if in_place:
+        return t.as_strided((batch, heads, length, dim), stride)
+    return F.pad(t, (0, 0, 0, length - have))
+
+
+def _visible(mask: torch.Tensor | None, rows: int, keys: int, padded: int, device) -> torch.Tensor:
+    """``[..., rows, padded]`` bool: which keys each query row sees. ``mask`` (``[..., rows, keys]``,
+    True: attend) or, when None, causal with the queries at the end of the keys."""
+    if mask is None:
+        key_pos = torch.arange(padded, device=device)
+        query_pos = torch.arange(keys - rows, keys, device=device)
+        return key_pos[None, :] <= query_pos[:, None]  # [rows, padded]; the padding lies past every query
+    if mask.dtype != torch.bool:  # an additive float mask: -inf (or the dtype's min) hides a key
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return F.pad(mask, (0, padded - keys), value=False)
+
+
+@functools.cache
+def batched_products_invariant(dtype: torch.dtype, device: str = "cpu") -> bool:
+    """Whether batched attention products over many query rows give row 0 the bits it gets alone,
+    probed once per dtype and device on the default target's head shape (3 groups of 3 query heads,
+    64 wide) at several query and key counts."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    groups, per_group, dim = 3, 3, 64
+    keys = torch.randn(groups, 3 * KEY_BLOCK, dim, generator=gen).to(device, dtype)
+    query = torch.randn(groups, per_group, max(PROBE_ROWS), dim, generator=gen).to(device, dtype)
+    for length in (KEY_BLOCK, 3 * KEY_BLOCK):
+        k = keys[:, :length]
+        alone = torch.cat(
+            [_products(query[:, :, r : r + 1], k, k, None, 0.125, batched=True) for r in range(len(query[0, 0]))], dim=2
+        )
+        for rows in PROBE_ROWS[1:]:
+            if not torch.equal(_products(query[:, :, :rows], k, k, None, 0.125, batched=True), alone[:, :, :rows]):
+                return False
+    return True
+
+
+def _products(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float, batched: bool
+) -> torch.Tensor:
+    """Attention of grouped queries ``q [G, P, n, hd]`` over keys and values ``[G, Tp, hd]`` (G: key
+    groups, P: query heads per group); ``visible [n, Tp]`` or None (every key). Returns ``[G, P, n, hd]``."""
+    groups, per_group, rows, dim = q.shape
+    if not batched:
+        outs = [_products(q[:, :, r : r + 1], k, v, None if visible is None else visible[r : r + 1], scale, True)
+                for r in range(rows)]  # fmt: skip
+        return torch.cat(outs, dim=2)
+    scores = torch.bmm(q.reshape(groups, per_group * rows, dim), k.transpose(1, 2)).float() * scale  # [G, P n, Tp]
+    scores = scores.view(groups, per_group, rows, -1)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(groups, per_group * rows, -1)  # [G, P n, Tp]
+    # One product per key block, added in key order in float32: a product's reduction never spans a
+    # block, so more keys (masked, weight 0) only append exact zeros to the sum.
+    out = torch.bmm(probs[:, :, :KEY_BLOCK], v[:, :KEY_BLOCK]).float()  # [G, P n, hd]
+    for lo in range(KEY_BLOCK, probs.shape[-1], KEY_BLOCK):
+        out += torch.bmm(probs[:, :, lo : lo + KEY_BLOCK], v[:, lo : lo + KEY_BLOCK])
+    return out.to(v.dtype).view(groups, per_group, rows, dim)
+
+
+def invariant_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """Grouped-query attention whose every query row gets the same bits at any number of query rows
+    and any number of masked keys after its own.
+
+    ``query [B, Hq, n, hd]``, ``key`` and ``value [B, Hkv, T, hd]`` (Hq a multiple of Hkv), ``mask``
+    ``[n, T]`` or ``[B, 1, n, T]`` bool (True: attend) or None (causal, queries at the end of the
+    keys). Returns ``[B, Hq, n, hd]``.
+    """
+    batch, heads, rows, dim = query.shape
+    groups, length = key.shape[1], key.shape[2]
+    padded = round_up(length)
+    key, value = padded_keys(key, padded), padded_keys(value, padded)  # [B, Hkv, Tp, hd]
+    visible = _visible(mask, rows, length, padded, query.device)
+    batched = batched_products_invariant(query.dtype, str(query.device))
+    outs = []
+    for b in range(batch):
+        seen = visible if visible.dim() == 2 else visible[b, 0]  # [n, Tp]
+        q = query[b].reshape(groups, heads // groups, rows, dim)  # head h reads key group h // (Hq / Hkv)
+        outs.append(_products(q, key[b], value[b], seen, scale, batched).reshape(heads, rows, dim))
+    return torch.stack(outs)
+
+
+def _hf_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``invariant_attention`` behind transformers' attention interface: ``[B, n, Hq, hd]`` out."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError(f"{ATTENTION_NAME} attention has no logit soft-capping or attention sinks")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = invariant_attention(query, key, value, attention_mask, scale)  # [B, Hq, n, hd]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_invariant_attention(model: nn.Module) -> None:
+    """Makes transformers' forward of ``model`` attend with ``invariant_attention``, so its prefill and
+    a reference ``generate`` compute what the ragged pass computes."""
+    AttentionInterface.register(ATTENTION_NAME, _hf_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+def row_invariant(kernel, in_features: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> bool:
+    """Whether ``kernel`` (rows ``[n, in_features]`` to ``[n, out]``) gives every row the bits it gets
+    alone at each row count of ``PROBE_ROWS``. Every row is compared, not only the first: in bf16 a
+    reordered float32 sum changes the rounded output only now and then."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(max(PROBE_ROWS), in_features, generator=gen).to(device, dtype)
+    with torch.inference_mode():
+        alone = torch.cat([kernel(x[r : r + 1]) for r in range(len(x))])  # [R, out]
+        return all(torch.equal(kernel(x[:rows]), alone[:rows]) for rows in PROBE_ROWS[1:])

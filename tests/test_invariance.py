@@ -1,0 +1,158 @@
+"""Batch invariance: a position scores to the same bits alone, in a chain, in a tree, or beside other
+sessions, in bf16 and fp32; and the check fails on kernels that lack it (SDPA, a batch-coupled linear)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import specdec.ragged
+from specdec.invariance import KEY_BLOCK, batched_products_invariant, invariant_attention, row_invariant
+from specdec.kvcache import GrowableCache
+from specdec.models import load_model
+from specdec.packed_linear import SplitPackedLinear, pack_linears
+from specdec.ragged import RaggedItem, ragged_forward
+
+TOKEN, OTHER = 7, 9
+
+
+def _cache(model, prompt: list[int]) -> GrowableCache:
+    cache = GrowableCache()
+    ragged_forward(model, [RaggedItem(cache, prompt, 1)])
+    return cache
+
+
+def _first_row(model, cache: GrowableCache, item_of) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and hidden state of the first fed row of ``cache``'s item in a pass built by ``item_of``;
+    the cache is cropped back afterwards."""
+    before = cache.get_seq_length()
+    items, index = item_of(cache)
+    logits, hidden = ragged_forward(model, items)
+    fed = len(items[index].tokens)
+    cache.crop(-(cache.get_seq_length() - before))
+    return logits[index][-fed], hidden[index][0]
+
+
+def invariance_failures(model, past: int) -> list[str]:
+    """Which ways of feeding TOKEN after ``past`` prompt tokens change its logits or hidden state
+    from those of TOKEN fed alone."""
+    vocab = model.config.vocab_size
+    prompt = [(3 + 5 * i) % vocab for i in range(past)]
+    cache = _cache(model, prompt)
+    others = [_cache(model, prompt[: 5 + 37 * i]) for i in range(3)]
+
+    def alone(c):
+        return [RaggedItem(c, [TOKEN], 1)], 0
+
+    def chain(k):
+        return lambda c: ([RaggedItem(c, [TOKEN] + [OTHER] * k, k + 1)], 0)
+
+    def tree(c):  # TOKEN is the root; two children, each with a child
+        return [RaggedItem(c, [TOKEN, OTHER, 4, 5, 6], 5, parents=(-1, 0, 0, 1, 2))], 0
+
+    def beside(c):
+        rows = [[3, 4], [5] * 9, [1]]
+        items = [RaggedItem(o, r, len(r)) for o, r in zip(others, rows)]
+        return items[:1] + [RaggedItem(c, [TOKEN, OTHER, OTHER], 3)] + items[1:], 1
+
+    want_logits, want_hidden = _first_row(model, cache, alone)
+    ways = {f"chain of {k + 1}": chain(k) for k in (1, 2, 4, 7, 15, 32)} | {"tree": tree, "beside 3 sessions": beside}
+    failures = []
+    for name, way in ways.items():
+        logits, hidden = _first_row(model, cache, way)
+        if not (torch.equal(logits, want_logits) and torch.equal(hidden, want_hidden)):
+            failures.append(name)
+    return failures
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("past", [20, KEY_BLOCK - 3])  # the second: chains cross a key block
+def test_the_tiny_pass_is_batch_invariant(tiny_dir, dtype, past):
+    loaded = load_model(str(tiny_dir / "target"), tiny_dir, dtype=dtype, pack=True)
+    assert invariance_failures(loaded.model, past) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_default_targets_pass_is_batch_invariant(dtype, default_model):
+    model = default_model.model if default_model.dtype == dtype else _default(dtype)
+    assert invariance_failures(model, KEY_BLOCK - 3) == []
+
+
+def _default(dtype: torch.dtype):
+    return load_model("default", Path.home() / ".cache" / "specdec", dtype=dtype, pack=True).model
+
+
+@pytest.mark.slow
+def test_the_check_fails_with_sdpa_in_place_of_the_invariant_attention(default_model, monkeypatch):
+    """SDPA's CPU kernel changes a row's bits once a chain has 8 or more rows: the check must see it."""
+
+    def sdpa(q, k, v, mask, scale):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    monkeypatch.setattr(specdec.ragged, "invariant_attention", sdpa)
+    assert invariance_failures(default_model.model, KEY_BLOCK - 3) != []
+
+
+class _BatchCoupled(torch.nn.Module):
+    """A linear layer plus a trace of the mean over every row of its input: rows see each other."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + 1e-3 * x.mean(dim=-2, keepdim=True)[..., : self.linear.out_features]
+
+
+def test_the_check_fails_with_a_linear_whose_rows_see_each_other(tiny_dir):
+    """A kernel that lets a row's result depend on the batch (here by a reduction over all rows) fails."""
+    loaded = load_model(str(tiny_dir / "target"), tiny_dir, dtype=torch.float32)
+    model = copy.deepcopy(loaded.model)
+    model.model.layers[0].mlp.down_proj = _BatchCoupled(model.model.layers[0].mlp.down_proj)
+    assert invariance_failures(model, 20) != []
+
+
+def test_the_row_probe_tells_invariant_kernels_from_batch_coupled_ones():
+    weight = torch.randn(64, 48)
+    assert not row_invariant(lambda x: x @ weight.T + x.sum(0)[:64].mean(), 48, torch.float32)
+    assert row_invariant(lambda x: torch.stack([r @ weight.T for r in x]), 48, torch.float32)
+
+
+def test_packing_keeps_only_invariant_kernels(tiny_dir):
+    """Every kernel ``pack_linears`` leaves in a model passes the row probe."""
+    for dtype in (torch.bfloat16, torch.float32):
+        loaded = load_model(str(tiny_dir / "target"), tiny_dir, dtype=dtype)
+        pack_linears(loaded.model)
+        for module in loaded.model.modules():
+            product = getattr(module, "product", None) or (module if isinstance(module, SplitPackedLinear) else None)
+            if product is not None:
+                assert row_invariant(product, product.in_features, dtype)
+
+
+def test_attention_rows_keep_their_bits_across_query_and_key_counts():
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.bfloat16, torch.float32):
+        q = torch.randn(1, 6, 20, 16, generator=gen).to(dtype)
+        k = torch.randn(1, 2, 2 * KEY_BLOCK + 40, 16, generator=gen).to(dtype)
+        v = torch.randn_like(k)
+        for past in (10, KEY_BLOCK - 2, 2 * KEY_BLOCK - 1):
+            alone = invariant_attention(q[:, :, :1], k[:, :, : past + 1], v[:, :, : past + 1], None, 0.25)
+            for rows in (2, 9, 20):
+                out = invariant_attention(q[:, :, :rows], k[:, :, : past + rows], v[:, :, : past + rows], None, 0.25)
+                assert torch.equal(out[:, :, :1], alone), (dtype, past, rows)
+        assert isinstance(batched_products_invariant(dtype), bool)
+
+
+def test_attention_matches_sdpa_up_to_rounding():
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 6, 5, 16, generator=gen)
+    k, v = torch.randn(1, 2, 30, 16, generator=gen), torch.randn(1, 2, 30, 16, generator=gen)
+    mask = torch.arange(30)[None, :] <= torch.arange(25, 30)[:, None]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    torch.testing.assert_close(invariant_attention(q, k, v, mask, 0.25), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(invariant_attention(q, k, v, None, 0.25), want, atol=1e-5, rtol=1e-5)
