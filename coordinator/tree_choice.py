@@ -109,33 +109,35 @@ def best_tree(rate, max_nodes: int, max_depth: int, max_width: int = MAX_WIDTH) 
     ``max_depth``, ``max_width`` children a node); each taken node offers its children next.
     """
     out: list[tuple[float, TreeShape]] = []
-    heap: list[tuple[float, int, int, int]] = []  # (-P, tie, depth, rank) of the offered nodes
+    heap: list[tuple[float, int, int, int, float]] = []  # (-P, tie, depth, rank, P of the parent)
     shares: dict[int, list[float]] = {}  # by depth: a(d, r) times the misses of the ranks before r
     tie = 0
 
-    def offer(p_parent: float, depth: int) -> None:
+    def offer(p_parent: float, depth: int, rank: int) -> None:
         nonlocal tie
-        if depth > max_depth:
+        if depth > max_depth or rank >= max_width:
             return
         if depth not in shares:
             missed, row = 1.0, []
-            for rank in range(max_width):
-                a = rate(depth, rank)
+            for r in range(max_width):
+                a = rate(depth, r)
                 row.append(missed * a)
                 missed *= 1.0 - a
             shares[depth] = row
-        for rank, share in enumerate(shares[depth]):
-            heapq.heappush(heap, (-(p_parent * share), tie, depth, rank))
-            tie += 1
+        heapq.heappush(heap, (-(p_parent * shares[depth][rank]), tie, depth, rank, p_parent))
+        tie += 1
 
-    offer(1.0, 1)
+    # A draft grows a node's children in rank order (its top-w), so a child of rank r is offered only
+    # once its sibling of rank r - 1 is taken: every prefix of the order is a tree a draft can propose.
+    offer(1.0, 1, 0)
     total, deepest, widest = 1.0, 0, 0
     while heap and len(out) < max_nodes:
-        neg_p, _, depth, rank = heapq.heappop(heap)
+        neg_p, _, depth, rank, p_parent = heapq.heappop(heap)
         total -= neg_p
         deepest, widest = max(deepest, depth), max(widest, rank + 1)
         out.append((total, TreeShape(len(out) + 1, deepest, widest)))
-        offer(-neg_p, depth + 1)
+        offer(p_parent, depth, rank + 1)
+        offer(-neg_p, depth + 1, 0)
     return out
 
 

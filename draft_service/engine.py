@@ -22,7 +22,7 @@ from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel
 from specdec.ngram import LOOKUP_MAX_N, lookup_tree, propose_ngram, whole_continuation
 from specdec.ragged import RaggedLayout
-from specdec.sampling import Sampling
+from specdec.sampling import Sampling, ranked_top
 from specdec.trees import TreeShape
 from specdec.vocab import ModelFacts
 
@@ -572,8 +572,8 @@ class FeatureDrafter(DraftEngine):
 
         def top(rows: list[int], width: int) -> tuple[list[list[int]], list[list[float]]]:
             reduced = torch.log_softmax(draft.head_logits(features[rows]).float(), dim=-1)  # [G, H]
-            best = torch.topk(reduced, min(width, reduced.shape[-1]), dim=-1)
-            return on_host(draft.head_ids[best.indices]).tolist(), on_host(best.values.exp()).tolist()
+            best = ranked_top(reduced, width)  # [G, width]
+            return on_host(draft.head_ids[best]).tolist(), on_host(reduced.gather(-1, best).exp()).tolist()
 
         grow_level(growing, top, lambda rows: on_host(draft.full_logits(features[rows])))  # [S, V]
 

@@ -22,6 +22,7 @@ from draft_service.token_draft import TokenDraft
 from draft_service.tree_draft import TreeGrower, TreeRows, grow_level, level_layout
 from specdec.kvcache import SessionCache
 from specdec.ragged import RaggedItem, RaggedLayout, layer_windows, ragged_forward, ragged_unsupported
+from specdec.sampling import ranked_top
 
 
 def grows_ragged_trees(model: nn.Module) -> bool:
@@ -45,8 +46,9 @@ def grow_rows(logits: torch.Tensor, growing: list[tuple[TreeGrower, int]]) -> No
     that node), greedy trees' for all their rows at once."""
 
     def top(rows: list[int], width: int) -> tuple[list[list[int]], list[list[float]]]:
-        best = torch.topk(torch.softmax(logits[rows].float(), dim=-1), width, dim=-1)  # [G, width]
-        return on_host(best.indices).tolist(), on_host(best.values).tolist()
+        scores = logits[rows].float()  # [G, V]
+        best = ranked_top(scores, width)  # [G, width]: ties in index order, as the verifier's argmax
+        return on_host(best).tolist(), on_host(torch.softmax(scores, dim=-1).gather(-1, best)).tolist()
 
     grow_level(growing, top, lambda rows: on_host(logits[rows]))
 

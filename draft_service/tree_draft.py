@@ -30,7 +30,14 @@ import torch
 
 from draft_service.picking import DRAFT_STREAM
 from specdec.ragged import RaggedLayout
-from specdec.sampling import Sampling, dense_to_sparse, position_generator, round_generator, warp_probs
+from specdec.sampling import (
+    Sampling,
+    dense_to_sparse,
+    position_generator,
+    ranked_top,
+    round_generator,
+    warp_probs,
+)
 from specdec.tree_verify import without_replacement
 from specdec.trees import TreeShape
 
@@ -68,7 +75,8 @@ class TreeGrower:
         width = self.shape.width
         if self.sampling.greedy:
             probs = torch.softmax(logits.float(), -1)  # [V]
-            picked = torch.topk(probs, min(width, int((probs > 0).sum()))).indices.tolist()
+            # Ranked on the logits, as the verifier's argmax is: a softmax can round two of them to one.
+            picked = ranked_top(logits.float(), min(width, int((probs > 0).sum()))).tolist()
             qs: list = [None] * len(picked)
         else:
             probs = warp_probs(logits[None], self.sampling, extra_top_k=self.sample_top_k)[0]  # [V]

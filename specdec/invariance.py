@@ -126,15 +126,74 @@ def _products(
     return out.to(v.dtype).view(groups, per_group, rows, dim)
 
 
-def invariant_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+def _gathered_products(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, batched: bool
 ) -> torch.Tensor:
-    """Grouped-query attention whose every query row gets the same bits at any number of query rows
-    and any number of masked keys after its own.
+    """``_products`` for rows whose visible keys have gaps (a token tree's nodes see their ancestors,
+    not their cousins), computed as if each row's visible keys lay side by side in position order, as
+    they do when the same position is verified alone or in a chain.
+
+    The key blocks every row sees whole are shared; from the first block with a hidden key on, each
+    row's visible keys are gathered, in order, into a tail of whole blocks of its own. A position's
+    scores then sit at the same index, and its value products run over the same blocks, as in
+    ``_products`` (whose products are row-invariant, see ``batched_products_invariant``).
+    """
+    groups, per_group, rows, dim = q.shape
+    seen_by_all = visible.all(dim=0)  # [Tp]
+    hidden = (~seen_by_all).nonzero()
+    base = (int(hidden[0]) // KEY_BLOCK) * KEY_BLOCK if len(hidden) else visible.shape[-1]
+    tail = visible[:, base:]  # [n, Tp - base]
+    counts = tail.sum(dim=-1)  # [n]
+    width = round_up(max(int(counts.max()), 1))
+    order = torch.sort((~tail).to(torch.uint8), dim=-1, stable=True).indices[:, :width] + base  # [n, W]
+    tail_seen = torch.arange(width, device=visible.device)[None, :] < counts[:, None]  # [n, W]
+    k_tail, v_tail = k[:, order], v[:, order]  # [G, n, W, hd]
+    if not batched:
+        outs = [_gathered_products(q[:, :, r : r + 1], k, v, visible[r : r + 1], scale, True) for r in range(rows)]
+        return torch.cat(outs, dim=2)
+    q_rows = q.transpose(1, 2)  # [G, n, P, hd]: each row against its own gathered keys
+    shared = torch.bmm(q.reshape(groups, per_group * rows, dim), k[:, :base].transpose(1, 2)).float()
+    own = torch.matmul(q_rows, k_tail.transpose(2, 3)).float().transpose(1, 2)  # [G, P, n, W]
+    scores = torch.cat([shared.view(groups, per_group, rows, base), own], dim=-1) * scale  # [G, P, n, base + W]
+    seen = torch.cat([tail_seen.new_ones(rows, base), tail_seen], dim=-1)  # [n, base + W]
+    scores = scores.masked_fill(~seen, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [G, P, n, base + W]
+    out = torch.zeros(groups, per_group * rows, dim, dtype=torch.float32, device=q.device)
+    flat = probs.view(groups, per_group * rows, -1)
+    for lo in range(0, base, KEY_BLOCK):
+        out += torch.bmm(flat[:, :, lo : lo + KEY_BLOCK], v[:, lo : lo + KEY_BLOCK])
+    out = out.view(groups, per_group, rows, dim)
+    own_probs = probs[..., base:].transpose(1, 2)  # [G, n, P, W]
+    for lo in range(0, width, KEY_BLOCK):
+        part = torch.matmul(own_probs[..., lo : lo + KEY_BLOCK], v_tail[:, :, lo : lo + KEY_BLOCK])  # [G, n, P, hd]
+        out += part.transpose(1, 2)
+    return out.to(v.dtype)
+
+
+def has_gaps(mask: torch.Tensor | None) -> bool:
+    """Whether some row of ``mask [..., n, T]`` (True: attend) sees two keys with a hidden one between
+    them: a token tree's, not a chain's or a sliding window's."""
+    if mask is None or mask.dtype != torch.bool:
+        return False
+    return bool(((mask[..., 1:] & ~mask[..., :-1]).sum(dim=-1) > 1).any())
+
+
+def invariant_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    gaps: bool = False,
+) -> torch.Tensor:
+    """Grouped-query attention whose every query row gets the same bits at any number of query rows,
+    any number of masked keys after its own, and (with ``gaps``) whichever keys hide between the ones
+    it sees.
 
     ``query [B, Hq, n, hd]``, ``key`` and ``value [B, Hkv, T, hd]`` (Hq a multiple of Hkv), ``mask``
     ``[n, T]`` or ``[B, 1, n, T]`` bool (True: attend) or None (causal, queries at the end of the
-    keys). Returns ``[B, Hq, n, hd]``.
+    keys). ``gaps``: the mask may hide keys between visible ones (``has_gaps``; a token tree), whose
+    rows then attend as ``_gathered_products`` says. Returns ``[B, Hq, n, hd]``.
     """
     batch, heads, rows, dim = query.shape
     groups, length = key.shape[1], key.shape[2]
@@ -142,11 +201,12 @@ def invariant_attention(
     key, value = padded_keys(key, padded), padded_keys(value, padded)  # [B, Hkv, Tp, hd]
     visible = _visible(mask, rows, length, padded, query.device)
     batched = batched_products_invariant(query.dtype, str(query.device))
+    products = _gathered_products if gaps else _products
     outs = []
     for b in range(batch):
         seen = visible if visible.dim() == 2 else visible[b, 0]  # [n, Tp]
         q = query[b].reshape(groups, heads // groups, rows, dim)  # head h reads key group h // (Hq / Hkv)
-        outs.append(_products(q, key[b], value[b], seen, scale, batched).reshape(heads, rows, dim))
+        outs.append(products(q, key[b], value[b], seen, scale, batched).reshape(heads, rows, dim))
     return torch.stack(outs)
 
 

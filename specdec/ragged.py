@@ -41,6 +41,7 @@ fall back to one pass per session otherwise.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from collections.abc import Callable
@@ -51,7 +52,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from specdec.invariance import invariant_attention
+from specdec.invariance import has_gaps, invariant_attention
 from specdec.side_layers import with_sides
 from specdec.tree_verify import tree_mask
 from specdec.trees import depths
@@ -194,6 +195,12 @@ class RaggedLayout:
         masks = [mask(n, p, t, None) for n, p, t in zip(lengths, pasts, trees)]
         return cls(bounds, masks, positions, windowed or None)
 
+    @functools.cached_property
+    def gaps(self) -> list[bool]:
+        """Per session: whether its mask hides keys between visible ones (a token tree's rows), which
+        the batch-invariant attention must gather (``specdec.invariance.invariant_attention``)."""
+        return [has_gaps(mask) for mask in self.masks]
+
     def masks_for(self, window: int | None) -> list[torch.Tensor | None]:
         """The sessions' masks for a layer with sliding ``window`` (None: full attention)."""
         return self.masks if window is None or self.windowed is None else self.windowed[window]
@@ -243,7 +250,9 @@ def ragged_decoder_layer(
     for i, cache in enumerate(caches):
         lo, hi = layout.bounds[i], layout.bounds[i + 1]
         keys, values = cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx)  # [1, Hkv, T_i, hd]
-        out = invariant_attention(q[:, :, lo:hi], keys, values, masks[i], attn.scaling)  # [1, Hq, n_i, hd]
+        out = invariant_attention(
+            q[:, :, lo:hi], keys, values, masks[i], attn.scaling, layout.gaps[i]
+        )  # [1, Hq, n_i, hd]
         outs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))  # [n_i, Hq * hd]
     x = x + attn.o_proj(torch.cat(outs))
     return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -108,6 +108,23 @@ class Verdict:
     tokens: list[int]
 
 
+def ranked_top(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Indices ``[..., width]`` of the ``width`` largest ``values [..., V]``, largest first, ties in
+    index order: the greedy verifier's ``argmax`` takes the lowest index of a tie, so a draft that ranks
+    its children this way proposes the target's choice first whenever the two compute the same numbers
+    (bf16 logits tie often). ``torch.topk`` leaves the order of ties unspecified."""
+    width = min(width, values.shape[-1])
+    rows = values.reshape(-1, values.shape[-1])  # [R, V]
+    kth = torch.topk(rows, width, dim=-1).values[:, -1]  # [R]
+    picked = []
+    for row, floor in zip(rows, kth):
+        # Every value at or above the width-th (ties included), ranked stably: in index order within a tie.
+        candidates = (row >= floor).nonzero().squeeze(-1)  # [C], ascending
+        order = torch.sort(row[candidates], descending=True, stable=True).indices[:width]
+        picked.append(candidates[order])
+    return torch.stack(picked).reshape(*values.shape[:-1], width)
+
+
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: list[int]) -> Verdict:
     """Greedy verification: accept while each draft token equals the target's argmax.
 

@@ -44,6 +44,19 @@ def test_siblings_that_pass_widen_the_tree_and_never_lose_to_the_chain():
     assert trees[-1][1].width > 1 and trees[-1][0] > expected_tokens([0.5], 8) + 0.1
 
 
+def test_every_best_tree_is_a_shape_the_draft_accepts_when_a_sibling_outranks_the_first():
+    """A sampled turn's own rates can make a second sibling likelier than the first (a(1, 0) tiny): the
+    tree still takes siblings in rank order, so no shape is wider than its nodes (the draft refuses those)."""
+
+    def rate(depth, rank):
+        return 0.02 if rank == 0 else 0.9
+
+    trees = best_tree(rate, max_nodes=8, max_depth=4)
+    for n, (_, shape) in enumerate(trees, start=1):
+        shape.check()
+        assert shape.nodes == n and shape.width <= n
+
+
 def test_spine_tokens_count_a_passing_sibling_once():
     def rate(depth, rank):
         return 0.5 if rank == 0 else 1.0

@@ -505,7 +505,8 @@ def _feature_drafter(tiny_target, lookup_min=0):
         for p in draft.parameters():
             if p.requires_grad:
                 p.add_(0.05 * torch.randn_like(p))
-    return FeatureDrafter(draft.eval().requires_grad_(False), tiny_target.facts("target"), 8, 0, lookup_min=lookup_min)
+    draft = draft.to(tiny_target.dtype).eval().requires_grad_(False)  # built in fp32 for training; served as its target
+    return FeatureDrafter(draft, tiny_target.facts("target"), 8, 0, lookup_min=lookup_min)
 
 
 def _feature_loop(tiny_target, drafter, shape):
