@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test lint format docs test-fast proto up bench bench-load bench-long-prompt pass-grid tree-ceiling clean
+.PHONY: install run test lint format docs test-fast proto up bench bench-load bench-long-prompt pass-grid pass-curve tree-ceiling clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -71,6 +71,10 @@ bench-long-prompt: install
 # The target's pass cost by sessions and draft length, and the ceiling on speculation's gain it implies.
 pass-grid: install
 	$(VENV)/bin/specdec pass-grid --cache-dir $(CACHE_DIR) --out reports/pass-grid.json
+
+# One pass's cost by rows in float32 and bfloat16, in process, and whether each kept a row's bits.
+pass-curve: install
+	$(VENV)/bin/specdec pass-curve --cache-dir $(CACHE_DIR) --out reports/pass-curve.json
 
 # The most token trees could gain over chains with the shipped draft on this machine (in process).
 tree-ceiling: install

@@ -112,6 +112,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run_pass_grid)
 
     p = subparsers.add_parser(
+        "pass-curve",
+        help="the target's pass cost by rows in float32 and bfloat16, side by side in process, "
+        "and whether each pass kept a row's bits",
+    )
+    add_cache_dir(p)
+    p.add_argument(
+        "--target-model", default=env("TARGET_MODEL", "default"), help="target model (env SPECDEC_TARGET_MODEL)"
+    )
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to compare")
+    p.add_argument("--context", type=int, default=200, help="tokens in the session's cache")
+    p.add_argument("--repeats", type=int, default=9, help="timed sweeps (median)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the target")
+    p.add_argument("--out", type=Path, default=Path("reports/pass-curve.json"))
+    p.set_defaults(run=run_pass_curve)
+
+    p = subparsers.add_parser(
         "tree-ceiling",
         help="the most token trees could gain over chains with the shipped draft on this machine, in process",
     )
@@ -347,6 +363,47 @@ def run_pass_grid(args: argparse.Namespace) -> None:
         "pass_ms": {str(c): [round(ms, 1) for ms in row] for c, row in grid.items()},
         "ceiling": {str(c): {"gain": round(g, 3), "k": k} for c, (g, k) in ceiling.items()},
     }
+    _write(report, args.out)
+
+
+def run_pass_curve(args: argparse.Namespace) -> None:
+    """``specdec pass-curve``: one pass's cost by rows per dtype (``bench.pass_curve``)."""
+    import torch
+
+    from bench.pass_curve import measure_pass_curve
+    from bench.single import load_prompts
+    from specdec.models import load_model
+    from specdec.packed_linear import pack_linears
+    from target_service.engine import TargetEngine
+
+    torch.set_num_threads(args.threads)
+    engines = {}
+    for dtype in args.dtypes.split(","):
+        loaded = load_model(args.target_model, args.cache_dir, dtype=dtype)
+        pack_linears(loaded.model)  # as the target service runs it
+        engines[dtype] = TargetEngine(loaded, 16)
+    # The bench prompts' tokens one after another, cut to the context: real text, a fixed length.
+    prompt = [t for p in load_prompts(PROMPTS, None) for t in p.token_ids(loaded.tokenizer)][: args.context]
+    curves = measure_pass_curve(engines, prompt, args.repeats)
+    names = list(curves)
+    for name, curve in curves.items():
+        ms = curve["pass_ms"]
+        print(f"{name:>9}: " + "  ".join(f"{rows}:{value:.1f}" for rows, value in ms.items()))  # type: ignore[union-attr]
+    report = {
+        "config": {
+            "target_model": args.target_model,
+            "context": len(prompt),
+            "threads": args.threads,
+            "repeats": args.repeats,
+        },
+        "engines": curves,
+    }
+    if len(names) > 1:
+        first, last = (curves[n]["pass_ms"] for n in (names[0], names[-1]))
+        report["ratios"] = {
+            f"{names[0]}_over_{names[-1]}_1row": round(first["1"] / last["1"], 3),  # type: ignore[index]
+            f"{names[0]}_over_{names[-1]}_8rows": round(first["8"] / last["8"], 3),  # type: ignore[index]
+        }
     _write(report, args.out)
 
 

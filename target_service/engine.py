@@ -207,6 +207,11 @@ class TargetEngine:
         return replace(self._loaded.facts("target"), trees=self._ragged)
 
     @property
+    def model(self) -> torch.nn.Module:
+        """The target model the passes run."""
+        return self._loaded.model
+
+    @property
     def caches(self) -> CacheTable:
         """The session caches; the metrics scrape reads their count and size from another thread."""
         return self._caches
