@@ -183,7 +183,7 @@ def run_bench(args: argparse.Namespace) -> None:
     k = args.k
     prompts = load_prompts(args.prompts, args.n)
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.target_model, args.cache_dir)
+    loaded = load_model(args.target_model, args.cache_dir, dtype=args.dtype or "auto")  # the stack's dtype
     kinds = [kind for kind in args.draft_kind.split(",") if kind]
     if set(kinds) - set(DRAFT_KINDS) or not kinds:
         raise SystemExit(f"--draft-kind takes a comma-separated list of {DRAFT_KINDS}")
@@ -272,7 +272,7 @@ def run_load(args: argparse.Namespace) -> None:
     n = min(args.n or len(every), len(every))
     prompts = {level: level_prompts(every, n, level) for level in args.concurrency}
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.target_model, args.cache_dir)
+    loaded = load_model(args.target_model, args.cache_dir, dtype=args.dtype or "auto")  # the stack's dtype
     results: dict = {}
     # Target-only reference: HF generate one prompt at a time (hf-batched at level 1 is exactly that),
     # then the prompts only the levels rounded up reach, for their exactness check.

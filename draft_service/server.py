@@ -105,8 +105,8 @@ def _draft_dtype(config: DraftConfig, spec: str) -> torch.dtype:
 
 
 def _prepacks(config: DraftConfig, dtype: torch.dtype) -> bool:
-    """Whether the draft's linear layers are prepacked or int8: oneDNN's fp32 kernels, on a CPU only."""
-    return config.model.device == "cpu" and dtype == torch.float32
+    """Whether the draft's linear layers are prepacked: oneDNN's fp32 and bf16 kernels, on a CPU only."""
+    return config.model.device == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 def load_draft_model(config: DraftConfig) -> LoadedModel:
@@ -140,7 +140,7 @@ def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
     target, weights_hash = read_target(config.target_model, config.model.cache_dir, dtype, config.model.device)
     path = resolve_model_path(config.model.model, config.model.cache_dir)
     draft = load_feature_draft(path, target.model, weights_hash)
-    if config.int8_head and _prepacks(config, dtype):
+    if config.int8_head and _prepacks(config, dtype) and dtype == torch.float32:  # int8 kernels take fp32 rows
         draft.quantize_head_int8()
     facts = replace(target.facts(FEATURE_KIND), name=str(path))
     return FeatureDrafter(

@@ -68,6 +68,9 @@ class StackConfig:
     extra_coordinators: int = 0
     # Port of the first coordinator's OpenAI-compatible HTTP API; 0 picks a free one, None serves none.
     http_port: int | None = None
+    # What target and draft compute in (``specdec.config.MODEL_DTYPES``); None: each service's own
+    # default (its --dtype default, env SPECDEC_DTYPE / SPECDEC_DRAFT_DTYPE, else auto).
+    dtype: str | None = None
 
 
 class Process:
@@ -180,6 +183,7 @@ class LocalStack:
         c = self.config
         exe = [sys.executable, "-m", "specdec.cli"]
         common = ["--cache-dir", str(c.cache_dir)] + (["--otlp-endpoint", c.otlp_endpoint] if c.otlp_endpoint else [])
+        dtype = ["--dtype", c.dtype] if c.dtype else []
         try:
             self._start_redis()
             # Ports are chosen here so that the coordinators can start beside the services: each waits
@@ -202,6 +206,7 @@ class LocalStack:
                     "--prefill-chunk",
                     str(c.prefill_chunk),
                     *([] if c.fold_prefills else ["--no-fold-prefills"]),
+                    *dtype,
                     *common,
                 ],
                 c.target_threads,
@@ -222,6 +227,7 @@ class LocalStack:
                     c.target_model,
                     "--threads",
                     str(c.draft_threads),
+                    *dtype,
                     *common,
                 ],
                 c.draft_threads,
