@@ -156,10 +156,11 @@ def eos_ids(generation_config, tokenizer) -> tuple[int, ...]:
 
 
 def load_model(
-    spec: str, cache_dir: Path, dtype: str | torch.dtype = "auto", pack: bool = False, device: str = "cpu"
+    spec: str, cache_dir: Path, dtype: str | torch.dtype = torch.float32, pack: bool = False, device: str = "cpu"
 ) -> LoadedModel:
     """Loads a Hugging Face causal LM (folder or GGUF file) for inference on ``device`` in ``dtype``
-    (a torch dtype or a ``--dtype`` value, see ``resolve_dtype``).
+    (a torch dtype or a ``--dtype`` value, see ``resolve_dtype``). Float32 unless told: the services
+    pass their ``--dtype`` (``auto`` by default), training and references name theirs.
 
     ``pack`` swaps its linear layers for their fastest row-invariant kernels (see
     ``specdec.packed_linear``), on a CPU only. Its attention is always the batch-invariant one
