@@ -226,6 +226,13 @@ def _hf_attention(
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise ValueError(f"{ATTENTION_NAME} attention has no logit soft-capping or attention sinks")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        # A left-padded batch's padding rows see no key: let them see every key, as transformers' SDPA
+        # fix does, so their (unused) outputs and cached keys stay finite instead of NaN, which a zero
+        # attention weight would carry into the real rows.
+        attention_mask = attention_mask | ~attention_mask.any(dim=-1, keepdim=True)
     out = invariant_attention(query, key, value, attention_mask, scale)  # [B, Hq, n, hd]
     return out.transpose(1, 2).contiguous(), None
 

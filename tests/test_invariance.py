@@ -156,3 +156,17 @@ def test_attention_matches_sdpa_up_to_rounding():
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
     torch.testing.assert_close(invariant_attention(q, k, v, mask, 0.25), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(invariant_attention(q, k, v, None, 0.25), want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_left_padded_batch_through_transformers_stays_finite_and_close_to_each_row_alone(tiny_dir):
+    """Padding rows see no key; they must not turn into NaN keys that poison the real rows."""
+    model = load_model(str(tiny_dir / "target"), tiny_dir, dtype=torch.float32).model
+    short, full = [3, 4, 5], [6, 7, 8, 9, 10, 11]
+    ids = torch.tensor([[0] * 3 + short, full])
+    mask = torch.tensor([[0] * 3 + [1] * 3, [1] * 6])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        batched = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        alone = [model(input_ids=torch.tensor([p])).logits[0, -1] for p in (short, full)]
+    assert torch.isfinite(batched).all()
+    torch.testing.assert_close(batched, torch.stack(alone), atol=1e-4, rtol=1e-4)
