@@ -237,12 +237,18 @@ def _hf_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def use_invariant_attention(model: nn.Module) -> None:
+def use_invariant_attention(model: nn.Module) -> bool:
     """Makes transformers' forward of ``model`` attend with ``invariant_attention``, so its prefill and
-    a reference ``generate`` compute what the ragged pass computes."""
+    a reference ``generate`` compute what the ragged pass computes; returns whether it did. A model
+    whose attention soft-caps its logits or has attention sinks (Gemma 2, gpt-oss) keeps its own: it
+    has no ragged pass either, and verifies one pass per session."""
+    config = model.config
+    if getattr(config, "attn_logit_softcapping", None) or getattr(config, "sinks", None):
+        return False
     AttentionInterface.register(ATTENTION_NAME, _hf_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
     model.set_attn_implementation(ATTENTION_NAME)
+    return True
 
 
 def row_invariant(kernel, in_features: int, dtype: torch.dtype, device: str | torch.device = "cpu") -> bool:
