@@ -19,10 +19,11 @@ bit of them on the models tested (the default target at 1 to 100 rows, the tiny 
 Every kernel must also be *row-invariant* (``specdec.invariance``): row 0's bits may not depend on
 how many rows share the product. Which kernels are depends on the shape and the dtype: on the 2-core
 development CPU, packed products over 576 inputs are, but a packed product over the MLP's 1536 inputs
-is not (its reduction is blocked differently from 2 rows on), nor is plain fp32 ``linear`` (MKL) at
-any shape, while plain bf16 ``linear`` is. So ``pack_linears`` probes, once per weight shape, the
-packed kernel, then the packed kernel with its reduction split into fixed chunks of at most
-``SPLIT_INPUTS`` inputs summed in order, then the plain layer, and keeps the first that is invariant.
+is not (one row takes a kernel of its own), nor is plain fp32 ``linear`` (MKL) at
+any shape, nor plain bf16 ``linear`` over 1536 inputs. So ``pack_linears`` probes, once per weight shape, the
+packed kernel, then the packed kernel fed at least two rows (oneDNN's one-row kernel is the odd one
+out), then the packed kernel with its reduction split into fixed chunks of at most ``SPLIT_INPUTS``
+inputs summed in order, then the plain layer, and keeps the first that is invariant.
 
 oneDNN compiles a kernel for each weight shape and number of rows it meets and keeps it in two
 caches, its own primitive cache and ideep's, 1024 entries each by default. A batched pass feeds a
@@ -97,6 +98,23 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
+class PairedPackedLinear(PackedLinear):
+    """A packed product that never runs one row alone: a lone row is doubled and half the result kept.
+
+    oneDNN computes a single row with a matrix-vector kernel whose reduction order differs from the
+    matrix kernel it runs from two rows on, which keeps every row's bits at any count of two or more
+    (the default target's 1536-input product: row-invariant this way, and over twice as fast as
+    splitting its reduction)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # [N, in]
+        if rows.shape[0] != 1:
+            return super().forward(x)
+        pair = rows.expand(2, -1).contiguous()  # [2, in]
+        out = torch.ops.mkldnn._linear_pointwise(pair, self.packed_weight, self.bias, "none", [], "")[:1]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
 class SplitPackedLinear(nn.Module):
     """A packed product whose reduction over the inputs runs in fixed chunks of at most
     ``SPLIT_INPUTS``, added in order: each chunk is a shape oneDNN blocks the same way at every row
@@ -120,7 +138,7 @@ class SplitPackedLinear(nn.Module):
 def invariant_product(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
     """The fastest row-invariant packed kernel for ``weight [out, in]`` (see the module docstring), or
     None when only a plain layer qualifies or none does (then the plain layer stays)."""
-    for kind in (PackedLinear, SplitPackedLinear):
+    for kind in (PackedLinear, PairedPackedLinear, SplitPackedLinear):
         if kind is SplitPackedLinear and weight.shape[1] <= SPLIT_INPUTS:
             continue
         if kernel_invariant(kind, tuple(weight.shape), bias is not None, weight.dtype):
