@@ -183,7 +183,8 @@ def run_bench(args: argparse.Namespace) -> None:
     k = args.k
     prompts = load_prompts(args.prompts, args.n)
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.target_model, args.cache_dir, dtype=args.dtype or "auto")  # the stack's dtype
+    # transformers generate on the target service's dtype and kernels: its answers are the exact reference.
+    loaded = load_model(args.target_model, args.cache_dir, dtype=args.dtype or "auto", pack=True)
     kinds = [kind for kind in args.draft_kind.split(",") if kind]
     if set(kinds) - set(DRAFT_KINDS) or not kinds:
         raise SystemExit(f"--draft-kind takes a comma-separated list of {DRAFT_KINDS}")

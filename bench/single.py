@@ -345,6 +345,11 @@ def summarize(results: dict[str, ModeResult], greedy: bool) -> dict:
         if greedy and base is not None and mode != "hf-target":
             same = sum(1 for pid, out in r.outputs.items() if base.outputs.get(pid) == out)
             entry["exact"] = f"{same}/{len(r.outputs)}"
+        k0 = results.get("specdec-k0")
+        if greedy and k0 is not None and mode.startswith("specdec") and mode != "specdec-k0":
+            # The stack's own target-only answers: speculation must change none of them.
+            same = sum(1 for pid, out in r.outputs.items() if k0.outputs.get(pid) == out)
+            entry["exact_vs_k0"] = f"{same}/{len(r.outputs)}"
         report[mode] = entry
     return report
 
