@@ -118,7 +118,8 @@ def _products(
     scores = torch.bmm(q.reshape(groups, per_group * rows, dim), k.transpose(1, 2)).float() * scale  # [G, P n, Tp]
     scores = scores.view(groups, per_group, rows, -1)
     if visible is not None:
-        scores = scores.masked_fill(~visible, float("-inf"))
+        # [n, Tp] for every group alike, or [G, n, Tp] per group (sessions stacked: ``attend_sessions``)
+        scores = scores.masked_fill(~(visible if visible.dim() == 2 else visible[:, None]), float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(groups, per_group * rows, -1)  # [G, P n, Tp]
     # One product per key block, added in key order in float32: a product's reduction never spans a
     # block, so more keys (masked, weight 0) only append exact zeros to the sum.
@@ -210,6 +211,39 @@ def invariant_attention(
         q = query[b].reshape(groups, heads // groups, rows, dim)  # head h reads key group h // (Hq / Hkv)
         outs.append(products(q, key[b], value[b], seen, scale, batched).reshape(heads, rows, dim))
     return torch.stack(outs)
+
+
+def attend_sessions(
+    queries: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    masks: list[torch.Tensor | None],
+    scale: float,
+) -> list[torch.Tensor]:
+    """``invariant_attention`` of several sessions' chain rows (no mask with gaps) in one call: queries
+    ``[1, Hq, n_i, hd]`` over their own keys and values ``[1, Hkv, T_i, hd]``, each session's rows and
+    keys padded to the longest (padded rows see one key, padded keys none). A row's bits are those it
+    gets alone: the products are row-invariant, and extra keys are whole masked blocks."""
+    dtype, device = queries[0].dtype, queries[0].device
+    if len(queries) == 1 or not batched_products_invariant(dtype, str(device)):
+        return [invariant_attention(q, k, v, m, scale) for q, k, v, m in zip(queries, keys, values, masks)]
+    heads, dim = queries[0].shape[1], queries[0].shape[3]
+    groups = keys[0].shape[1]
+    rows = max(q.shape[2] for q in queries)
+    padded = round_up(max(k.shape[2] for k in keys))
+    seen = []
+    for q, k, mask in zip(queries, keys, masks):
+        visible = _visible(mask, q.shape[2], k.shape[2], padded, device)  # [n_i, Tp]
+        filler = torch.zeros(rows - q.shape[2], padded, dtype=torch.bool, device=device)
+        filler[:, 0] = True  # a padded row sees one key, so its (unused) softmax stays finite
+        seen.append(torch.cat([visible, filler]))
+    visible = torch.stack(seen)[:, None].expand(-1, groups, -1, -1).reshape(-1, rows, padded)  # [S G, n, Tp]
+    q = torch.cat([F.pad(q, (0, 0, 0, rows - q.shape[2])) for q in queries])  # [S, Hq, n, hd]
+    k = torch.cat([padded_keys(k, padded) for k in keys]).reshape(-1, padded, dim)  # [S G, Tp, hd]
+    v = torch.cat([padded_keys(v, padded) for v in values]).reshape(-1, padded, dim)
+    out = _products(q.reshape(-1, heads // groups, rows, dim), k, v, visible, scale, True)  # [S G, P, n, hd]
+    out = out.view(len(queries), heads, rows, dim)
+    return [out[i : i + 1, :, : q.shape[2]] for i, q in enumerate(queries)]
 
 
 def _hf_attention(

@@ -52,7 +52,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from specdec.invariance import has_gaps, invariant_attention
+from specdec.invariance import attend_sessions, has_gaps, invariant_attention
 from specdec.side_layers import with_sides
 from specdec.tree_verify import tree_mask
 from specdec.trees import depths
@@ -246,15 +246,30 @@ def ragged_decoder_layer(
     q, k, v = (t.transpose(0, 1)[None] for t in project_qkv(attn, h))  # [1, H, N, hd] each
     q, k = rotary_of(attn)(q, k, *rope)
     masks = layout.masks_for(window)
-    outs = []
-    for i, cache in enumerate(caches):
-        lo, hi = layout.bounds[i], layout.bounds[i + 1]
-        keys, values = cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx)  # [1, Hkv, T_i, hd]
-        out = invariant_attention(
-            q[:, :, lo:hi], keys, values, masks[i], attn.scaling, layout.gaps[i]
-        )  # [1, Hq, n_i, hd]
-        outs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))  # [n_i, Hq * hd]
-    x = x + attn.o_proj(torch.cat(outs))
+    bounds = list(itertools.pairwise(layout.bounds))
+    grown = [cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx) for cache, (lo, hi) in zip(caches, bounds)]
+    outs: list[torch.Tensor | None] = [None] * len(caches)
+    # Chains attend together in one call; a tree's rows gather their ancestors' keys, one session at a time.
+    chains = [i for i in range(len(caches)) if not layout.gaps[i]]
+    together = (
+        attend_sessions(
+            [q[:, :, lo:hi] for lo, hi in (bounds[i] for i in chains)],
+            [grown[i][0] for i in chains],
+            [grown[i][1] for i in chains],
+            [masks[i] for i in chains],
+            attn.scaling,
+        )
+        if chains
+        else []
+    )
+    for i, out in zip(chains, together):
+        outs[i] = out
+    for i in range(len(caches)):
+        if outs[i] is None:
+            lo, hi = bounds[i]
+            outs[i] = invariant_attention(q[:, :, lo:hi], *grown[i], masks[i], attn.scaling, True)
+    rows = [out[0].transpose(0, 1).reshape(hi - lo, -1) for out, (lo, hi) in zip(outs, bounds)]  # [n_i, Hq hd]
+    x = x + attn.o_proj(torch.cat(rows))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
