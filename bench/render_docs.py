@@ -146,7 +146,8 @@ BENCH_METHOD = """\
 One request at a time over the shipped prompt set (`bench/prompts.jsonl`: 60 prompts of our own, code,
 multi-turn chat, summarisation, QA, maths and translation; the first N are used). Modes:
 
-- `hf-target`: transformers `generate` on the target alone, in process: the reference.
+- `hf-target`: transformers `generate` on the target alone, in process, in the target service's dtype and
+  on its kernels: the reference.
 - `hf-assisted`: transformers' own speculation (prompt lookup, or an assistant model for a token draft).
 - `specdec-k0`: the whole stack (SDK, coordinator, target, Redis) with speculation off.
 - `specdec` (or `specdec:<kind>` with several draft kinds): the stack with its draft, each round a
