@@ -96,10 +96,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the target's pass cost by sessions and draft length, in process, "
         "and the most speculation could gain from it",
     )
-    add_cache_dir(p)
-    p.add_argument(
-        "--target-model", default=env("TARGET_MODEL", "default"), help="target model (env SPECDEC_TARGET_MODEL)"
-    )
+    add_target(p)
     p.add_argument("--prompts", type=Path, default=PROMPTS, help="JSONL prompt file")
     p.add_argument("--levels", type=levels_arg, default=[1, 2, 4, 8, 16], help="sessions per pass, e.g. 1,2,4")
     p.add_argument("--k-max", type=int, default=4)
@@ -116,10 +113,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the target's pass cost by rows in float32 and bfloat16, side by side in process, "
         "and whether each pass kept a row's bits",
     )
-    add_cache_dir(p)
-    p.add_argument(
-        "--target-model", default=env("TARGET_MODEL", "default"), help="target model (env SPECDEC_TARGET_MODEL)"
-    )
+    add_target(p)
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to compare")
     p.add_argument("--context", type=int, default=200, help="tokens in the session's cache")
     p.add_argument("--repeats", type=int, default=9, help="timed sweeps (median)")
@@ -140,6 +134,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads")
     p.add_argument("--out", type=Path, default=Path("reports/tree-ceiling.json"))
     p.set_defaults(run=run_tree_ceiling)
+
+
+def add_target(p: argparse.ArgumentParser) -> None:
+    """``--cache-dir`` and ``--target-model`` of the in-process measurements."""
+    add_cache_dir(p)
+    p.add_argument(
+        "--target-model", default=env("TARGET_MODEL", "default"), help="target model (env SPECDEC_TARGET_MODEL)"
+    )
 
 
 def _write(report: dict, out: Path) -> None:

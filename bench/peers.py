@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.single import PROMPTS, BenchPrompt, load_prompts
+from specdec.stack import terminate
 
 # Debian's ``libtcmalloc-minimal4``; vLLM's CPU docs preload it (with Intel OpenMP) for speed.
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -372,13 +373,7 @@ def stop(server: Server, timeout_s: float = 30.0) -> None:
     """SIGTERM to the server (both shut their children down on it), then SIGTERM and at last SIGKILL
     to whatever of its process tree is still alive, so the next server runs on an idle machine."""
     tree = descendants(server.popen.pid)
-    if server.popen.poll() is None:
-        server.popen.send_signal(signal.SIGTERM)
-        try:
-            server.popen.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            server.popen.kill()
-            server.popen.wait()
+    terminate(server.popen, timeout_s)
     left = [pid for pid in tree if _alive(pid)]
     _signal_all(left, signal.SIGTERM)
     deadline = time.monotonic() + 10.0

@@ -88,14 +88,19 @@ class Process:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM, then SIGKILL if it lingers."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        terminate(self.popen, timeout_s)
         self._log.close()
+
+
+def terminate(popen: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM to a child process, then SIGKILL if it has not exited within ``timeout_s``."""
+    if popen.poll() is None:
+        popen.send_signal(signal.SIGTERM)
+        try:
+            popen.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait()
 
 
 def wait_for_line(proc: Process, prefix: str, timeout_s: float) -> str:
