@@ -109,68 +109,60 @@ def _products(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor | None, scale: float, batched: bool
 ) -> torch.Tensor:
     """Attention of grouped queries ``q [G, P, n, hd]`` over keys and values ``[G, Tp, hd]`` (G: key
-    groups, P: query heads per group); ``visible [n, Tp]`` or None (every key). Returns ``[G, P, n, hd]``."""
+    groups, P: query heads per group); ``visible`` ``[n, Tp]``, ``[G, n, Tp]`` or None (every key).
+    Returns ``[G, P, n, hd]``.
+
+    Every product is one query row's: its P heads against its group's keys, a batch entry of its own
+    (the keys repeated per row), so its shape never depends on how many rows share the call. Batching
+    the rows into one matrix instead (M = P n) changed a row's bf16 result now and then.
+    """
     groups, per_group, rows, dim = q.shape
     if not batched:
-        outs = [_products(q[:, :, r : r + 1], k, v, None if visible is None else visible[r : r + 1], scale, True)
+        outs = [_products(q[:, :, r : r + 1], k, v, None if visible is None else _row(visible, r), scale, True)
                 for r in range(rows)]  # fmt: skip
         return torch.cat(outs, dim=2)
-    scores = torch.bmm(q.reshape(groups, per_group * rows, dim), k.transpose(1, 2)).float() * scale  # [G, P n, Tp]
-    scores = scores.view(groups, per_group, rows, -1)
+    keys = k.shape[1]
+    q_rows = q.transpose(1, 2).reshape(groups * rows, per_group, dim)  # [G n, P, hd]
+    k_rows = k[:, None].expand(groups, rows, keys, dim).reshape(groups * rows, keys, dim)  # [G n, Tp, hd]
+    v_rows = v[:, None].expand(groups, rows, keys, dim).reshape(groups * rows, keys, dim)
+    scores = torch.bmm(q_rows, k_rows.transpose(1, 2)).float() * scale  # [G n, P, Tp]
+    scores = scores.view(groups, rows, per_group, keys)
     if visible is not None:
-        # [n, Tp] for every group alike, or [G, n, Tp] per group (sessions stacked: ``attend_sessions``)
-        scores = scores.masked_fill(~(visible if visible.dim() == 2 else visible[:, None]), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(groups, per_group * rows, -1)  # [G, P n, Tp]
+        seen = visible[None] if visible.dim() == 2 else visible  # [1 or G, n, Tp]
+        scores = scores.masked_fill(~seen[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(groups * rows, per_group, keys)  # [G n, P, Tp]
     # One product per key block, added in key order in float32: a product's reduction never spans a
     # block, so more keys (masked, weight 0) only append exact zeros to the sum.
-    out = torch.bmm(probs[:, :, :KEY_BLOCK], v[:, :KEY_BLOCK]).float()  # [G, P n, hd]
-    for lo in range(KEY_BLOCK, probs.shape[-1], KEY_BLOCK):
-        out += torch.bmm(probs[:, :, lo : lo + KEY_BLOCK], v[:, lo : lo + KEY_BLOCK])
-    return out.to(v.dtype).view(groups, per_group, rows, dim)
+    out = torch.bmm(probs[:, :, :KEY_BLOCK], v_rows[:, :KEY_BLOCK]).float()  # [G n, P, hd]
+    for lo in range(KEY_BLOCK, keys, KEY_BLOCK):
+        out += torch.bmm(probs[:, :, lo : lo + KEY_BLOCK], v_rows[:, lo : lo + KEY_BLOCK])
+    return out.to(v.dtype).view(groups, rows, per_group, dim).transpose(1, 2)
+
+
+def _row(visible: torch.Tensor, r: int) -> torch.Tensor:
+    """Row ``r`` of ``visible`` (``[n, Tp]`` or ``[G, n, Tp]``), keeping its dimensions."""
+    return visible[r : r + 1] if visible.dim() == 2 else visible[:, r : r + 1]
 
 
 def _gathered_products(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float, batched: bool
 ) -> torch.Tensor:
     """``_products`` for rows whose visible keys have gaps (a token tree's nodes see their ancestors,
-    not their cousins), computed as if each row's visible keys lay side by side in position order, as
-    they do when the same position is verified alone or in a chain.
+    not their cousins), each row computed as if it were verified alone: its visible keys gathered, in
+    order, into a key axis of its own, on which it runs exactly the one-row ``_products``.
 
-    The key blocks every row sees whole are shared; from the first block with a hidden key on, each
-    row's visible keys are gathered, in order, into a tail of whole blocks of its own. A position's
-    scores then sit at the same index, and its value products run over the same blocks, as in
-    ``_products`` (whose products are row-invariant, see ``batched_products_invariant``).
+    A shared prefix with a per-row tail would copy less, but splits each row's products differently
+    from a chain's, and a reordered float32 sum then shows in a bf16 result now and then. Trees are a
+    few dozen rows at most, so each row pays one copy of its keys instead.
     """
-    groups, per_group, rows, dim = q.shape
-    seen_by_all = visible.all(dim=0)  # [Tp]
-    hidden = (~seen_by_all).nonzero()
-    base = (int(hidden[0]) // KEY_BLOCK) * KEY_BLOCK if len(hidden) else visible.shape[-1]
-    tail = visible[:, base:]  # [n, Tp - base]
-    counts = tail.sum(dim=-1)  # [n]
-    width = round_up(max(int(counts.max()), 1))
-    order = torch.sort((~tail).to(torch.uint8), dim=-1, stable=True).indices[:, :width] + base  # [n, W]
-    tail_seen = torch.arange(width, device=visible.device)[None, :] < counts[:, None]  # [n, W]
-    k_tail, v_tail = k[:, order], v[:, order]  # [G, n, W, hd]
-    if not batched:
-        outs = [_gathered_products(q[:, :, r : r + 1], k, v, visible[r : r + 1], scale, True) for r in range(rows)]
-        return torch.cat(outs, dim=2)
-    q_rows = q.transpose(1, 2)  # [G, n, P, hd]: each row against its own gathered keys
-    shared = torch.bmm(q.reshape(groups, per_group * rows, dim), k[:, :base].transpose(1, 2)).float()
-    own = torch.matmul(q_rows, k_tail.transpose(2, 3)).float().transpose(1, 2)  # [G, P, n, W]
-    scores = torch.cat([shared.view(groups, per_group, rows, base), own], dim=-1) * scale  # [G, P, n, base + W]
-    seen = torch.cat([tail_seen.new_ones(rows, base), tail_seen], dim=-1)  # [n, base + W]
-    scores = scores.masked_fill(~seen, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)  # [G, P, n, base + W]
-    out = torch.zeros(groups, per_group * rows, dim, dtype=torch.float32, device=q.device)
-    flat = probs.view(groups, per_group * rows, -1)
-    for lo in range(0, base, KEY_BLOCK):
-        out += torch.bmm(flat[:, :, lo : lo + KEY_BLOCK], v[:, lo : lo + KEY_BLOCK])
-    out = out.view(groups, per_group, rows, dim)
-    own_probs = probs[..., base:].transpose(1, 2)  # [G, n, P, W]
-    for lo in range(0, width, KEY_BLOCK):
-        part = torch.matmul(own_probs[..., lo : lo + KEY_BLOCK], v_tail[:, :, lo : lo + KEY_BLOCK])  # [G, n, P, hd]
-        out += part.transpose(1, 2)
-    return out.to(v.dtype)
+    outs = []
+    for r in range(q.shape[2]):
+        slots = visible[r].nonzero().squeeze(-1)  # [C], ascending: the row's keys in position order
+        padded = round_up(max(len(slots), 1))
+        order = F.pad(slots, (0, padded - len(slots)))  # [Tp]; the padding repeats slot 0, masked below
+        seen = torch.arange(padded, device=visible.device)[None, :] < len(slots)  # [1, Tp]
+        outs.append(_products(q[:, :, r : r + 1], k[:, order], v[:, order], seen, scale, True))
+    return torch.cat(outs, dim=2)
 
 
 def has_gaps(mask: torch.Tensor | None) -> bool:
@@ -178,7 +170,9 @@ def has_gaps(mask: torch.Tensor | None) -> bool:
     them: a token tree's, not a chain's or a sliding window's."""
     if mask is None or mask.dtype != torch.bool or mask.device.type == "meta":
         return False
-    return bool(((mask[..., 1:] & ~mask[..., :-1]).sum(dim=-1) > 1).any())
+    # Runs of visible keys a row has: one that starts at key 0, plus one per hidden-to-visible step.
+    runs = mask[..., 0].long() + (mask[..., 1:] & ~mask[..., :-1]).sum(dim=-1)
+    return bool((runs > 1).any())
 
 
 def invariant_attention(

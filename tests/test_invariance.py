@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import specdec.ragged
-from specdec.invariance import KEY_BLOCK, batched_products_invariant, invariant_attention, row_invariant
+from specdec.invariance import KEY_BLOCK, batched_products_invariant, has_gaps, invariant_attention, row_invariant
 from specdec.kvcache import GrowableCache
 from specdec.models import load_model
 from specdec.packed_linear import SplitPackedLinear, pack_linears
@@ -170,3 +170,28 @@ def test_a_left_padded_batch_through_transformers_stays_finite_and_close_to_each
         alone = [model(input_ids=torch.tensor([p])).logits[0, -1] for p in (short, full)]
     assert torch.isfinite(batched).all()
     torch.testing.assert_close(batched, torch.stack(alone), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("past", [20, KEY_BLOCK + 17])
+def test_a_tree_node_scores_as_the_same_path_does_as_a_chain(tiny_dir, dtype, past):
+    """The root, then two children of it, the first with a child: that grandchild sees the root and its
+    parent but not its parent's sibling, one hidden key between visible ones. Its logits and hidden
+    state must be those of the same path fed as a chain (the case that once slipped past the check
+    for gaps)."""
+    model = load_model(str(tiny_dir / "target"), tiny_dir, dtype=dtype, pack=True).model
+    vocab = model.config.vocab_size
+    cache = _cache(model, [(3 + 5 * i) % vocab for i in range(past)])
+    tree_logits, tree_hidden = ragged_forward(model, [RaggedItem(cache, [TOKEN, 3, 4, 5], 4, parents=(-1, -1, 0))])
+    cache.crop(-4)
+    chain_logits, chain_hidden = ragged_forward(model, [RaggedItem(cache, [TOKEN, 3, 5], 3)])
+    assert torch.equal(tree_logits[0][3], chain_logits[0][2]) and torch.equal(tree_hidden[0][3], chain_hidden[0][2])
+    assert torch.equal(tree_logits[0][1], chain_logits[0][1])
+
+
+def test_has_gaps_tells_a_tree_row_from_a_chain_or_a_window():
+    rows = torch.tensor
+    assert has_gaps(rows([[True, True, True, False, True]]))  # sees all but its parent's sibling
+    assert not has_gaps(rows([[True, True, True, False, False], [True, True, True, True, False]]))  # causal
+    assert not has_gaps(rows([[False, True, True, True, False]]))  # a sliding window
+    assert not has_gaps(None)
