@@ -12,10 +12,14 @@ kernels, so it is designed in here and checked, not hoped for:
   key count crosses a block) keeps row 0's bits when more query rows or more (masked) keys join.
   This attention pads the key axis to a multiple of ``KEY_BLOCK``, masks the padding, takes the
   softmax in float32, and sums the value product block by block in key order, so a longer key axis
-  only appends exact zeros. Its products run batched over the query rows where a probe found that
-  row-invariant for the dtype (``batched_products_invariant``), else one query row at a time.
+  only appends exact zeros. Every product is one query row's heads against its keys (rows become
+  batch entries, never rows of one matrix), so its shape is the same at any number of rows; a probe
+  still checks the batched call per dtype (``batched_products_invariant``) and falls back to one call
+  per row. A token tree's row attends to its own keys gathered in position order, as the same
+  position does in a chain.
 - **Linear layers** (``row_invariant``). ``specdec.packed_linear.pack_linears`` probes each kernel it
-  might use for a weight (oneDNN-packed, packed with the reduction split into fixed chunks, plain)
+  might use for a weight (oneDNN-packed, packed fed two rows at least, packed with the reduction
+  split into fixed chunks, plain)
   and keeps the first whose row 0 is bit-identical at every probed row count.
 
 Norms, rotary embeddings and activations work row by row and are invariant as they are.
@@ -85,7 +89,7 @@ def _visible(mask: torch.Tensor | None, rows: int, keys: int, padded: int, devic
 
 @functools.cache
 def batched_products_invariant(dtype: torch.dtype, device: str = "cpu") -> bool:
-    """Whether batched attention products over many query rows give row 0 the bits it gets alone,
+    """Whether attention products over many query rows at once give each row the bits it gets alone,
     probed once per dtype and device on the default target's head shape (3 groups of 3 query heads,
     64 wide) at several query and key counts."""
     if device == "meta":
@@ -236,7 +240,7 @@ def attend_sessions(
     k = torch.cat([padded_keys(k, padded) for k in keys]).reshape(-1, padded, dim)  # [S G, Tp, hd]
     v = torch.cat([padded_keys(v, padded) for v in values]).reshape(-1, padded, dim)
     out = _products(q.reshape(-1, heads // groups, rows, dim), k, v, visible, scale, True)  # [S G, P, n, hd]
-    out = out.view(len(queries), heads, rows, dim)
+    out = out.reshape(len(queries), heads, rows, dim)
     return [out[i : i + 1, :, : q.shape[2]] for i, q in enumerate(queries)]
 
 
