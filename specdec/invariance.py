@@ -12,11 +12,10 @@ kernels, so it is designed in here and checked, not hoped for:
   key count crosses a block) keeps row 0's bits when more query rows or more (masked) keys join.
   This attention pads the key axis to a multiple of ``KEY_BLOCK``, masks the padding, takes the
   softmax in float32, and sums the value product block by block in key order, so a longer key axis
-  only appends exact zeros. Every product is one query row's heads against its keys (rows become
-  batch entries, never rows of one matrix), so its shape is the same at any number of rows; a probe
-  still checks the batched call per dtype (``batched_products_invariant``) and falls back to one call
-  per row. A token tree's row attends to its own keys gathered in position order, as the same
-  position does in a chain.
+  only appends exact zeros. Its products run batched over the query rows where a probe found that
+  row-invariant for the dtype (``batched_products_invariant``), else one query row at a time. A
+  token tree's row attends to its own keys gathered in position order, as the same position does in
+  a chain.
 - **Linear layers** (``row_invariant``). ``specdec.packed_linear.pack_linears`` probes each kernel it
   might use for a weight (oneDNN-packed, packed fed two rows at least, packed with the reduction
   split into fixed chunks, plain)
@@ -114,33 +113,25 @@ def _products(
 ) -> torch.Tensor:
     """Attention of grouped queries ``q [G, P, n, hd]`` over keys and values ``[G, Tp, hd]`` (G: key
     groups, P: query heads per group); ``visible`` ``[n, Tp]``, ``[G, n, Tp]`` or None (every key).
-    Returns ``[G, P, n, hd]``.
-
-    Every product is one query row's: its P heads against its group's keys, a batch entry of its own
-    (the keys repeated per row), so its shape never depends on how many rows share the call. Batching
-    the rows into one matrix instead (M = P n) changed a row's bf16 result now and then.
-    """
+    Returns ``[G, P, n, hd]``. ``batched``: the rows share one product (row-invariant where
+    ``batched_products_invariant`` says so), else one product per row."""
     groups, per_group, rows, dim = q.shape
     if not batched:
         outs = [_products(q[:, :, r : r + 1], k, v, None if visible is None else _row(visible, r), scale, True)
                 for r in range(rows)]  # fmt: skip
         return torch.cat(outs, dim=2)
-    keys = k.shape[1]
-    q_rows = q.transpose(1, 2).reshape(groups * rows, per_group, dim)  # [G n, P, hd]
-    k_rows = k[:, None].expand(groups, rows, keys, dim).reshape(groups * rows, keys, dim)  # [G n, Tp, hd]
-    v_rows = v[:, None].expand(groups, rows, keys, dim).reshape(groups * rows, keys, dim)
-    scores = torch.bmm(q_rows, k_rows.transpose(1, 2)).float() * scale  # [G n, P, Tp]
-    scores = scores.view(groups, rows, per_group, keys)
+    scores = torch.bmm(q.reshape(groups, per_group * rows, dim), k.transpose(1, 2)).float() * scale  # [G, P n, Tp]
+    scores = scores.view(groups, per_group, rows, -1)
     if visible is not None:
-        seen = visible[None] if visible.dim() == 2 else visible  # [1 or G, n, Tp]
-        scores = scores.masked_fill(~seen[:, :, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(groups * rows, per_group, keys)  # [G n, P, Tp]
+        # [n, Tp] for every group alike, or [G, n, Tp] per group (sessions stacked: ``attend_sessions``)
+        scores = scores.masked_fill(~(visible if visible.dim() == 2 else visible[:, None]), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(groups, per_group * rows, -1)  # [G, P n, Tp]
     # One product per key block, added in key order in float32: a product's reduction never spans a
     # block, so more keys (masked, weight 0) only append exact zeros to the sum.
-    out = torch.bmm(probs[:, :, :KEY_BLOCK], v_rows[:, :KEY_BLOCK]).float()  # [G n, P, hd]
-    for lo in range(KEY_BLOCK, keys, KEY_BLOCK):
-        out += torch.bmm(probs[:, :, lo : lo + KEY_BLOCK], v_rows[:, lo : lo + KEY_BLOCK])
-    return out.to(v.dtype).view(groups, rows, per_group, dim).transpose(1, 2)
+    out = torch.bmm(probs[:, :, :KEY_BLOCK], v[:, :KEY_BLOCK]).float()  # [G, P n, hd]
+    for lo in range(KEY_BLOCK, probs.shape[-1], KEY_BLOCK):
+        out += torch.bmm(probs[:, :, lo : lo + KEY_BLOCK], v[:, lo : lo + KEY_BLOCK])
+    return out.to(v.dtype).view(groups, per_group, rows, dim)
 
 
 def _row(visible: torch.Tensor, r: int) -> torch.Tensor:
