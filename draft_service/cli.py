@@ -64,11 +64,15 @@ def serve(args: argparse.Namespace) -> None:
     """Runs the draft service."""
     from draft_service.server import main
 
+    try:
+        draft_model = args.model or default_draft_model(args.kind, args.target_model)
+    except ValueError as exc:
+        raise SystemExit(f"specdec serve-draft: {exc}") from None
     main(
         DraftConfig(
             server=server_config(args),
             kind=args.kind,
-            model=model_config(args, args.model or default_draft_model(args.kind)),
+            model=model_config(args, draft_model),
             target_model=args.target_model,
             ngram_max=args.ngram_max,
             ngram_min=args.ngram_min,

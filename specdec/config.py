@@ -28,9 +28,20 @@ def shipped_draft(name: str) -> Path:
     return Path(str(files("drafts") / name))
 
 
-def default_draft_model(kind: str) -> str:
-    """The draft a kind uses when none is named: the one shipped for the default target."""
-    return str(shipped_draft(SHIPPED_DRAFTS[kind])) if kind in SHIPPED_DRAFTS else "default"
+def default_draft_model(kind: str, target_model: str = "default") -> str:
+    """The draft a kind uses when none is named: the one shipped for the default target, and for
+    n-gram lookup the target itself, whose tokenizer its proposals must speak.
+
+    Raises ValueError for a model or feature draft of another target: only the default has one shipped.
+    """
+    if kind not in SHIPPED_DRAFTS:
+        return target_model
+    if target_model != "default":
+        raise ValueError(
+            f"no {kind} draft ships for target {target_model!r}: name one with --draft-model "
+            "(make one with `specdec distill`), or draft with --draft-kind ngram"
+        )
+    return str(shipped_draft(SHIPPED_DRAFTS[kind]))
 
 
 @dataclass(frozen=True)

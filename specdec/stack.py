@@ -227,7 +227,7 @@ class LocalStack:
                     "--kind",
                     c.draft_kind,
                     "--model",
-                    c.draft_model or default_draft_model(c.draft_kind),
+                    c.draft_model or default_draft_model(c.draft_kind, c.target_model),
                     "--target-model",
                     c.target_model,
                     "--threads",

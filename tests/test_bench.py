@@ -125,3 +125,20 @@ def test_trees_flag_takes_shapes_and_refuses_bad_ones():
     # A fixed tree of N nodes at most D deep is requested as k = D with tree_nodes = N.
     assert stack_variant(tree_mode(15, 6)) == (6, 15)
     assert stack_variant("specdec-chain") == (None, 0) and stack_variant("specdec") is None
+
+
+def test_a_report_by_default_is_a_new_file_never_a_committed_one(tmp_path, monkeypatch):
+    import json
+    from pathlib import Path
+
+    from bench.cli import _write
+    from specdec import cli
+
+    monkeypatch.chdir(tmp_path)
+    for command in ("bench", "pass-curve", "pass-grid", "tree-ceiling"):
+        assert cli._parser().parse_args([command]).out is None, command
+    _write({"modes": {}}, None, "pass-curve")
+    (written,) = tmp_path.iterdir()  # nothing under reports/
+    assert written.name.startswith("specdec-pass-curve-") and json.loads(written.read_text()) == {"modes": {}}
+    _write({"modes": {}}, Path("mine.json"))
+    assert json.loads((tmp_path / "mine.json").read_text()) == {"modes": {}}

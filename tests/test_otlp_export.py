@@ -38,8 +38,7 @@ def test_otlp_export_carries_services_tree_and_round_attributes(tiny_dir, tmp_pa
     model = str(tiny_dir / "target")
     config = StackConfig(
         target_model=model,
-        draft_kind="ngram",
-        draft_model=model,
+        draft_kind="ngram",  # no draft model named: n-gram lookup speaks the target's tokenizer
         cache_dir=tmp_path,
         target_threads=1,
         otlp_endpoint=f"127.0.0.1:{port}",

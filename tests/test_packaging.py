@@ -14,6 +14,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import pytest
 
 from bench.single import PROMPTS
 from specdec import cli
@@ -165,6 +166,14 @@ def test_shipped_drafts_and_prompts_are_found_as_package_data():
         assert (folder / "draft.safetensors").is_file() and (folder / "draft_card.json").is_file()
     assert default_draft_model("ngram") == "default"
     assert PROMPTS.is_file() and PROMPTS.read_text().strip()
+
+
+def test_a_default_draft_speaks_the_target_named():
+    # n-gram lookup proposes in the target's own tokenizer; the shipped drafts fit the default target only.
+    assert default_draft_model("ngram", "/models/other") == "/models/other"
+    for kind in SHIPPED_DRAFTS:
+        with pytest.raises(ValueError, match="--draft-model"):
+            default_draft_model(kind, "/models/other")
 
 
 def test_the_wheel_holds_the_package_data_and_the_commands(tmp_path):
