@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 from specdec.cli import add_server, client_tls, env, extra_installed, k_arg, path_env, server_config
@@ -124,6 +125,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "gRPC port's TLS and API keys; 0 picks a free one (env SPECDEC_HTTP_PORT); unset: none",
     )
     p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name the HTTP API accepts for the served model and lists in /v1/models "
+        "(repeatable, or comma-separated); answers still name the model's own id",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        metavar="ORIGINS",
+        help="browser origins the HTTP API answers CORS for, comma-separated (https://app.example.com; "
+        "* for any); unset: no CORS headers",
+    )
+    p.add_argument(
         "--checkpoint-interval",
         type=float,
         default=0.25,
@@ -158,6 +175,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=serve)
 
 
+def name_list(values: list[str], flag: str) -> tuple[str, ...]:
+    """The names of a repeatable, comma-separated flag, each once, in order; an empty one is an error."""
+    names = [name.strip() for value in values for name in value.split(",")]
+    if any(not name for name in names):
+        raise ValueError(f"{flag}: an empty name in {values!r}")
+    return tuple(dict.fromkeys(names))
+
+
 def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
     """The coordinator's config from its flags; API keys are read (and hashed) here, once."""
     from coordinator.auth import read_api_key_hashes
@@ -173,6 +198,12 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         target_addresses, target_discovery = parse_replicas(args.target, "--target")
         if not args.discovery_interval > 0:
             raise ValueError(f"--discovery-interval: must be positive, not {args.discovery_interval}")
+        served_model_names = name_list(args.served_model_name, "--served-model-name")
+        allowed_origins = name_list(args.allowed_origins, "--allowed-origins")
+        for origin in allowed_origins:
+            # A browser sends scheme://host[:port], nothing more: a path or a trailing / never matches.
+            if origin != "*" and not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^/\s]+", origin):
+                raise ValueError(f"--allowed-origins: {origin!r} is not an origin like https://app.example.com, or *")
     except ValueError as exc:
         raise SystemExit(f"specdec: {exc}") from None
     return CoordinatorConfig(
@@ -201,6 +232,8 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         tree_nodes=args.tree_nodes,
         checkpoint_interval_s=args.checkpoint_interval,
         http_port=args.http_port,
+        served_model_names=served_model_names,
+        allowed_origins=allowed_origins,
     )
 
 

@@ -5,6 +5,8 @@ parsed (``coordinator.openai_schema``), admitted under the caller's identity, ru
 ``RoundLoop.generate`` and answered as one JSON body or as server-sent events ending in
 ``data: [DONE]``. Failures before the first token get their HTTP status (400, 401, 404, 429 with
 Retry-After, 503) in OpenAI's error shape; a failure later in a stream is sent as an ``error`` event.
+With allowed origins configured, browsers get CORS: preflights are answered without an API key, and
+every response names the allowed origin.
 A client that disconnects cancels its handler, which closes the round loop's generator and so frees
 its admission slot and its session's lease at once.
 
@@ -32,7 +34,7 @@ from opentelemetry import propagate, trace
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor, bearer_token
 from coordinator.identity import Caller, caller_of
-from coordinator.openai_schema import ApiError, ApiRequest, Shaper, parse_request
+from coordinator.openai_schema import ApiError, ApiRequest, Shaper, context_length_exceeded, parse_request
 from coordinator.openai_sessions import Conversations
 from coordinator.rounds import RoundLoop
 from coordinator.server import _BACKEND_RETRY_MS, _status
@@ -60,6 +62,11 @@ _SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",
 }
+# What a CORS preflight is told: the API's methods, and the headers an OpenAI client sends (more
+# when the preflight asks for them; the origin is what is checked). Browsers cache the answer.
+_CORS_METHODS = "GET, POST, OPTIONS"
+_CORS_HEADERS = ("Authorization", "Content-Type")
+_CORS_MAX_AGE_S = 600
 
 
 def model_id(facts: ModelFacts) -> str:
@@ -93,6 +100,14 @@ def _no_deadline() -> None:
     return None
 
 
+def _overflows_context(exc: BaseException | None) -> bool:
+    """Whether the core refused the prompt for not fitting the context. It does so only once the
+    prompt is tokenized, in ``coordinator.turns``, with a ValueError named after the field ("prompt:
+    ... context ..."): that wording is the contract here, and
+    ``test_a_prompt_past_the_context_is_context_length_exceeded`` holds both sides to it."""
+    return isinstance(exc, ValueError) and str(exc).startswith("prompt: ") and "context" in str(exc)
+
+
 def _sse(data: dict | str) -> bytes:
     return b"data: " + (data if isinstance(data, str) else json.dumps(data)).encode() + b"\n\n"
 
@@ -108,9 +123,14 @@ class OpenAiApi:
         tracer: trace.Tracer,
         api_key_hashes: tuple[str, ...] = (),
         session_ttl_s: float = 3600.0,
+        served_model_names: tuple[str, ...] = (),
+        allowed_origins: tuple[str, ...] = (),
     ) -> None:
         self._loop = loop
         self.model_id = model_id(facts)
+        # The served model's own id first, then its aliases: each is accepted and listed.
+        self.model_ids = tuple(dict.fromkeys((self.model_id, *served_model_names)))
+        self._origins = frozenset(allowed_origins)
         self._max_context = facts.max_context
         self._admission = admission
         self._tracer = tracer
@@ -121,7 +141,12 @@ class OpenAiApi:
 
     def app(self, max_body_bytes: int) -> web.Application:
         """The aiohttp application."""
-        app = web.Application(client_max_size=max_body_bytes, middlewares=[self._traced, _errors, self._auth])
+        # CORS comes before auth, so a preflight (which never carries the key) is answered; with no
+        # allowed origins it lets everything through untouched.
+        middlewares = [self._traced, self._cors, _errors, self._auth]
+        app = web.Application(client_max_size=max_body_bytes, middlewares=middlewares)
+        # Streams send their headers from the handler, before a middleware sees the response.
+        app.on_response_prepare.append(self._allow_origin)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/models/{model:.+}", self.model)
@@ -158,6 +183,42 @@ class OpenAiApi:
                 span.set_status(trace.StatusCode.ERROR)
             return response
 
+    def _allowed(self, origin: str | None) -> str | None:
+        """The Access-Control-Allow-Origin value for a request from ``origin``, or None."""
+        if origin is None:
+            return None
+        if "*" in self._origins:
+            return "*"
+        return origin if origin in self._origins else None
+
+    @web.middleware
+    async def _cors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Answers a CORS preflight from an allowed origin with 204, before (and without) the API key."""
+        allowed = self._allowed(request.headers.get("Origin"))
+        if request.method != "OPTIONS" or allowed is None or "Access-Control-Request-Method" not in request.headers:
+            return await handler(request)
+        asked = [h.strip() for h in request.headers.get("Access-Control-Request-Headers", "").split(",") if h.strip()]
+        headers = dict.fromkeys([*_CORS_HEADERS, *asked], None)
+        return web.Response(
+            status=204,
+            headers={
+                "Access-Control-Allow-Methods": _CORS_METHODS,
+                "Access-Control-Allow-Headers": ", ".join(headers),
+                "Access-Control-Max-Age": str(_CORS_MAX_AGE_S),
+            },
+        )
+
+    async def _allow_origin(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Names an allowed origin on every response (streams and errors included), so its page may read it."""
+        allowed = self._allowed(request.headers.get("Origin"))
+        if allowed is None:
+            return
+        response.headers["Access-Control-Allow-Origin"] = allowed
+        # A browser hides every other header from the page unless named; Retry-After paces its retries.
+        response.headers["Access-Control-Expose-Headers"] = "Retry-After"
+        if allowed != "*":
+            response.headers.add("Vary", "Origin")
+
     @web.middleware
     async def _auth(self, request: web.Request, handler) -> web.StreamResponse:
         """The API's endpoints take ``Authorization: Bearer <key>`` when keys are configured; health is open."""
@@ -181,20 +242,20 @@ class OpenAiApi:
             return web.json_response({"status": "draining"}, status=503)
         return web.json_response({"status": "ok"})
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "specdec"}
+    @staticmethod
+    def _model_card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": 0, "owned_by": "specdec"}
 
     async def models(self, request: web.Request) -> web.Response:
-        """The one model this coordinator serves."""
-        return web.json_response({"object": "list", "data": [self._model_card()]})
+        """The model this coordinator serves, once under each name it answers to (its own id first)."""
+        return web.json_response({"object": "list", "data": [self._model_card(name) for name in self.model_ids]})
 
     async def model(self, request: web.Request) -> web.Response:
-        """One model by id, or 404."""
-        if request.match_info["model"] != self.model_id:
-            raise ApiError(
-                404, f"The model '{request.match_info['model']}' does not exist", param="model", code="model_not_found"
-            )
-        return web.json_response(self._model_card())
+        """One model by id or alias, or 404."""
+        name = request.match_info["model"]
+        if name not in self.model_ids:
+            raise ApiError(404, f"The model '{name}' does not exist", param="model", code="model_not_found")
+        return web.json_response(self._model_card(name))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """POST /v1/completions: plain text, no chat template."""
@@ -211,12 +272,21 @@ class OpenAiApi:
             body = json.loads(await request.read())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-        api = parse_request(body, chat, self.model_id, self._max_context)
+        api = parse_request(body, chat, self.model_ids, self._max_context)
         caller = _caller(request)
         core = replace(api.core, client=caller.client, owner=caller.owner)
         shaper = Shaper(api)
         async with aclosing(self._chunks(core, caller)) as chunks:
-            first = await _next(chunks)
+            try:
+                first = await _next(chunks)
+            except ApiError as error:
+                # The core measures the prompt only once it is tokenized: this is where it overflows.
+                if _overflows_context(error.__cause__):
+                    param = "messages" if chat else "prompt"
+                    detail = str(error.__cause__).removeprefix("prompt: ")
+                    subject = "your messages do" if chat else "your prompt does"
+                    raise context_length_exceeded(self._max_context, param, f"{subject} not fit ({detail})") from None
+                raise
             if api.stream:
                 return await self._stream(request, api, shaper, core, caller, first, chunks)
             text, ids, last = [first.text], list(first.token_ids), first
@@ -242,6 +312,8 @@ class OpenAiApi:
         stats, the usage chunk when asked for, then ``[DONE]``."""
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
+        if api.chat:
+            await response.write(_sse(shaper.role_chunk()))
         chunk, text = first, []
         try:
             while True:
@@ -376,7 +448,16 @@ async def start_http(
     when the gRPC port has it, with the same admission and API keys."""
     if config.http_port is None:
         raise ValueError("start_http needs config.http_port")
-    api = OpenAiApi(loop, facts, admission, tracer, config.api_key_hashes, config.session_ttl_s)
+    api = OpenAiApi(
+        loop,
+        facts,
+        admission,
+        tracer,
+        config.api_key_hashes,
+        config.session_ttl_s,
+        config.served_model_names,
+        config.allowed_origins,
+    )
     # handler_cancellation: a client that disconnects cancels its handler, which frees its slot at once.
     runner = web.AppRunner(
         api.app(config.server.max_message_bytes),

@@ -5,6 +5,10 @@ Pure functions over JSON values, with no HTTP in them: ``coordinator.openai_api`
 request that no exact generation can serve is refused with an ``ApiError`` naming the parameter,
 never silently approximated: an unsupported parameter set to anything but its neutral value (for
 example ``logprobs``, ``presence_penalty``, ``n`` above 1) is a 400.
+
+Where OpenAI's conventions and exactness do not clash, the parsing is as lenient as OpenAI's own
+clients expect: ``model`` may be omitted or name an alias, ``seed`` is any int64 (-1: none), and a
+prompt past the context is a 400 with ``code: "context_length_exceeded"``.
 """
 
 from __future__ import annotations
@@ -68,6 +72,17 @@ def invalid(param: str | None, message: str, code: str | None = None) -> ApiErro
     return ApiError(400, f"{param}: {message}" if param else message, param=param, code=code)
 
 
+def context_length_exceeded(max_context: int, param: str, detail: str) -> ApiError:
+    """The 400 OpenAI answers for a request past the model's context. litellm and LangChain know a
+    context overflow by its code, and litellm also by the message's opening words, so both are OpenAI's."""
+    return ApiError(
+        400,
+        f"This model's maximum context length is {max_context} tokens. However, {detail}.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
 @dataclass(frozen=True)
 class ApiRequest:
     """A parsed request: the core request (without its client), and how to answer it."""
@@ -81,24 +96,30 @@ class ApiRequest:
     return_token_ids: bool = False
 
 
-def parse_request(body: Any, chat: bool, model_id: str, max_context: int) -> ApiRequest:
+def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context: int) -> ApiRequest:
     """Checks a /v1/completions (``chat`` False) or /v1/chat/completions body and builds the request.
+
+    ``model_ids`` are the names the served model answers to, its own id first; the response names
+    that first one whichever the request used (or when it named none).
 
     Raises ApiError: 400 for wrong types and values, 404 (``model_not_found``) for another model.
     """
     if not isinstance(body, dict):
         raise invalid(None, "the request body must be a JSON object")
-    model = _typed(body, "model", str, required=True)
-    if model != model_id:
+    model = _typed(body, "model", str)
+    if model is not None and model not in model_ids:
         raise ApiError(
             404,
-            f"The model '{model}' does not exist; this server serves '{model_id}' (GET /v1/models)",
+            f"The model '{model}' does not exist; this server serves '{model_ids[0]}' (GET /v1/models)",
             param="model",
             code="model_not_found",
         )
     for name, neutral in _NEUTRAL.items():
         if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):
             raise invalid(name, "not supported by this server", "unsupported_parameter")
+    if body.get("tool_choice") is not None and not body.get("tools"):
+        # OpenAI refuses it too; accepting it would promise a tool call that can never come.
+        raise invalid("tool_choice", "only allowed when tools are given")
     n = _typed(body, "n", int)
     if n is not None and n != 1:
         raise invalid("n", f"only n = 1 is supported, not {n}", "unsupported_parameter")
@@ -117,9 +138,7 @@ def parse_request(body: Any, chat: bool, model_id: str, max_context: int) -> Api
     if max_tokens < 1:
         raise invalid(param, "must be at least 1")
     if max_tokens > max_context:
-        raise invalid(
-            param, f"{max_tokens} exceeds the model's context of {max_context} tokens", "context_length_exceeded"
-        )
+        raise context_length_exceeded(max_context, param, f"{param} asks for {max_tokens} tokens")
     temperature = _number(body, "temperature", 1.0)
     if not 0 <= temperature <= 2:
         raise invalid("temperature", "must lie in [0, 2]")
@@ -128,9 +147,7 @@ def parse_request(body: Any, chat: bool, model_id: str, max_context: int) -> Api
     if options is not None and not stream:
         raise invalid("stream_options", "only allowed with stream: true")
     include_usage = bool(_typed(options or {}, "include_usage", bool, "stream_options."))
-    seed = _typed(body, "seed", int)
-    if seed is not None and not 0 <= seed < 2**64:
-        raise invalid("seed", "must lie in [0, 2**64)")
+    seed = _seed(_typed(body, "seed", int))
     # top_k is not OpenAI's, but vLLM and llama.cpp take it; 0 keeps every token.
     top_k, top_p = _typed(body, "top_k", int) or 0, _number(body, "top_p", 1.0)
     try:
@@ -149,7 +166,18 @@ def parse_request(body: Any, chat: bool, model_id: str, max_context: int) -> Api
         stop=_stop(body.get("stop")),
         fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32],
     )
-    return ApiRequest(core, chat, stream, include_usage, model, bool(_typed(body, "return_token_ids", bool)))
+    return ApiRequest(core, chat, stream, include_usage, model_ids[0], bool(_typed(body, "return_token_ids", bool)))
+
+
+def _seed(seed: int | None) -> int | None:
+    """OpenAI's int64 ``seed`` as the core's unsigned 64-bit one. -1 is what llama.cpp and many
+    clients send for "random", so it asks for no seed; any other negative keeps its two's-complement
+    bits (as a C client would send it over gRPC), so each int64 names one seed and [0, 2**63) is unchanged."""
+    if seed is None or seed == -1:
+        return None
+    if not -(2**63) <= seed < 2**63:
+        raise invalid("seed", "must be a 64-bit signed integer, in [-2**63, 2**63)")
+    return seed % 2**64
 
 
 def parse_messages(value: Any) -> list[dict[str, str]]:
@@ -203,12 +231,10 @@ def _stop(value: Any) -> tuple[str, ...]:
 _TYPE_NAMES = {str: "a string", int: "an integer", bool: "a boolean", dict: "an object"}
 
 
-def _typed(body: dict, name: str, kind: type, prefix: str = "", required: bool = False) -> Any:
+def _typed(body: dict, name: str, kind: type, prefix: str = "") -> Any:
     """``body[name]`` when it is of ``kind`` (bool is no integer here), None when absent or null."""
     value = body.get(name)
     if value is None:
-        if required:
-            raise invalid(prefix + name, "is required")
         return None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise invalid(prefix + name, f"must be {_TYPE_NAMES[kind]}, not {json.dumps(value)[:40]}")
@@ -254,7 +280,6 @@ class Shaper:
         self._request = request
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
-        self._role_sent = False
 
     def _envelope(self, obj: str, choice: dict) -> dict:
         return {
@@ -278,16 +303,20 @@ class Shaper:
         body.update(usage=usage(stats), specdec=speculation(stats))
         return body
 
+    def role_chunk(self) -> dict:
+        """A chat stream's first chunk, as OpenAI's streams open: the role and empty content, no text."""
+        return self._chunk_of({"index": 0, "delta": {"role": "assistant", "content": ""}}, [], None)
+
     def chunk(self, text: str, token_ids: list[int], finish: str | None = None, stats: Stats | None = None) -> dict:
         """One stream chunk: new text, and on the last one the finish reason and the ``specdec`` stats."""
         if self._request.chat:
             delta: dict[str, str] = {} if finish is not None and not text else {"content": text}
-            if not self._role_sent:
-                delta = {"role": "assistant", **delta}
-                self._role_sent = True
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text}
+        return self._chunk_of(choice, token_ids, finish, stats)
+
+    def _chunk_of(self, choice: dict, token_ids: list[int], finish: str | None, stats: Stats | None = None) -> dict:
         choice.update(logprobs=None, finish_reason=None if finish is None else FINISH_REASON[finish])
         if self._request.return_token_ids:
             choice["token_ids"] = token_ids

@@ -310,6 +310,10 @@ class CoordinatorConfig:
     # Port of the OpenAI-compatible HTTP API (coordinator.openai_api) on ``server.host``, with the
     # gRPC port's TLS and API keys; 0 picks a free port, None serves none.
     http_port: int | None = None
+    # Other names the HTTP API accepts for the served model, listed by /v1/models after its own id.
+    served_model_names: tuple[str, ...] = ()
+    # Browser origins the HTTP API answers CORS for ("*": any); empty sends no CORS headers.
+    allowed_origins: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.draft_addresses and self.draft_discovery is not None:

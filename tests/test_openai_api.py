@@ -197,7 +197,9 @@ def test_chat_stream_with_usage(sync_client, model, tiny_target, tokenizer):
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == reference_text(tiny_target, tokenizer, CHAT)
-    assert chunks[0].choices[0].delta.role == "assistant"
+    # As OpenAI's streams open: the role alone, then the text, which never repeats the role.
+    assert (chunks[0].choices[0].delta.role, chunks[0].choices[0].delta.content) == ("assistant", "")
+    assert chunks[1].choices[0].delta.content and all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
     finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finish) == 1 and "specdec" in finish[0].model_extra
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
@@ -244,6 +246,8 @@ def test_raw_http_stream_ends_with_done(served, model, tiny_target, tokenizer):
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == reference_text(
         tiny_target, tokenizer, PROMPT
     )
+    # Completions have no role chunk: text from the first chunk on, as OpenAI's.
+    assert events[0]["choices"][0]["text"] and all("delta" not in e["choices"][0] for e in events[:-2])
     ids = [t for e in events[:-1] if e["choices"] for t in e["choices"][0]["token_ids"]]
     assert ids == greedy_ids(tiny_target, tokenizer.encode(PROMPT, add_special_tokens=False), NEW_TOKENS)
     assert events[-2]["usage"]["completion_tokens"] > 0
@@ -325,7 +329,6 @@ def test_conversations_map_is_bounded_and_exact():
         ("/v1/chat/completions", b"{not json", 400, None),
         ("/v1/chat/completions", b"[1, 2]", 400, None),
         ("/v1/chat/completions", {"model": "gpt-4o", "messages": CHAT}, 404, "model"),
-        ("/v1/chat/completions", {"messages": CHAT}, 400, "model"),
         ("/v1/chat/completions", {"model": "M", "messages": "w1"}, 400, "messages"),
         (
             "/v1/chat/completions",
@@ -352,8 +355,23 @@ def test_conversations_map_is_bounded_and_exact():
             "stream_options",
         ),
         ("/v1/completions", {"model": "M", "prompt": [1, 2, 3]}, 400, "prompt"),
-        ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": -1}, 400, "seed"),
-        ("/v1/completions", {"model": "M", "prompt": "w1 " * 300, "max_tokens": 4}, 400, None),
+        ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": 2**63}, 400, "seed"),
+        ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": -(2**63) - 1}, 400, "seed"),
+        ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": 1.5}, 400, "seed"),
+        ("/v1/completions", {"model": "M", "prompt": "w1 " * 300, "max_tokens": 4}, 400, "prompt"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice"),
+        (
+            "/v1/chat/completions",
+            {"model": "M", "messages": CHAT, "tool_choice": "none", "tools": []},
+            400,
+            "tool_choice",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "M", "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            400,
+            "tools",
+        ),
     ],
 )
 def test_bad_requests_get_their_status(served, model, path, body, status, param):
@@ -386,6 +404,166 @@ def test_unknown_route_and_method_in_openai_shape(served):
     for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
         code, reply, _ = http(served, method, path)
         assert code == status and "error" in json.loads(reply)
+
+
+# --- OpenAI's conventions: context overflow, lenient model names, seeds, CORS --------------------------
+
+
+def test_a_prompt_past_the_context_is_context_length_exceeded(served, model, sync_client):
+    """Both of the core's refusals (too many characters to tokenize, too many tokens) and a max_tokens
+    past the context carry OpenAI's code, with the param and message words that litellm and LangChain
+    recognise; streaming or not, since the core refuses before the first token."""
+    limit = served.round_loop._facts.max_context
+    many_tokens, many_chars = "w1 " * limit, "w1 " * (limit * 11)  # ~3 characters a token
+    chat, text = sync_client.chat.completions.create, sync_client.completions.create
+    cases = [  # (param, the core's check that refuses it, the call)
+        ("messages", "leave no room", lambda **kw: chat(messages=[{"role": "user", "content": many_tokens}], **kw)),
+        ("messages", "cannot fit", lambda **kw: chat(messages=[{"role": "user", "content": many_chars}], **kw)),
+        ("prompt", "leave no room", lambda **kw: text(prompt=many_tokens, **kw)),
+        ("prompt", "cannot fit", lambda **kw: text(prompt=many_chars, **kw)),
+        ("max_tokens", "max_tokens asks", lambda **kw: text(prompt=PROMPT, **{**kw, "max_tokens": limit + 1})),
+    ]
+    for param, check, call in cases:
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as raised:
+                call(model=model, max_tokens=4, stream=stream)
+            error = raised.value
+            assert (error.status_code, error.code, error.param, error.type) == (
+                400,
+                "context_length_exceeded",
+                param,
+                "invalid_request_error",
+            )
+            message = error.body["message"]
+            assert message.startswith(f"This model's maximum context length is {limit} tokens.") and check in message
+
+
+@pytest.fixture(scope="module")
+def aliased(stack) -> Served:
+    """A coordinator that answers to two more model names and to browsers from one origin, behind the API key."""
+    return Served(
+        stack,
+        free_port(),
+        api_key_hashes=(hash_key(KEY),),
+        served_model_names=("gpt-4o-mini", "my-alias"),
+        allowed_origins=("https://app.example.com",),
+    )
+
+
+@pytest.fixture(scope="module")
+def any_origin(stack) -> Served:
+    """A coordinator that answers CORS for every origin (open: no API key)."""
+    return Served(stack, free_port(), allowed_origins=("*",))
+
+
+def test_model_may_be_omitted_or_an_alias_and_answers_name_the_served_id(aliased, model, sync_client):
+    status, body, _ = http(aliased, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in json.loads(body)["data"]] == [model, "gpt-4o-mini", "my-alias"]
+    assert json.loads(http(aliased, "GET", "/v1/models/my-alias")[1])["id"] == "my-alias"
+    expected = sync_client.chat.completions.create(model=model, messages=CHAT, max_tokens=6, temperature=0)
+    with openai.OpenAI(base_url=aliased.url + "/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        for name in ("gpt-4o-mini", "my-alias", model):
+            reply = client.chat.completions.create(model=name, messages=CHAT, max_tokens=6, temperature=0)
+            assert reply.model == model and reply.choices[0].message.content == expected.choices[0].message.content
+        with pytest.raises(openai.NotFoundError) as raised:
+            client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
+        assert (raised.value.code, raised.value.param) == ("model_not_found", "model")
+    status, body, _ = http(
+        aliased, "POST", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 6, "temperature": 0}
+    )
+    assert status == 200
+    reply = json.loads(body)
+    assert reply["model"] == model and reply["choices"][0]["message"]["content"] == expected.choices[0].message.content
+    status, body, _ = http(aliased, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 2, "stream": True})
+    assert status == 200 and sse_events(body)[0]["model"] == model
+    assert http(aliased, "GET", "/v1/models/gpt-4o")[0] == 404
+
+
+def test_any_int64_seed_is_taken_and_minus_one_is_none(served, model, sync_client):
+    """A negative seed is the uint64 with the same bits (as the gRPC SDK would send it): equal output,
+    repeatable; -1 (many clients' "random") is no seed at all."""
+    base = dict(model=model, messages=CHAT, max_tokens=NEW_TOKENS, temperature=1.0)
+    negative = [sync_client.chat.completions.create(**base, seed=-7).choices[0].message.content for _ in range(2)]
+    with Client(served.grpc, timeout=60, api_key=KEY) as grpc_client:
+        same_bits = grpc_client.complete(CHAT, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=2**64 - 7).text
+        other = grpc_client.complete(CHAT, max_new_tokens=NEW_TOKENS, temperature=1.0, seed=7).text
+    assert negative[0] == negative[1] == same_bits
+    assert other != same_bits  # the mapping keeps -7 and 7 apart
+    for seed in (-1, -(2**63), 2**63 - 1):
+        assert sync_client.chat.completions.create(**base, seed=seed).choices[0].message.content
+    # Unseeded: a fresh random stream each time, so some of a few sampled answers differ.
+    unseeded = {sync_client.chat.completions.create(**base, seed=-1).choices[0].message.content for _ in range(4)}
+    assert len(unseeded) > 1
+
+
+def test_cors_for_allowed_origins_only(aliased, any_origin, served, model):
+    origin = "https://app.example.com"
+    preflight = {
+        "Origin": origin,
+        "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization, content-type, x-stainless-os",
+    }
+    # A preflight carries no key, and is answered without one.
+    status, _, headers = http(aliased, "OPTIONS", "/v1/chat/completions", key=None, headers=preflight)
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == origin
+    assert set(headers["Access-Control-Allow-Methods"].split(", ")) >= {"GET", "POST"}
+    allowed = {h.lower() for h in headers["Access-Control-Allow-Headers"].split(", ")}
+    assert allowed >= {"authorization", "content-type", "x-stainless-os"}
+    # Another origin's preflight gets nothing of it: the request goes on to auth, which refuses it.
+    status, _, headers = http(
+        aliased, "OPTIONS", "/v1/chat/completions", key=None, headers={**preflight, "Origin": "https://evil.example"}
+    )
+    assert status == 401 and "Access-Control-Allow-Origin" not in headers
+    # Answers to the allowed origin name it: whole, streamed, and errors (so the page can read them).
+    body = {"model": model, "messages": CHAT, "max_tokens": 4}
+    for extra, key, want in (({}, KEY, 200), ({"stream": True}, KEY, 200), ({}, None, 401)):
+        status, reply, headers = http(
+            aliased, "POST", "/v1/chat/completions", {**body, **extra}, key=key, headers={"Origin": origin}
+        )
+        assert status == want and headers["Access-Control-Allow-Origin"] == origin and "Origin" in headers["Vary"]
+        assert headers["Access-Control-Expose-Headers"] == "Retry-After"
+        if extra:
+            assert sse_events(reply)[-1] == "[DONE]"
+    status, _, headers = http(aliased, "POST", "/v1/chat/completions", body, headers={"Origin": "https://evil.example"})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    # "*" allows any origin.
+    status, _, headers = http(
+        any_origin, "OPTIONS", "/v1/completions", key=None, headers={**preflight, "Origin": "http://x:3000"}
+    )
+    assert status == 204 and headers["Access-Control-Allow-Origin"] == "*"
+    status, _, headers = http(any_origin, "GET", "/v1/models", key=None, headers={"Origin": "http://x:3000"})
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "*"
+    # Without allowed origins (the default), no CORS at all, as before.
+    status, _, headers = http(served, "OPTIONS", "/v1/chat/completions", key=None, headers=preflight)
+    assert status in (401, 405) and not any(h.startswith("Access-Control-") for h in headers)
+    status, _, headers = http(served, "POST", "/v1/chat/completions", body, headers={"Origin": origin})
+    assert status == 200 and not any(h.startswith("Access-Control-") for h in headers)
+
+
+def test_coordinator_flags_for_model_names_and_origins(monkeypatch):
+    from coordinator.cli import coordinator_config
+    from specdec.cli import _parser
+
+    monkeypatch.delenv("SPECDEC_API_KEYS", raising=False)
+    base = ["serve-coordinator", "--draft", "127.0.0.1:1", "--target", "127.0.0.1:2"]
+    args = _parser().parse_args(
+        [
+            *base,
+            "--served-model-name",
+            "a, b",
+            "--served-model-name",
+            "c,a",
+            "--allowed-origins",
+            "https://x.io,http://y:3000",
+        ]
+    )
+    config = coordinator_config(args)
+    assert config.served_model_names == ("a", "b", "c")
+    assert config.allowed_origins == ("https://x.io", "http://y:3000")
+    assert coordinator_config(_parser().parse_args(base)).allowed_origins == ()
+    for bad in (["--served-model-name", "a,,b"], ["--allowed-origins", "https://x.io/"], ["--allowed-origins", "x.io"]):
+        with pytest.raises(SystemExit):
+            coordinator_config(_parser().parse_args([*base, *bad]))
 
 
 # --- admission: 429 with Retry-After, and a disconnect frees the slot ---------------------------------
