@@ -50,7 +50,7 @@ from draft_service.token_draft import (
 )
 from specdec.config import FEATURE_KIND
 from specdec.kvcache import GrowableCache, check_sync, common_prefix_len
-from specdec.ragged import RaggedLayout, ragged_decoder_layer
+from specdec.ragged import RaggedLayout, layer_ropes, ragged_decoder_layer
 
 KIND = FEATURE_KIND
 
@@ -153,7 +153,7 @@ class FeatureDraft(nn.Module):
         mask = create_causal_mask(
             config=self.config, inputs_embeds=x, attention_mask=None, cache=cache, position_ids=position_ids
         )
-        rope = self.rotary_emb(x, position_ids=position_ids)
+        rope = self.rope(x, position_ids)
         h = self.layer(
             x,
             attention_mask=mask,
@@ -170,8 +170,13 @@ class FeatureDraft(nn.Module):
         """``predict`` for many sessions at once: rows ``[N, D]`` and ``[N]`` laid out by ``layout``,
         each session attending to its own cache (see ``specdec.ragged``)."""
         x = self._fc(tokens, features)  # [N, D]
-        rope = self.rotary_emb(x, layout.positions[None])  # [1, N, hd] each
+        rope = self.rope(x, layout.positions[None])  # [1, N, hd] each
         return self.norm(ragged_decoder_layer(self.layer, x, rope, caches, layout, 0))  # [N, D]
+
+    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft layer's rotary ``(cos, sin)`` ``[B, T, hd]`` for rows ``x [..., T, D]`` at ``positions
+        [B, T]`` (its family's table for its layer type: Gemma 3 keeps one per type)."""
+        return layer_ropes(self.rotary_emb, self.config, x, positions)[0]
 
     def _fc(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """``fc`` over [embedding(tokens); features], features ``[..., W]`` from the target or ``[..., D]``

@@ -33,7 +33,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from draft_service.target_parts import hash_entry
 from specdec.models import LoadedModel
-from specdec.ragged import RaggedLayout, ragged_decoder_layer
+from specdec.ragged import RaggedLayout, layer_ropes, ragged_decoder_layer
 
 KIND = "token"
 CARD_FILE = "draft_card.json"
@@ -242,13 +242,13 @@ class TokenDraft(nn.Module):
             cache=cache,
             position_ids=position_ids,
         )
-        position_embeddings = self.rotary_emb(embeds, position_ids=position_ids)
+        ropes = layer_ropes(self.rotary_emb, self.config, embeds, position_ids)  # [1, T, hd] each, per layer
         h = embeds
-        for layer in self.layers:
+        for layer, rope in zip(self.layers, ropes):
             h = layer(
                 h,
                 attention_mask=mask,
-                position_embeddings=position_embeddings,
+                position_embeddings=rope,
                 position_ids=position_ids,
                 cache=cache,
                 use_cache=use_cache,
@@ -309,9 +309,9 @@ class TokenDraft(nn.Module):
         """Full-vocabulary logits ``[N, V]`` of ragged rows ``input_ids [N]`` laid out by ``layout``, each
         session attending to its own cache, which grows by its rows (``specdec.ragged``)."""
         h = embed(input_ids, self.embedding, self.embed_scale)  # [N, D], frozen
-        rope = self.rotary_emb(h, layout.positions[None])  # [1, N, hd] each
+        ropes = layer_ropes(self.rotary_emb, self.config, h, layout.positions[None])  # [1, N, hd] each, per layer
         for i, layer in enumerate(self.layers):
-            h = ragged_decoder_layer(layer, h, rope, caches, layout, i)
+            h = ragged_decoder_layer(layer, h, ropes[i], caches, layout, i)
         return self.full_logits(self.norm(h))  # [N, V]
 
 

@@ -28,12 +28,17 @@ model's own modules, so the pass computes each family's forward math:
 
 - norms, activations and the MLP are the layer's own modules (Gemma's ``1 + w`` RMSNorm and GELU,
   Phi-3's fused gate/up), and the embedding module scales its output itself (Gemma: by sqrt(D));
+- Gemma 3 norms both sides of each sublayer: ``post_attention_layernorm`` on the attention output,
+  ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP (``finish_layer``);
 - projections carry their biases (Qwen2); Phi-3's one fused ``qkv_proj`` is split like its own code
-  splits it; Qwen3's per-head ``q_norm`` / ``k_norm`` run before the rotary embedding;
-- the rotary embedding is the family's own ``apply_rotary_pos_emb`` (Phi-3 rotates part of a head);
-- a sliding attention window (Mistral, Phi-3, Qwen2/3 layers typed ``sliding_attention``) masks keys
-  further back than the window, as transformers' sliding-window mask does. The caches keep every
-  entry, so a window only narrows the mask.
+  splits it; Qwen3's and Gemma 3's per-head ``q_norm`` / ``k_norm`` run before the rotary embedding;
+- attention scales scores by the module's own ``scaling`` (Gemma 3: ``query_pre_attn_scalar ** -0.5``);
+- the rotary embedding is the family's own ``apply_rotary_pos_emb`` (Phi-3 rotates part of a head),
+  its tables the family's own too: Gemma 3 keeps one per layer type, a local base for sliding layers
+  (``layer_ropes``);
+- a sliding attention window (Mistral, Phi-3, Qwen2/3 and Gemma 3 layers typed ``sliding_attention``)
+  masks keys further back than the window, as transformers' sliding-window mask does. The caches keep
+  every entry, so a window only narrows the mask.
 
 ``supports_ragged`` says whether a model qualifies (``ragged_unsupported`` says why not), and callers
 fall back to one pass per session otherwise.
@@ -57,12 +62,16 @@ from specdec.side_layers import with_sides
 from specdec.tree_verify import tree_mask
 from specdec.trees import depths
 
-RAGGED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3")
-"""Model types (``config.model_type``) whose decoder layers the ragged pass runs."""
+RAGGED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma3_text", "phi3")
+"""Model types (``config.model_type``) whose decoder layers the ragged pass runs (``gemma3_text``: Gemma 3's
+text model, ``Gemma3ForCausalLM``)."""
 # Families whose forward picks each layer's mask by ``config.layer_types``; the others apply one
 # window (or none) to every layer, whatever ``layer_types`` a config may carry.
-_TYPED_LAYERS = ("qwen2", "qwen3")
+_TYPED_LAYERS = ("qwen2", "qwen3", "gemma3_text")
 _ATTENTION_TYPES = {"full_attention", "sliding_attention"}
+# Config fields that change the forward math in ways this pass does not compute (the family's own
+# forward reads them): soft-capped scores or logits, and attention that also looks ahead.
+_UNSUPPORTED_FIELDS = ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention")
 
 
 def ragged_unsupported(config) -> str | None:
@@ -73,6 +82,9 @@ def ragged_unsupported(config) -> str | None:
     types = set(getattr(config, "layer_types", None) or ()) if family in _TYPED_LAYERS else set()
     if not types <= _ATTENTION_TYPES:
         return f"layer types {sorted(types - _ATTENTION_TYPES)} have no ragged pass"
+    for name in _UNSUPPORTED_FIELDS:
+        if getattr(config, name, None):
+            return f"{name} is set ({getattr(config, name)!r}), which the ragged pass does not compute"
     return None
 
 
@@ -206,6 +218,24 @@ class RaggedLayout:
         return self.masks if window is None or self.windowed is None else self.windowed[window]
 
 
+def layer_ropes(
+    rotary: nn.Module, config, x: torch.Tensor, positions: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each decoder layer's rotary ``(cos, sin)`` ``[B, N, rd]`` for rows ``x [..., N, D]`` at ``positions
+    [B, N]``, from the family's own rotary module ``rotary`` and the model's ``config``.
+
+    Most families share one table across layers. Gemma 3's module keeps one per layer type (its
+    ``layer_types``; the sliding layers' with a local base) and takes the type as an argument: each
+    type's table is computed once, as its own forward does.
+    """
+    layers = int(config.num_hidden_layers)
+    if getattr(rotary, "layer_types", None) is None:
+        return [rotary(x, positions)] * layers
+    types = list(config.layer_types[:layers])
+    tables = {t: rotary(x, positions, t) for t in sorted(set(types))}
+    return [tables[t] for t in types]
+
+
 def rotary_of(attn: nn.Module) -> Callable:
     """The ``apply_rotary_pos_emb`` of the attention module's own family (Phi-3's rotates part of a head)."""
     return sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -269,7 +299,22 @@ def ragged_decoder_layer(
             lo, hi = bounds[i]
             outs[i] = invariant_attention(q[:, :, lo:hi], *grown[i], masks[i], attn.scaling, True)
     rows = [out[0].transpose(0, 1).reshape(hi - lo, -1) for out, (lo, hi) in zip(outs, bounds)]  # [n_i, Hq hd]
-    x = x + attn.o_proj(torch.cat(rows))
+    return finish_layer(layer, x, attn.o_proj(torch.cat(rows)))
+
+
+def finish_layer(layer: nn.Module, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """The rest of a decoder layer once its attention is done: rows ``x [..., D]`` in, the attention's
+    projected output ``attended [..., D]``; returns the layer's output ``[..., D]``.
+
+    Gemma 3 (any layer with a ``pre_feedforward_layernorm``) norms the attention output before the
+    residual add and norms the MLP's input and output; the other families add the attention output as
+    it is and norm only the MLP's input, with the layer's ``post_attention_layernorm``. The ops run in
+    the order of the family's own forward, so the rows keep its bits.
+    """
+    if getattr(layer, "pre_feedforward_layernorm", None) is not None:
+        x = x + layer.post_attention_layernorm(attended)
+        return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+    x = x + attended
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -302,11 +347,11 @@ def ragged_forward(
     caches = [item.cache for item in items]
 
     x = decoder.embed_tokens(input_ids)  # [N, D]; Gemma's embedding module scales by sqrt(D) itself
-    rope = decoder.rotary_emb(x, layout.positions[None])  # [1, N, rd] each
+    ropes = layer_ropes(decoder.rotary_emb, model.config, x, layout.positions[None])  # [1, N, rd] each
     wanted = {j for item in items for j in item.side_layers}
     sides: dict[int, torch.Tensor] = {}
     for layer_idx, layer in enumerate(decoder.layers[: model.config.num_hidden_layers]):
-        x = ragged_decoder_layer(layer, x, rope, caches, layout, layer_idx, windows[layer_idx])
+        x = ragged_decoder_layer(layer, x, ropes[layer_idx], caches, layout, layer_idx, windows[layer_idx])
         if layer_idx in wanted:
             sides[layer_idx] = x  # [N, D]
     hidden = decoder.norm(x)  # [N, D]

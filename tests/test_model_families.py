@@ -2,8 +2,9 @@
 
 Each family's tiny random model (``tiny.make_family_model``: 2 layers, hidden 32, the shared 32-word
 tokenizer) carries the traits the ragged pass must reproduce: projection biases, per-head q/k norms,
-Gemma's scaled embedding and ``1 + w`` norms, Phi-3's fused projections and partial rotary embedding,
-and sliding windows of 8 tokens, shorter than every context here.
+Gemma's scaled embedding and ``1 + w`` norms, Gemma 3's four norms a layer, ``query_pre_attn_scalar``
+and RoPE table per layer type, Phi-3's fused projections and partial rotary embedding, and sliding
+windows of 8 tokens, shorter than every context here.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def test_ragged_pass_equals_a_plain_forward_per_session(family, family_models):
     transformers forward over each whole sequence (no cache); hidden rows equal the session path's."""
     model = family_models(family).model
     assert supports_ragged(model)
-    if family in ("mistral", "qwen2", "phi3"):
+    if family in ("mistral", "qwen2", "phi3", "gemma3_text"):
         assert 8 in layer_windows(model.config)  # the window is shorter than the 40-token session
     lengths, extras = [1, 5, 17, 40], [[3], [4, 5, 6], [], [7, 8]]
     batched, alone = _sessions(model, lengths, 0), _sessions(model, lengths, 0)

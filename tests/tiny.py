@@ -61,6 +61,9 @@ FAMILY_TRAITS: dict[str, dict] = {
     "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
     "qwen3": {"head_dim": 16},
     "gemma": {"head_dim": 8, "hidden_activation": "gelu_pytorch_tanh"},
+    # Gemma 3: layer 0 slides (a local rope base), layer 1 sees everything (the global base); scores
+    # scaled by query_pre_attn_scalar ** -0.5, which differs from head_dim ** -0.5 here.
+    "gemma3_text": {"head_dim": 8, "sliding_window": 8, "sliding_window_pattern": 2, "query_pre_attn_scalar": 16},
     "phi3": {
         "sliding_window": 8,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},

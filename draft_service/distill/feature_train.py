@@ -25,7 +25,7 @@ from torch import nn
 from draft_service.distill.collect import Sample
 from draft_service.distill.train import IGNORE, head_labels
 from draft_service.feature_draft import FeatureDraft
-from specdec.ragged import project_qkv, rotary_of
+from specdec.ragged import finish_layer, project_qkv, rotary_of
 
 
 @dataclass(frozen=True)
@@ -162,15 +162,13 @@ def two_steps(
     x = draft._fc(tokens, features)  # [B, T, D]
     positions = torch.arange(t).unsqueeze(0)  # [1, T]
     causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
-    h, (keys, values) = _decoder_layer(draft.layer, x, draft.rotary_emb(x, positions), causal)
+    h, (keys, values) = _decoder_layer(draft.layer, x, draft.rope(x, positions), causal)
     first = draft.norm(h)
     if not rollout or t < 2:
         return first, None
     x = draft._fc(tokens[:, 1:], first[:, :-1])  # [B, T-1, D]: the draft's own features, no side layers
     seen = torch.cat([causal[:-1, :-1], torch.eye(t - 1, dtype=torch.bool)], dim=1)  # [T-1, 2(T-1)]
-    h, _ = _decoder_layer(
-        draft.layer, x, draft.rotary_emb(x, positions[:, 1:]), seen, (keys[:, :, :-1], values[:, :, :-1])
-    )
+    h, _ = _decoder_layer(draft.layer, x, draft.rope(x, positions[:, 1:]), seen, (keys[:, :, :-1], values[:, :, :-1]))
     return first, draft.norm(h)
 
 
@@ -193,8 +191,7 @@ def _decoder_layer(
     q, k = rotary_of(attn)(q, k, *rope)
     keys, values = (k, v) if context is None else (torch.cat([context[0], k], 2), torch.cat([context[1], v], 2))
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))  # [B, T, D]
-    return x + layer.mlp(layer.post_attention_layernorm(x)), (k, v)
+    return finish_layer(layer, x, attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))), (k, v)  # [B, T, D]
 
 
 def _targets_loss(
