@@ -1,4 +1,5 @@
-"""`specdec distill` and the token draft: pipeline end to end on the tiny target, the draft's contract
+"""`specdec distill` and the token draft: pipeline end to end on the tiny target, what it refuses (a
+target family it makes no draft for, a collection with nothing to train on), the draft's contract
 with ModelDrafter (drop-in forward, cache semantics, exact zeros outside its head), the target
 identity check, and the shipped default draft."""
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from tiny import make_family_model
 
 from bench.single import PROMPTS
 from draft_service.distill import cli as distill_cli
@@ -397,3 +399,80 @@ def test_a_feature_distillation_can_start_from_a_draft_and_skip_its_prompts(tiny
     assert first.tokens[: first.prompt_len] == train_prompts[40].render(tokenizer)
     with safe_open(str(tmp_path / "draft" / WEIGHTS_FILE), "pt") as f:
         assert f.get_tensor("head_ids").tolist() == list(range(5, 29))
+
+
+def _small_run(target: Path, tmp_path: Path, cache_dir: Path, *extra: str) -> list[str]:
+    """``specdec distill`` flags of a run of a few seconds on a tiny ``target``, then ``extra``."""
+    return [
+        "--target",
+        str(target),
+        "--out",
+        str(tmp_path / "draft"),
+        "--work",
+        str(tmp_path / "work"),
+        "--cache-dir",
+        str(cache_dir),
+        "--minutes",
+        "0.3",
+        "--tokens",
+        "200",
+        "--prompts",
+        "40",
+        "--held-out",
+        "4",
+        "--batch-size",
+        "8",
+        "--max-new",
+        "8",
+        "--eval-max-new",
+        "8",
+        "--layers",
+        "1",
+        "--init-from",
+        "1",
+        "--head-size",
+        "24",
+        "--threads",
+        "1",
+        *extra,
+    ]
+
+
+def test_distill_refuses_an_unsupported_family_before_any_work(tmp_path, monkeypatch, capsys):
+    """A GPT-2 target (no draft is made of its layers) is refused from its config alone: no model
+    loaded, no prompt built, no folder made; the message names the target's family and every
+    supported one."""
+    target = make_family_model(tmp_path / "gpt2", "gpt2", seed=0)
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("distill started work for a target it refuses")
+
+    monkeypatch.setattr(pipeline, "load_model", no_work)
+    monkeypatch.setattr(pipeline, "build_prompts", no_work)
+    monkeypatch.setattr(pipeline, "harvest_stdlib", no_work)
+    assert distill_cli.main(_small_run(target, tmp_path, tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "'gpt2'" in err and "not supported" in err
+    assert all(family in err for family in pipeline.DISTILL_FAMILIES)
+    assert not (tmp_path / "work").exists() and not (tmp_path / "draft").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "why"),
+    [
+        ((), "raise --minutes"),  # the held-out references alone outlast the collection's budget
+        (("--prompt-offset", "100"), "no training prompt is left"),
+    ],
+)
+def test_distill_stops_when_collection_produced_no_training_token(tiny_dir, tmp_path, monkeypatch, capsys, extra, why):
+    """With nothing collected, the run stops with a message saying why, and writes no draft."""
+    monkeypatch.setattr(pipeline, "build_prompts", _tiny_prompts)
+    monkeypatch.setattr(pipeline, "harvest_stdlib", lambda: [])
+    argv = _small_run(tiny_dir / "target", tmp_path, tiny_dir, *extra)
+    if not extra:
+        argv[argv.index("--minutes") + 1] = "0.000001"
+    assert distill_cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "0 training tokens" in err and why in err, err
+    assert pipeline.load_shards(tmp_path / "work" / "data") == []
+    assert not (tmp_path / "draft" / CARD_FILE).exists() and not (tmp_path / "draft" / WEIGHTS_FILE).exists()

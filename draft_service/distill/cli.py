@@ -178,9 +178,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(config: DistillConfig) -> int:
     """Runs one distillation; returns the exit status."""
-    from draft_service.distill.pipeline import run  # torch and transformers load only once the flags parse
+    # torch and transformers load only once the flags parse
+    from draft_service.distill.pipeline import DistillError, run
 
-    card = run(config)
+    try:
+        card = run(config)
+    except DistillError as e:
+        print(f"specdec distill: {e}", file=sys.stderr)
+        return 1
     if card is None:
         print(f"data collected in {config.work}; train with the same command plus --resume")
         return 0

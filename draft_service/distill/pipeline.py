@@ -1,4 +1,8 @@
-"""One distillation run: prompts → target continuations → training → held-out evaluation → card."""
+"""One distillation run: prompts → target continuations → training → held-out evaluation → card.
+
+A run refuses, before it loads the target or builds a prompt, a target whose family it makes no draft
+for (``DISTILL_FAMILIES``), and stops rather than trains when collection produced no training token.
+"""
 
 from __future__ import annotations
 
@@ -33,9 +37,37 @@ from draft_service.token_draft import (
     target_weights_hash,
 )
 from specdec.config import DraftConfig
-from specdec.models import LoadedModel, load_model
+from specdec.models import LoadedModel, load_config, load_model
+from specdec.ragged import RAGGED_FAMILIES, ragged_unsupported
+from specdec.vocab import resolve_model_path
 
 log = logging.getLogger(__name__)
+
+DISTILL_FAMILIES = RAGGED_FAMILIES
+"""Target model types (``config.model_type``) ``specdec distill`` makes drafts for. A draft is built of
+its target family's own decoder layers and served through the ragged pass (``specdec.ragged``), and
+its training computes those layers with the same helpers, so it can be made for those families only."""
+
+
+class DistillError(RuntimeError):
+    """A run that cannot make a draft: an unsupported target, or nothing to train on. Its message is
+    meant for the user as it is."""
+
+
+def check_target_family(config: DistillConfig) -> None:
+    """Raises ``DistillError`` when the target's family (read from its config alone, no weights) is not
+    one ``specdec distill`` makes drafts for, naming the families it does."""
+    target_config = load_config(resolve_model_path(config.target, config.cache_dir))
+    family = getattr(target_config, "model_type", None)
+    supported = ", ".join(DISTILL_FAMILIES)
+    if family not in DISTILL_FAMILIES:
+        raise DistillError(
+            f"cannot distill a draft for {config.target}: its model family {family!r} is not supported "
+            f"(supported families: {supported})"
+        )
+    reason = ragged_unsupported(target_config)
+    if reason is not None:
+        raise DistillError(f"cannot distill a draft for {config.target} ({family}): {reason}")
 
 
 def read_prompt_file(path: Path) -> list[Prompt]:
@@ -96,6 +128,7 @@ def run(config: DistillConfig) -> dict | None:
     (``None`` when ``config.collect_only`` stops it after collection)."""
     if config.kind not in (KIND, FEATURE_KIND):
         raise ValueError(f"unknown draft kind {config.kind!r} (expected {KIND!r} or {FEATURE_KIND!r})")
+    check_target_family(config)
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     started = time.monotonic()
@@ -123,7 +156,7 @@ def run(config: DistillConfig) -> dict | None:
     train_ids = [p.render(tokenizer) for p in train_prompts]
     plan = CollectPlan(config.batch_size, config.max_new, config.temperatures, config.seed)
     collect_deadline = started + 60 * config.minutes * config.collect_share
-    collect(
+    collected = collect(
         target.model,
         train_ids,
         config.work / "data",
@@ -134,6 +167,11 @@ def run(config: DistillConfig) -> dict | None:
         deadline=collect_deadline,
         desc="collect",
     )
+    if collected == 0:
+        # Training on nothing would still write a draft, and its card would look like a result.
+        raise DistillError(
+            f"collection produced 0 training tokens: {_why_nothing(config, len(train_ids), started, t_collect)}"
+        )
     if config.collect_only:
         return None
     samples = load_shards(config.work / "data")
@@ -259,6 +297,22 @@ def _train_feature(config, target, samples, references, extra, head_ids, tconf, 
         metrics[f"extra:{name}"] = evaluate_feature(draft, refs, feats)
     save_feature_draft(draft, config.out)
     return draft, arch, training, metrics, train_s
+
+
+def _why_nothing(config: DistillConfig, prompts: int, started: float, t_collect: float) -> str:
+    """Why a collection can have produced no token, and what to change."""
+    if prompts == 0:
+        return (
+            f"no training prompt is left of --prompts {config.prompts} after --held-out {config.held_out} "
+            f"and --prompt-offset {config.prompt_offset}"
+        )
+    if config.tokens <= 0:
+        return f"--tokens is {config.tokens}"
+    budget = 60 * config.minutes * config.collect_share
+    return (
+        f"its budget ({config.collect_share:g} of --minutes {config.minutes:g}: {budget:.0f} s) was spent before "
+        f"it began (loading the target and the held-out references took {t_collect - started:.0f} s); raise --minutes"
+    )
 
 
 def _counts(items) -> dict[str, int]:
