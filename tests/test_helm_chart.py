@@ -458,9 +458,26 @@ def test_coordinator_without_the_http_api(chart):
     c = container(role_workload(objects, "coordinator"))
     assert "--http-port" not in c["args"] and "http" not in {p["name"] for p in c["ports"]}
     assert set(c["readinessProbe"]) & {"grpc", "httpGet"} == {"grpc"}
+
     service = next(o for o in of_kind(objects, "Service") if o["metadata"]["name"] == f"{RELEASE}-specdec-coordinator")
     assert [p["name"] for p in service["spec"]["ports"]] == ["grpc"]
     assert "/v1/models" not in manifests["specdec/templates/NOTES.txt"]
+
+
+def test_http_api_model_aliases_and_cors_origins_reach_the_coordinator(chart, monkeypatch):
+    """servedModelNames and allowedOrigins become the flags, and the config, the coordinator runs with;
+    by default neither is passed (no aliases, no CORS)."""
+    from coordinator.cli import coordinator_config
+
+    monkeypatch.delenv("SPECDEC_API_KEYS", raising=False)
+    http = {"servedModelNames": ["gpt-4o-mini", "smol"], "allowedOrigins": ["https://app.example.com", "*"]}
+    _, objects = render(chart, {"coordinator": {"http": http}})
+    config = coordinator_config(specdec_parser().parse_args(container(role_workload(objects, "coordinator"))["args"]))
+    assert config.served_model_names == ("gpt-4o-mini", "smol")
+    assert config.allowed_origins == ("https://app.example.com", "*")
+    _, objects = render(chart, {})
+    args = container(role_workload(objects, "coordinator"))["args"]
+    assert "--served-model-name" not in args and "--allowed-origins" not in args
 
 
 def test_config_checksum_annotation_tracks_the_configmap(case, chart):
@@ -862,6 +879,9 @@ def test_kv_budget_follows_the_pod_memory_limit(chart, secure, monkeypatch):
         {"coordinator": {"port": 70000}},
         {"coordinator": {"http": {"port": 0}}},
         {"coordinator": {"http": {"enabled": "yes"}}},
+        {"coordinator": {"http": {"servedModelNames": ["a,b"]}}},
+        {"coordinator": {"http": {"allowedOrigins": "https://app.example.com"}}},
+        {"coordinator": {"http": {"allowedOrigins": ["https://app.example.com/"]}}},
         {"coordinator": {"pdb": {"enabled": True, "maxUnavailable": -1}}},
         {"jaeger": {"enable": True}},
         {"coordinator": {"discovery": "consul"}},
