@@ -47,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="model whose tokenizer to use (env SPECDEC_TARGET_MODEL)",
     )
     p.add_argument(
+        "--chat-template",
+        default=env("CHAT_TEMPLATE", None),
+        help="render chat with this template instead of the tokenizer's own (needed by a model that has "
+        "none): chatml, gemma, or a Jinja file (env SPECDEC_CHAT_TEMPLATE)",
+    )
+    p.add_argument(
         "--redis-url",
         default=env("REDIS_URL", "redis://127.0.0.1:6379/0"),
         help="session store; rediss:// for TLS (env SPECDEC_REDIS_URL). The password comes from env "
@@ -187,6 +193,7 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
     """The coordinator's config from its flags; API keys are read (and hashed) here, once."""
     from coordinator.auth import read_api_key_hashes
     from coordinator.discovery import parse_replicas
+    from specdec.chat_templates import resolve_chat_template
 
     try:
         # Keys come from a file or the environment, never from a flag, which any local user could see in ps.
@@ -198,6 +205,7 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         target_addresses, target_discovery = parse_replicas(args.target, "--target")
         if not args.discovery_interval > 0:
             raise ValueError(f"--discovery-interval: must be positive, not {args.discovery_interval}")
+        chat_template = None if args.chat_template is None else resolve_chat_template(args.chat_template)
         served_model_names = name_list(args.served_model_name, "--served-model-name")
         allowed_origins = name_list(args.allowed_origins, "--allowed-origins")
         for origin in allowed_origins:
@@ -214,6 +222,7 @@ def coordinator_config(args: argparse.Namespace) -> CoordinatorConfig:
         target_discovery=target_discovery,
         discovery_interval_s=args.discovery_interval,
         tokenizer=ModelConfig(model=args.tokenizer, cache_dir=args.cache_dir),
+        chat_template=chat_template,
         redis_url=args.redis_url,
         redis_password=os.environ.get("SPECDEC_REDIS_PASSWORD") or None,
         redis_ca=args.redis_ca,

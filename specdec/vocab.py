@@ -16,6 +16,9 @@ from pathlib import Path
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_FOLDER = "smollm2-135m-instruct"
+# Under the cache directory: GGUF files converted to safetensors folders, one per file content.
+CONVERTED = "converted"
+_HASH_CHUNK = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -34,16 +37,41 @@ class ModelFacts:
     """A target: it verifies token trees; a draft: it proposes them (``specdec.trees``)."""
 
 
-def default_model_folder(cache_dir: Path) -> Path | None:
-    """The converted default model under ``cache_dir``, or None before its first conversion."""
-    folder = cache_dir / DEFAULT_MODEL_FOLDER
-    if (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file():
+def converted(folder: Path) -> Path | None:
+    """``folder`` when it holds a whole converted model (config, weights, tokenizer), else None."""
+    weights = (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file()
+    if weights and (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
         return folder
     return None
 
 
+def default_model_folder(cache_dir: Path) -> Path | None:
+    """The converted default model under ``cache_dir``, or None before its first conversion."""
+    return converted(cache_dir / DEFAULT_MODEL_FOLDER)
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's content, read in chunks (a GGUF file may be gigabytes)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def converted_folder(gguf: Path, cache_dir: Path) -> Path:
+    """Where ``gguf``'s conversion lives under ``cache_dir``: named by its stem and content hash, so a
+    changed file converts anew and a copy of it elsewhere finds the conversion already made."""
+    return cache_dir / CONVERTED / f"{gguf.stem}-{file_sha256(gguf)[:16]}"
+
+
 def resolve_model_path(spec: str, cache_dir: Path) -> Path:
-    """Turns a model spec (``default``, a folder, or a ``.gguf`` file) into a path to load."""
+    """Turns a model spec (``default``, a folder, or a ``.gguf`` file) into a folder to load.
+
+    A GGUF file is dequantized once into a safetensors folder under ``cache_dir`` (``converted_folder``)
+    and every later load, by any process or command, reads that folder: dequantizing takes far longer
+    than loading safetensors.
+    """
     if spec == DEFAULT_MODEL:
         folder = default_model_folder(cache_dir)
         if folder is not None:
@@ -55,7 +83,14 @@ def resolve_model_path(spec: str, cache_dir: Path) -> Path:
     path = Path(spec).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {path} does not exist")
-    return path
+    if path.suffix != ".gguf":
+        return path
+    ready = converted(converted_folder(path, cache_dir))
+    if ready is not None:
+        return ready
+    from specdec.models import convert_gguf
+
+    return convert_gguf(path, cache_dir)
 
 
 def load_tokenizer(path: Path):

@@ -1,4 +1,5 @@
-"""``specdec serve-target``: the target service's flags, and the config they make.
+"""``specdec serve-target``: the target service's flags, and the config they make; and ``specdec
+convert``, which converts a model for every command to load.
 
 Registered with the ``specdec`` command through the ``specdec.commands`` entry point group; nothing
 here imports torch, which loads only once the target starts.
@@ -10,14 +11,31 @@ import argparse
 import os
 from dataclasses import replace
 
-from specdec.cli import add_cache_limits, add_device, add_server, env, extra_installed, model_config, server_config
+from specdec.cli import (
+    add_cache_dir,
+    add_cache_limits,
+    add_device,
+    add_server,
+    env,
+    extra_installed,
+    model_config,
+    server_config,
+)
 from specdec.config import TargetConfig, TensorParallelConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Adds ``serve-target`` (with the server extra installed)."""
+    """Adds ``serve-target`` and ``convert`` (with the server extra installed)."""
     if not extra_installed("server"):
         return
+    p = subparsers.add_parser(
+        "convert",
+        help="convert a GGUF model into a safetensors folder under the cache directory, once; every "
+        "command that is given the .gguf file then loads that folder",
+    )
+    p.add_argument("model", help="'default', a .gguf file, or a HF folder (checked, already loadable)")
+    add_cache_dir(p)
+    p.set_defaults(run=convert)
     p = subparsers.add_parser("serve-target", help="run the target service")
     add_server(p, 50052)
     p.add_argument(
@@ -58,6 +76,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "serves and starts the others unless torchrun did (RANK / WORLD_SIZE set)",
     )
     p.set_defaults(run=serve)
+
+
+def convert(args: argparse.Namespace) -> None:
+    """Converts ``args.model`` (unless it already was) and prints the folder every command loads."""
+    import time
+
+    from specdec.models import load_config
+    from specdec.vocab import resolve_model_path
+
+    started = time.perf_counter()
+    try:
+        folder = resolve_model_path(args.model, args.cache_dir)
+        config = load_config(folder)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"specdec convert: {exc}") from None
+    print(
+        f"{folder}\n({config.model_type}, {config.num_hidden_layers} layers, "
+        f"ready in {time.perf_counter() - started:.1f}s)"
+    )
 
 
 def tensor_parallel(args: argparse.Namespace) -> TensorParallelConfig:

@@ -17,6 +17,7 @@ from coordinator.replicas import BackendUnavailable
 from coordinator.sessions import SessionRecord
 from draft_service.engine import ModelDrafter, NgramDrafter
 from specdec import Client, InvalidArgument, SessionNotFound, Unavailable
+from specdec.chat_templates import resolve_chat_template
 from specdec.sampling import Sampling, warp_probs
 from specdec.v1 import common_pb2, draft_pb2_grpc
 from target_service.engine import TargetEngine
@@ -505,3 +506,17 @@ def test_random_requests_get_only_documented_statuses(stack, client):
                 seen.add(err.code())
     assert "OK" in seen and grpc.StatusCode.INVALID_ARGUMENT in seen
     assert client.complete("w1 w2", max_new_tokens=3).token_ids
+
+
+def test_chat_needs_a_template_and_takes_a_named_one(stack, client, tiny_target):
+    # The tiny tokenizer, like Gemma 3's GGUF, ships no chat template: chat is refused, the rest served.
+    messages = [{"role": "user", "content": "w1 w2"}]
+    with pytest.raises(InvalidArgument, match="no chat template.*--chat-template"):
+        client.complete(messages, max_new_tokens=4)
+    assert client.complete(PROMPTS[0], max_new_tokens=8).token_ids == hf_greedy(tiny_target, PROMPTS[0], 8)
+    with Client(stack.add_coordinator(chat_template=resolve_chat_template("chatml")), timeout=60) as named:
+        result = named.complete(messages, max_new_tokens=12)
+    rendered = tiny_target.tokenizer.apply_chat_template(
+        messages, chat_template=resolve_chat_template("chatml"), add_generation_prompt=True, tokenize=False
+    )
+    assert result.token_ids == hf_greedy(tiny_target, rendered, 12)

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from coordinator.checkpoints import Checkpoints
-from coordinator.prompts import build_turn
+from coordinator.prompts import NoChatTemplate, build_turn
 from coordinator.replicas import CacheRef, ReplicaSet
 from coordinator.sessions import MemorySessionStore, SessionRecord, StoreUnavailable
 from coordinator.textstream import TextStream
+from specdec.chat_templates import resolve_chat_template
 from specdec.client import InvalidArgument, build_request
 from specdec.config import ModelConfig, TargetConfig, TensorParallelConfig
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound
@@ -113,8 +114,10 @@ def test_text_stream_finish_flushes_held_text():
 
 
 class WordTokenizer:
+    chat_template = "words"
+
     def encode(self, text, add_special_tokens=False):
-        return [len(w) for w in text.split()]
+        return [1] * add_special_tokens + [len(w) for w in text.split()]  # 1: a BOS the tokenizer adds
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
         return [100 + len(m["content"]) for m in messages] + [99]
@@ -122,13 +125,52 @@ class WordTokenizer:
 
 def test_build_turn_text_and_chat():
     tok = WordTokenizer()
-    assert build_turn(tok, [], None, "aa b", None).tokens == [2, 1]
+    # Text opening a session gets the tokenizer's special tokens, as transformers encodes a prompt; a
+    # continuation appends its words alone.
+    assert build_turn(tok, [], None, "aa b", None).tokens == [1, 2, 1]
     assert build_turn(tok, [7], None, "ccc", None).tokens == [7, 3]
     chat = build_turn(tok, [], None, None, [{"role": "user", "content": "hi"}])
     assert chat.tokens == [102, 99] and chat.messages == [{"role": "user", "content": "hi"}]
     history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo!"}]
     follow = build_turn(tok, [102, 99, 5], history, None, [{"role": "user", "content": "x"}])
     assert follow.tokens == [102, 103, 101, 99] and len(follow.messages) == 3
+
+
+def test_chat_without_a_template_is_refused_with_the_way_out():
+    tok = WordTokenizer()
+    tok.chat_template = None
+    with pytest.raises(NoChatTemplate, match="--chat-template") as caught:
+        build_turn(tok, [], None, None, [{"role": "user", "content": "hi"}])
+    assert isinstance(caught.value, ValueError)  # so the servicer answers INVALID_ARGUMENT
+    assert build_turn(tok, [], None, "plain text", None).tokens == [1, 5, 4]
+
+
+def test_named_chat_templates_render_their_families_turns(default_model):
+    tokenizer = default_model.tokenizer
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Why? "},
+    ]
+    gemma = tokenizer.apply_chat_template(
+        messages, chat_template=resolve_chat_template("gemma"), add_generation_prompt=True, tokenize=False
+    )
+    assert gemma == (
+        f"{tokenizer.bos_token}<start_of_turn>user\nBe brief.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!"
+        "<end_of_turn>\n<start_of_turn>user\nWhy?<end_of_turn>\n<start_of_turn>model\n"
+    )
+    chatml = tokenizer.apply_chat_template(
+        messages[1:2], chat_template=resolve_chat_template("chatml"), add_generation_prompt=True, tokenize=False
+    )
+    assert chatml == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_chat_template_is_a_name_or_a_file(tmp_path):
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    assert resolve_chat_template(str(tmp_path / "t.jinja")) == "{{ messages[0]['content'] }}"
+    with pytest.raises(ValueError, match="chatml, gemma"):
+        resolve_chat_template("nope")
 
 
 def test_memory_store_round_trips_records():
