@@ -38,7 +38,7 @@ from coordinator.openai_schema import ApiError, ApiRequest, Shaper, context_leng
 from coordinator.openai_sessions import Conversations
 from coordinator.rounds import RoundLoop
 from coordinator.server import _BACKEND_RETRY_MS, _status
-from coordinator.turns import Chunk, GenerationRequest, SessionNotFound
+from coordinator.turns import Chunk, ContextOverflow, GenerationRequest, SessionNotFound
 from specdec.config import CoordinatorConfig, ServerConfig
 from specdec.rpc import RunningServer
 from specdec.vocab import DEFAULT_MODEL, ModelFacts
@@ -101,11 +101,9 @@ def _no_deadline() -> None:
 
 
 def _overflows_context(exc: BaseException | None) -> bool:
-    """Whether the core refused the prompt for not fitting the context. It does so only once the
-    prompt is tokenized, in ``coordinator.turns``, with a ValueError named after the field ("prompt:
-    ... context ..."): that wording is the contract here, and
-    ``test_a_prompt_past_the_context_is_context_length_exceeded`` holds both sides to it."""
-    return isinstance(exc, ValueError) and str(exc).startswith("prompt: ") and "context" in str(exc)
+    """Whether the core refused the prompt for not fitting the context (it knows only once the turn is
+    tokenized on top of its session's history)."""
+    return isinstance(exc, ContextOverflow)
 
 
 def _sse(data: dict | str) -> bytes:

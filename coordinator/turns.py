@@ -32,6 +32,11 @@ log = logging.getLogger(__name__)
 MAX_PROMPT_CHARS_PER_TOKEN = 32
 
 
+class ContextOverflow(ValueError):
+    """A turn's prompt does not fit the model's context (INVALID_ARGUMENT; OpenAI's
+    ``context_length_exceeded``)."""
+
+
 class SessionNotFound(LookupError):
     """The request named a session that does not exist or has expired."""
 
@@ -248,10 +253,10 @@ class Turns:
         limit = self._facts.max_context
         chars = len(request.text or "") + sum(len(m["content"]) for m in request.messages or ())
         if chars > limit * MAX_PROMPT_CHARS_PER_TOKEN:
-            raise ValueError(f"prompt: {chars} characters cannot fit in the context of {limit} tokens")
+            raise ContextOverflow(f"prompt: {chars} characters cannot fit in the context of {limit} tokens")
         turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
         if len(turn.tokens) >= limit:
-            raise ValueError(f"prompt: {len(turn.tokens)} tokens leave no room in the context of {limit}")
+            raise ContextOverflow(f"prompt: {len(turn.tokens)} tokens leave no room in the context of {limit}")
         # The caches keep the prefix this turn shares with what the session committed before.
         shared = common_prefix_len(record.tokens, turn.tokens)
         record.draft, record.target = clip(record.draft, shared), clip(record.target, shared)
