@@ -10,6 +10,11 @@ every response names the allowed origin.
 A client that disconnects cancels its handler, which closes the round loop's generator and so frees
 its admission slot and its session's lease at once.
 
+A request with several choices (``n`` > 1, or several prompts) runs each choice as a turn of its own,
+side by side, each on its own session with its own admission slot: the services have no way to fork
+a prompt's cache, so each choice prefills its prompt. The answer (or the stream's first byte) waits
+until every choice has its first chunk, so that a refusal of any of them is the request's status.
+
 Chat requests are stateless, but a request whose messages extend a conversation this coordinator
 served continues that conversation's session (``coordinator.openai_sessions``), so its caches
 keep the shared prefix. docs/openai.md documents the endpoints, the statuses and the ``specdec``
@@ -23,7 +28,7 @@ import json
 import logging
 import math
 import ssl
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, fields, replace
 
@@ -34,7 +39,14 @@ from opentelemetry import propagate, trace
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor, bearer_token
 from coordinator.identity import Caller, caller_of
-from coordinator.openai_schema import ApiError, ApiRequest, Shaper, context_length_exceeded, parse_request
+from coordinator.openai_schema import (
+    Answer,
+    ApiError,
+    ApiRequest,
+    Shaper,
+    context_length_exceeded,
+    parse_request,
+)
 from coordinator.openai_sessions import Conversations
 from coordinator.rounds import RoundLoop
 from coordinator.server import _BACKEND_RETRY_MS, _status
@@ -130,6 +142,7 @@ class OpenAiApi:
         self.model_ids = tuple(dict.fromkeys((self.model_id, *served_model_names)))
         self._origins = frozenset(allowed_origins)
         self._max_context = facts.max_context
+        self._vocab_size = facts.vocab_size
         self._admission = admission
         self._tracer = tracer
         self._keys = ApiKeyInterceptor(api_key_hashes) if api_key_hashes else None
@@ -270,69 +283,91 @@ class OpenAiApi:
             body = json.loads(await request.read())
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-        api = parse_request(body, chat, self.model_ids, self._max_context)
+        api = parse_request(body, chat, self.model_ids, self._max_context, self._vocab_size)
         caller = _caller(request)
-        core = replace(api.core, client=caller.client, owner=caller.owner)
-        shaper = Shaper(api)
-        async with aclosing(self._chunks(core, caller)) as chunks:
-            try:
-                first = await _next(chunks)
-            except ApiError as error:
-                # The core measures the prompt only once it is tokenized: this is where it overflows.
-                if _overflows_context(error.__cause__):
-                    param = "messages" if chat else "prompt"
-                    detail = str(error.__cause__).removeprefix("prompt: ")
-                    subject = "your messages do" if chat else "your prompt does"
-                    raise context_length_exceeded(self._max_context, param, f"{subject} not fit ({detail})") from None
-                raise
+        cores = [replace(core, client=caller.client, owner=caller.owner) for core in api.choices]
+        runs = _Runs([self._chunks(core, caller) for core in cores])
+        try:
+            # Every choice's first chunk (or refusal) before answering: a refusal is the request's status.
+            firsts: list[tuple[int, Chunk]] = []
+            while len(firsts) < len(cores):
+                try:
+                    firsts.append(await runs.next())
+                except ApiError as error:
+                    raise self._refusal(error, chat) from error.__cause__
             if api.stream:
-                return await self._stream(request, api, shaper, core, caller, first, chunks)
-            text, ids, last = [first.text], list(first.token_ids), first
-            while last.finish_reason is None:
-                last = await _next(chunks)
-                text.append(last.text)
-                ids += last.token_ids
-        assert last.stats is not None and last.finish_reason is not None
-        self._remember(core, caller, "".join(text), last)
-        return web.json_response(shaper.response("".join(text), ids, last.finish_reason, last.stats))
+                return await self._stream(request, api, cores, caller, firsts, runs)
+            texts: list[list[str]] = [[] for _ in cores]
+            ids: list[list[int]] = [[] for _ in cores]
+            lasts: list[Chunk | None] = [None] * len(cores)
+            queued = iter(firsts)
+            while any(last is None for last in lasts):
+                index, chunk = next(queued, None) or await runs.next()
+                texts[index].append(chunk.text)
+                ids[index] += chunk.token_ids
+                if chunk.finish_reason is not None:
+                    lasts[index] = chunk
+        finally:
+            await runs.close()
+        answers = []
+        for core, text, token_ids, last in zip(cores, texts, ids, lasts, strict=True):
+            assert last is not None and last.stats is not None and last.finish_reason is not None
+            self._remember(core, caller, "".join(text), last)
+            answers.append(Answer("".join(text), token_ids, last.finish_reason, last.stats))
+        return web.json_response(Shaper(api).response(answers))
+
+    def _refusal(self, error: ApiError, chat: bool) -> ApiError:
+        """A choice's failure before its first chunk, as the request's error. The core measures the
+        prompt only once it is tokenized: this is where a context overflow shows."""
+        if not _overflows_context(error.__cause__):
+            return error
+        param = "messages" if chat else "prompt"
+        detail = str(error.__cause__).removeprefix("prompt: ")
+        subject = "your messages do" if chat else "your prompt does"
+        return context_length_exceeded(self._max_context, param, f"{subject} not fit ({detail})")
 
     async def _stream(
         self,
         request: web.Request,
         api: ApiRequest,
-        shaper: Shaper,
-        core: GenerationRequest,
+        cores: list[GenerationRequest],
         caller: Caller,
-        first: Chunk,
-        chunks: AsyncIterator[Chunk],
+        firsts: list[tuple[int, Chunk]],
+        runs: _Runs,
     ) -> web.StreamResponse:
-        """Server-sent events: one chunk per release of text, the finish chunk with the ``specdec``
-        stats, the usage chunk when asked for, then ``[DONE]``."""
+        """Server-sent events: one chunk per release of text of a choice, each choice's finish chunk
+        with its ``specdec`` stats, the usage chunk when asked for, then ``[DONE]``."""
+        shaper = Shaper(api)
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         if api.chat:
-            await response.write(_sse(shaper.role_chunk()))
-        chunk, text = first, []
+            for index in range(len(cores)):
+                await response.write(_sse(shaper.role_chunk(index)))
+        texts: list[list[str]] = [[] for _ in cores]
+        lasts: list[Chunk | None] = [None] * len(cores)
+        queued = iter(firsts)
         try:
-            while True:
-                text.append(chunk.text)
+            while any(last is None for last in lasts):
+                index, chunk = next(queued, None) or await runs.next()
+                texts[index].append(chunk.text)
                 if chunk.finish_reason is not None:
                     assert chunk.stats is not None
+                    lasts[index] = chunk
                     await response.write(
-                        _sse(shaper.chunk(chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats))
+                        _sse(shaper.chunk(index, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats))
                     )
-                    if api.include_usage:
-                        await response.write(_sse(shaper.usage_chunk(chunk.stats)))
-                    break
-                if chunk.text or (api.return_token_ids and chunk.token_ids):
-                    await response.write(_sse(shaper.chunk(chunk.text, chunk.token_ids)))
-                chunk = await _next(chunks)
+                elif chunk.text or (api.return_token_ids and chunk.token_ids):
+                    await response.write(_sse(shaper.chunk(index, chunk.text, chunk.token_ids)))
+            if api.include_usage:
+                await response.write(_sse(shaper.usage_chunk([last.stats for last in lasts if last and last.stats])))
         except ApiError as error:
             # Headers went out with 200: the failure travels as an event, as OpenAI's servers send it.
             trace.get_current_span().set_status(trace.StatusCode.ERROR, error.message)
             await response.write(_sse(error.body()))
         else:
-            self._remember(core, caller, "".join(text), chunk)
+            for core, text, last in zip(cores, texts, lasts, strict=True):
+                assert last is not None
+                self._remember(core, caller, "".join(text), last)
         await response.write(_sse("[DONE]"))
         await response.write_eof()
         return response
@@ -373,14 +408,41 @@ class OpenAiApi:
             self.conversations.put(caller.client, conversation, last.session_id)
 
 
-async def _next(chunks: AsyncIterator[Chunk]) -> Chunk:
-    """The next chunk; a failure becomes the ApiError it maps to."""
-    try:
-        return await anext(chunks)
-    except StopAsyncIteration:
-        raise ApiError(500, "the stream ended without a finish reason", "server_error", code="internal_error") from None
-    except Exception as exc:  # noqa: BLE001 - every failure reaches the client in OpenAI's shape
-        raise api_error(exc) from exc
+class _Runs:
+    """A request's choices, run side by side: each choice's chunks (or its failure) arrive on one queue,
+    tagged with the choice's index. ``close`` cancels whatever still runs, which closes its round-loop
+    generator and frees its slot and lease."""
+
+    def __init__(self, runs: list[AsyncGenerator[Chunk, None]]) -> None:
+        # Unbounded: a choice waiting for an admission slot must not stall the others that hold one.
+        self._queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(index, run)) for index, run in enumerate(runs)]
+
+    async def _pump(self, index: int, run: AsyncGenerator[Chunk, None]) -> None:
+        async with aclosing(run) as chunks:
+            try:
+                async for chunk in chunks:
+                    self._queue.put_nowait((index, chunk))
+                    if chunk.finish_reason is not None:
+                        return
+                raise RuntimeError("the round loop's stream ended without a finish reason")
+            except Exception as exc:  # noqa: BLE001 - every failure reaches the client in OpenAI's shape
+                self._queue.put_nowait((index, exc))
+
+    async def next(self) -> tuple[int, Chunk]:
+        """The next chunk of any choice, with its index; a failure becomes the ApiError it maps to."""
+        index, item = await self._queue.get()
+        if isinstance(item, ApiError):
+            raise item
+        if isinstance(item, Exception):
+            raise api_error(item) from item
+        return index, item
+
+    async def close(self) -> None:
+        """Stops every choice still running and waits until each has let go of its turn."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 @web.middleware

@@ -4,7 +4,11 @@ shaping chunks and stats into completions, chat completions and their stream chu
 Pure functions over JSON values, with no HTTP in them: ``coordinator.openai_api`` serves them. A
 request that no exact generation can serve is refused with an ``ApiError`` naming the parameter,
 never silently approximated: an unsupported parameter set to anything but its neutral value (for
-example ``logprobs``, ``presence_penalty``, ``n`` above 1) is a 400.
+example ``logprobs``, ``presence_penalty``) is a 400.
+
+A request asks for one choice per prompt times ``n``: chat has one prompt, completions a string, an
+array of strings, token ids or an array of token-id arrays. Each choice is a ``GenerationRequest`` of
+its own, in OpenAI's order (prompt-major); choice ``i`` of a prompt samples with ``seed + i``.
 
 Where OpenAI's conventions and exactness do not clash, the parsing is as lenient as OpenAI's own
 clients expect: ``model`` may be omitted or name an alias, ``seed`` is any int64 (-1: none), and a
@@ -17,7 +21,8 @@ import hashlib
 import json
 import secrets
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from coordinator.server import MAX_STOP_CHARS, MAX_STOP_STRINGS
@@ -26,6 +31,11 @@ from specdec.sampling_params import check_sampling
 
 # OpenAI's default for /v1/completions when max_tokens is absent; chat runs to the context's end.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# One prompt: completions' text or token ids, or chat's messages.
+Prompt = str | tuple[int, ...] | list[dict[str, str]]
+# Most choices (n times the prompts) one request may ask for: each runs as a session of its own, so
+# one request must not fan out without bound.
+MAX_CHOICES = 64
 # Message roles the chat template knows; OpenAI's newer "developer" role is its system prompt.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Parameters specdec does not implement, with the value that asks for nothing (absent is fine too).
@@ -85,22 +95,27 @@ def context_length_exceeded(max_context: int, param: str, detail: str) -> ApiErr
 
 @dataclass(frozen=True)
 class ApiRequest:
-    """A parsed request: the core request (without its client), and how to answer it."""
+    """A parsed request: the core request of each choice (without its client), and how to answer it.
 
-    core: GenerationRequest
+    ``choices`` are in OpenAI's index order: prompt-major, ``n`` per prompt."""
+
+    choices: tuple[GenerationRequest, ...]
     chat: bool
     stream: bool
     include_usage: bool
     model: str
     # vLLM's extension: each choice (and stream chunk) also carries its ``token_ids``.
     return_token_ids: bool = False
+    # Choices per prompt.
+    n: int = 1
 
 
-def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context: int) -> ApiRequest:
+def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context: int, vocab_size: int) -> ApiRequest:
     """Checks a /v1/completions (``chat`` False) or /v1/chat/completions body and builds the request.
 
     ``model_ids`` are the names the served model answers to, its own id first; the response names
-    that first one whichever the request used (or when it named none).
+    that first one whichever the request used (or when it named none). Token-id prompts must lie in
+    ``[0, vocab_size)``.
 
     Raises ApiError: 400 for wrong types and values, 404 (``model_not_found``) for another model.
     """
@@ -121,14 +136,16 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         # OpenAI refuses it too; accepting it would promise a tool call that can never come.
         raise invalid("tool_choice", "only allowed when tools are given")
     n = _typed(body, "n", int)
-    if n is not None and n != 1:
-        raise invalid("n", f"only n = 1 is supported, not {n}", "unsupported_parameter")
+    n = 1 if n is None else n
+    if n < 1:
+        raise invalid("n", "must be at least 1")
     _typed(body, "user", str)  # accepted; the client identity comes from the request (see openai_api)
-    text = messages = None
-    if chat:
-        messages = parse_messages(body.get("messages"))
-    else:
-        text = _prompt(body.get("prompt"))
+    prompts: Sequence[Prompt] = (
+        [parse_messages(body.get("messages"))] if chat else _prompts(body.get("prompt"), vocab_size)
+    )
+    if n * len(prompts) > MAX_CHOICES:
+        param = "n" if len(prompts) == 1 else "prompt"
+        raise invalid(param, f"asks for {n * len(prompts)} choices (n times the prompts); at most {MAX_CHOICES}")
     max_tokens = _typed(body, "max_completion_tokens", int) if chat else None
     if max_tokens is None:
         max_tokens = _typed(body, "max_tokens", int)
@@ -156,8 +173,8 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         param, _, message = str(exc).partition(": ")
         raise invalid(param, message) from None
     core = GenerationRequest(
-        text=text,
-        messages=messages,
+        text=None,
+        messages=None,
         max_new_tokens=max_tokens,
         temperature=temperature,
         top_k=top_k,
@@ -166,7 +183,22 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         stop=_stop(body.get("stop")),
         fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32],
     )
-    return ApiRequest(core, chat, stream, include_usage, model_ids[0], bool(_typed(body, "return_token_ids", bool)))
+    choices = tuple(
+        replace(_prompted(core, prompt), seed=None if seed is None else (seed + i) % 2**64)
+        for prompt in prompts
+        for i in range(n)
+    )
+    return_token_ids = bool(_typed(body, "return_token_ids", bool))
+    return ApiRequest(choices, chat, stream, include_usage, model_ids[0], return_token_ids, n)
+
+
+def _prompted(core: GenerationRequest, prompt: Prompt) -> GenerationRequest:
+    """``core`` asking for ``prompt``: text, token ids or chat messages."""
+    if isinstance(prompt, str):
+        return replace(core, text=prompt)
+    if isinstance(prompt, tuple):
+        return replace(core, prompt_token_ids=prompt)
+    return replace(core, messages=prompt)
 
 
 def _seed(seed: int | None) -> int | None:
@@ -206,14 +238,32 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
     return messages
 
 
-def _prompt(value: Any) -> str:
-    if isinstance(value, list) and len(value) == 1:
-        value = value[0]
-    if not isinstance(value, str):
-        raise invalid("prompt", "must be a string or an array of one string (token ids and batches are not supported)")
-    if not value:
-        raise invalid("prompt", "is empty")
-    return value
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompts(value: Any, vocab_size: int) -> list[str | tuple[int, ...]]:
+    """The prompts of a completions body, as OpenAI takes them: a string, an array of strings, an array
+    of token ids, or an array of token-id arrays. Token ids go to the core as they are."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(_is_id(t) for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise invalid("prompt", "must be a string, an array of strings, token ids, or an array of token-id arrays")
+    prompts: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(value):
+        where = "" if len(value) == 1 else f"prompt {i} "
+        if isinstance(item, list) and item and all(_is_id(t) for t in item):
+            bad = next((t for t in item if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise invalid("prompt", f"{where}has {bad}, not a token id of this model: ids lie in [0, {vocab_size})")
+            prompts.append(tuple(item))
+        elif isinstance(item, str) and item:
+            prompts.append(item)
+        elif item in ("", []):
+            raise invalid("prompt", f"{where}is empty".strip())
+        else:
+            raise invalid("prompt", f"{where}must be a string or an array of token ids".strip())
+    return prompts
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -253,6 +303,30 @@ def _number(body: dict, name: str, default: float) -> float:
 # --- responses ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Answer:
+    """One choice's whole output."""
+
+    text: str
+    token_ids: list[int]
+    finish: str
+    stats: Stats
+
+
+def total(stats: Sequence[Stats], n: int) -> Stats:
+    """The counters of a request's choices (prompt-major, ``n`` per prompt) together, as OpenAI's usage
+    counts them: each prompt's tokens once, whatever its ``n``; the generated tokens, and the
+    speculation counters, summed over every choice."""
+    return Stats(
+        prompt_tokens=sum(s.prompt_tokens for s in stats[::n]),
+        generated_tokens=sum(s.generated_tokens for s in stats),
+        rounds=sum(s.rounds for s in stats),
+        drafted_tokens=sum(s.drafted_tokens for s in stats),
+        accepted_tokens=sum(s.accepted_tokens for s in stats),
+        committed_in_rounds=sum(s.committed_in_rounds for s in stats),
+    )
+
+
 def usage(stats: Stats) -> dict[str, int]:
     """OpenAI's ``usage``: the prompt's tokens (the whole rendered conversation) and the completion's."""
     return {
@@ -281,54 +355,64 @@ class Shaper:
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
 
-    def _envelope(self, obj: str, choice: dict) -> dict:
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {
             "id": self.id,
             "object": obj,
             "created": self.created,
             "model": self._request.model,
-            "choices": [choice],
+            "choices": choices,
         }
 
-    def response(self, text: str, token_ids: list[int], finish: str, stats: Stats) -> dict:
-        """The non-streaming answer."""
-        if self._request.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=FINISH_REASON[finish])
-        if self._request.return_token_ids:
-            choice["token_ids"] = token_ids
-        body = self._envelope("chat.completion" if self._request.chat else "text_completion", choice)
+    def response(self, answers: Sequence[Answer]) -> dict:
+        """The non-streaming answer: every choice, in index order. ``usage`` and ``specdec`` count
+        them all together (``total``)."""
+        choices = []
+        for index, answer in enumerate(answers):
+            if self._request.chat:
+                choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": answer.text}}
+            else:
+                choice = {"index": index, "text": answer.text}
+            choice.update(logprobs=None, finish_reason=FINISH_REASON[answer.finish])
+            if self._request.return_token_ids:
+                choice["token_ids"] = answer.token_ids
+            choices.append(choice)
+        body = self._envelope("chat.completion" if self._request.chat else "text_completion", choices)
+        stats = total([answer.stats for answer in answers], self._request.n)
         body.update(usage=usage(stats), specdec=speculation(stats))
         return body
 
-    def role_chunk(self) -> dict:
-        """A chat stream's first chunk, as OpenAI's streams open: the role and empty content, no text."""
-        return self._chunk_of({"index": 0, "delta": {"role": "assistant", "content": ""}}, [], None)
+    def role_chunk(self, index: int = 0) -> dict:
+        """A chat stream's first chunk of a choice, as OpenAI's streams open: the role and empty
+        content, no text."""
+        return self._chunk_of({"index": index, "delta": {"role": "assistant", "content": ""}}, [], None)
 
-    def chunk(self, text: str, token_ids: list[int], finish: str | None = None, stats: Stats | None = None) -> dict:
-        """One stream chunk: new text, and on the last one the finish reason and the ``specdec`` stats."""
+    def chunk(
+        self, index: int, text: str, token_ids: list[int], finish: str | None = None, stats: Stats | None = None
+    ) -> dict:
+        """One stream chunk of choice ``index``: new text, and on its last one the finish reason and
+        that choice's ``specdec`` stats."""
         if self._request.chat:
             delta: dict[str, str] = {} if finish is not None and not text else {"content": text}
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text}
+            choice = {"index": index, "text": text}
         return self._chunk_of(choice, token_ids, finish, stats)
 
     def _chunk_of(self, choice: dict, token_ids: list[int], finish: str | None, stats: Stats | None = None) -> dict:
         choice.update(logprobs=None, finish_reason=None if finish is None else FINISH_REASON[finish])
         if self._request.return_token_ids:
             choice["token_ids"] = token_ids
-        body = self._envelope("chat.completion.chunk" if self._request.chat else "text_completion", choice)
+        body = self._envelope("chat.completion.chunk" if self._request.chat else "text_completion", [choice])
         if self._request.include_usage:
             body["usage"] = None
         if stats is not None:
             body["specdec"] = speculation(stats)
         return body
 
-    def usage_chunk(self, stats: Stats) -> dict:
-        """The chunk ``stream_options.include_usage`` adds after the last: no choices, the usage."""
-        body = self._envelope("chat.completion.chunk" if self._request.chat else "text_completion", {})
-        body.update(choices=[], usage=usage(stats))
+    def usage_chunk(self, stats: Sequence[Stats]) -> dict:
+        """The chunk ``stream_options.include_usage`` adds after the last: no choices, the usage of
+        every choice together (``total``)."""
+        body = self._envelope("chat.completion.chunk" if self._request.chat else "text_completion", [])
+        body["usage"] = usage(total(stats, self._request.n))
         return body

@@ -61,8 +61,13 @@ MAX_STOP_CHARS = 256
 def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> GenerationRequest:
     """Checks every field and builds the core request; a ValueError names the offending field."""
     kind = request.WhichOneof("prompt")
-    text = messages = None
-    if kind == "text":
+    text = messages = token_ids = None
+    if request.prompt_token_ids:
+        # The ids' range is the core's to check: it knows the served vocabulary (Turns.open).
+        if kind is not None:
+            raise ValueError("prompt_token_ids: set text, messages or prompt_token_ids, not two of them")
+        token_ids = tuple(request.prompt_token_ids)
+    elif kind == "text":
         if not request.text:
             raise ValueError("prompt: the prompt is empty")
         text = request.text
@@ -74,7 +79,7 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
             if m["role"] not in ("system", "user", "assistant"):
                 raise ValueError(f"messages.role: {m['role']!r} is not system, user or assistant")
     else:
-        raise ValueError("prompt: set text or messages")
+        raise ValueError("prompt: set text, messages or prompt_token_ids")
     if request.max_new_tokens <= 0:
         raise ValueError("max_new_tokens: must be at least 1")
     if request.max_new_tokens > max_context:
@@ -98,6 +103,7 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
     return GenerationRequest(
         text=text,
         messages=messages,
+        prompt_token_ids=token_ids,
         max_new_tokens=request.max_new_tokens,
         temperature=request.temperature,
         top_k=request.top_k,

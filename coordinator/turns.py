@@ -59,7 +59,7 @@ class Resume:
 
 @dataclass(frozen=True)
 class GenerationRequest:
-    """A validated request; exactly one of ``text`` and ``messages`` is set."""
+    """A validated request; exactly one of ``text``, ``messages`` and ``prompt_token_ids`` is set."""
 
     text: str | None
     messages: list[dict[str, str]] | None
@@ -81,6 +81,8 @@ class GenerationRequest:
     owner: str = ""
     # Most nodes of a round's token tree; None: the coordinator's default, 0: chains only.
     tree_nodes: int | None = None
+    # The prompt as token ids, appended to the session's tokens as given (no template, no special tokens).
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -254,18 +256,31 @@ class Turns:
         chars = len(request.text or "") + sum(len(m["content"]) for m in request.messages or ())
         if chars > limit * MAX_PROMPT_CHARS_PER_TOKEN:
             raise ContextOverflow(f"prompt: {chars} characters cannot fit in the context of {limit} tokens")
-        turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
-        if len(turn.tokens) >= limit:
-            raise ContextOverflow(f"prompt: {len(turn.tokens)} tokens leave no room in the context of {limit}")
+        if request.prompt_token_ids is not None:
+            tokens, messages = [*record.tokens, *self._checked_ids(request.prompt_token_ids)], record.messages
+        else:
+            turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
+            tokens, messages = turn.tokens, turn.messages
+        if len(tokens) >= limit:
+            raise ContextOverflow(f"prompt: {len(tokens)} tokens leave no room in the context of {limit}")
         # The caches keep the prefix this turn shares with what the session committed before.
-        shared = common_prefix_len(record.tokens, turn.tokens)
+        shared = common_prefix_len(record.tokens, tokens)
         record.draft, record.target = clip(record.draft, shared), clip(record.target, shared)
-        record.tokens = list(turn.tokens)
+        record.tokens = list(tokens)
         seed = request.seed if request.seed is not None else secrets.randbits(63)
-        record.turn = TurnState(request.fingerprint, len(turn.tokens), seed, turn.messages)
+        record.turn = TurnState(request.fingerprint, len(tokens), seed, messages)
         await self._claim(request, record)
         await self._take_lease(record)
         return record, False
+
+    def _checked_ids(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """Prompt token ids, each checked to name a token of the served vocabulary (an id past it would
+        index past the models' embeddings)."""
+        vocab = self._facts.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: {bad} is not a token id of this model (ids lie in [0, {vocab}))")
+        return ids
 
     async def unclaim(self, request: GenerationRequest, session_id: str) -> None:
         """Stops counting a session that never reached its client against the client's limit."""

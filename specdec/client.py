@@ -26,7 +26,8 @@ from specdec.config import TlsClientConfig
 from specdec.metadata import CLIENT_METADATA, RETRY_AFTER_METADATA
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 
-Prompt = str | list[dict[str, str]]
+# None: the prompt is build_request's prompt_token_ids.
+Prompt = str | list[dict[str, str]] | None
 
 
 class SpecdecError(Exception):
@@ -169,8 +170,10 @@ def build_request(
     session_id: str | None = None,
     k: int | None = None,
     tree_nodes: int | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
 ) -> coordinator_pb2.GenerateRequest:
-    """The wire request for a prompt: a ``str`` is plain text, a list of dicts is chat.
+    """The wire request for a prompt: a ``str`` is plain text, a list of dicts is chat. With ``prompt``
+    None, ``prompt_token_ids`` are the prompt, token ids taken as given (no template, no special tokens).
 
     Raises InvalidArgument, naming the field, for what the wire cannot carry (a wrong type, an
     integer outside its field's range); the coordinator checks the rest. ``stop`` may be one string.
@@ -195,9 +198,15 @@ def build_request(
         stop=stop,
         session_id=session_id or "",
     )
+    if prompt_token_ids is not None:
+        # The wire's int32; the coordinator checks the ids against its vocabulary.
+        integers = all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids)
+        if not integers or not all(0 <= t < 2**31 for t in prompt_token_ids):
+            raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids: give integers in [0, 2**31)")
+        request.prompt_token_ids.extend(int(t) for t in prompt_token_ids)
     if isinstance(prompt, str):
         request.text = prompt
-    else:
+    elif prompt is not None:
         request.messages.messages.extend(
             coordinator_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in prompt
         )
@@ -228,7 +237,7 @@ def _check_fields(prompt: Prompt, stop: tuple, **fields) -> None:
     def invalid(details: str) -> InvalidArgument:
         return InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, details)
 
-    if not isinstance(prompt, str):
+    if prompt is not None and not isinstance(prompt, str):
         if not isinstance(prompt, Sequence) or not all(
             isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in prompt

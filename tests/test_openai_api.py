@@ -36,6 +36,7 @@ from coordinator.replicas import BackendUnavailable
 from coordinator.turns import Chunk, Stats
 from draft_service.engine import ModelDrafter, NgramDrafter
 from specdec import Client
+from specdec.client import InvalidArgument
 from specdec.config import AdmissionLimits, ServerConfig
 from specdec.stack import free_port
 from specdec.vocab import load_tokenizer
@@ -268,6 +269,89 @@ def test_stop_seed_and_sampling_parameters(sync_client, model):
     assert words[2] not in stopped.choices[0].message.content and greedy.startswith(stopped.choices[0].message.content)
 
 
+# --- several choices: n, a list of prompts, token-id prompts ------------------------------------------
+
+
+def test_n_choices_are_turns_seeded_seed_plus_index(served, model, sync_client, tokenizer):
+    """Choice i of a seeded request samples as the same request with seed + i alone; streamed, each
+    choice's chunks carry its index and add up to the same text; usage counts the prompt once."""
+    base = dict(model=model, messages=CHAT, max_tokens=NEW_TOKENS, temperature=1.0)
+    whole = sync_client.chat.completions.create(**base, n=3, seed=11, extra_body={"return_token_ids": True})
+    alone = [sync_client.chat.completions.create(**base, seed=11 + i) for i in range(3)]
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert [c.message.content for c in whole.choices] == [a.choices[0].message.content for a in alone]
+    assert len({c.message.content for c in whole.choices}) > 1  # sampled apart, not one answer thrice
+    assert whole.usage.prompt_tokens == len(render_chat(tokenizer, CHAT)) == alone[0].usage.prompt_tokens
+    assert whole.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert whole.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in whole.choices)
+    # Rounds are the policy's choice (adaptive k), not part of the answer: only their sum's bounds are fixed.
+    assert 3 <= whole.model_extra["specdec"]["rounds"] <= whole.usage.completion_tokens
+    chunks = list(
+        sync_client.chat.completions.create(**base, n=3, seed=11, stream=True, stream_options={"include_usage": True})
+    )
+    texts, finishes = ["", "", ""], [0, 0, 0]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices  # one choice per chunk, as OpenAI streams them
+        texts[choice.index] += choice.delta.content or ""
+        finishes[choice.index] += choice.finish_reason is not None
+    assert texts == [c.message.content for c in whole.choices] and finishes == [1, 1, 1]
+    # Each choice opens with its role chunk before any of its text.
+    assert [c.choices[0].index for c in chunks[:3]] == [0, 1, 2] and all(c.choices[0].delta.role for c in chunks[:3])
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    # Greedy choices are all the one greedy answer, as OpenAI's are.
+    greedy = sync_client.chat.completions.create(**{**base, "temperature": 0}, n=2)
+    assert greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
+def test_list_and_token_id_prompts_answer_prompt_major(served, model, tiny_target, tokenizer):
+    """Completions of several prompts, text or token ids, each equal to target-only greedy decoding of
+    its prompt; choices index prompt-major (prompt p's n choices at p * n ... p * n + n - 1)."""
+    second = "w4 w5 w6 w4"
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in (PROMPT, second)]
+    expected = [reference_text(tiny_target, tokenizer, p) for p in (PROMPT, second)]
+    for prompt in ([PROMPT, second], ids):
+        for stream in (False, True):
+            body = {"model": model, "prompt": prompt, "n": 2, "max_tokens": NEW_TOKENS, "temperature": 0}
+            status, reply, _ = http(served, "POST", "/v1/completions", {**body, "stream": stream})
+            assert status == 200, reply
+            texts = ["", "", "", ""]
+            if stream:
+                for event in sse_events(reply)[:-1]:
+                    texts[event["choices"][0]["index"]] += event["choices"][0]["text"]
+            else:
+                answer = json.loads(reply)
+                assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+                texts = [c["text"] for c in answer["choices"]]
+                assert answer["usage"]["prompt_tokens"] == len(ids[0]) + len(ids[1])
+            assert texts == [expected[0], expected[0], expected[1], expected[1]]
+    # One prompt of token ids is taken as is, the same as its text.
+    body = {"model": model, "prompt": ids[0], "max_tokens": NEW_TOKENS, "temperature": 0}
+    status, reply, _ = http(served, "POST", "/v1/completions", body)
+    assert status == 200 and json.loads(reply)["choices"][0]["text"] == expected[0]
+
+
+def test_a_refused_choice_refuses_the_request(served, model):
+    """One prompt of several past the context: the request's 400 is context_length_exceeded, stream or not."""
+    limit = served.round_loop._facts.max_context
+    for stream in (False, True):
+        body = {"model": model, "prompt": [PROMPT, [2] * limit], "max_tokens": 4, "stream": stream}
+        status, reply, _ = http(served, "POST", "/v1/completions", body)
+        assert status == 400 and json.loads(reply)["error"]["code"] == "context_length_exceeded"
+
+
+def test_grpc_sdk_takes_prompt_token_ids(served, tiny_target, tokenizer):
+    ids = tokenizer.encode(PROMPT, add_special_tokens=False)
+    with Client(served.grpc, timeout=60, api_key=KEY) as grpc_client:
+        reply = grpc_client.complete(None, prompt_token_ids=ids, max_new_tokens=NEW_TOKENS)
+        assert reply.token_ids == greedy_ids(tiny_target, ids, NEW_TOKENS)
+        assert reply.stats.prompt_tokens == len(ids)
+        vocab = served.round_loop._facts.vocab_size
+        with pytest.raises(InvalidArgument, match="prompt_token_ids"):
+            grpc_client.complete(None, prompt_token_ids=[1, vocab], max_new_tokens=2)
+        with pytest.raises(InvalidArgument, match="prompt_token_ids"):
+            grpc_client.complete(PROMPT, prompt_token_ids=ids, max_new_tokens=2)
+
+
 # --- multi-turn: a conversation that extends one served continues its session ------------------------
 
 
@@ -300,7 +384,7 @@ def test_extending_a_conversation_continues_its_session_exactly(stack, served, m
     edited = [*history[:1], {"role": "assistant", "content": "w9"}, history[2]]
     sync_client.chat.completions.create(model=model, messages=edited, max_tokens=4, temperature=0)
     last = _generate_spans(stack)[-1]
-    assert last.attributes["specdec.session"] not in {s.attributes["specdec.session"] for s in spans}
+    assert last.attributes["specdec.session"] not in {s.attributes.get("specdec.session") for s in spans}
 
 
 def test_conversations_map_is_bounded_and_exact():
@@ -345,7 +429,9 @@ def test_conversations_map_is_bounded_and_exact():
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "top_k": -1}, 400, "top_k"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": 1e-9}, 400, "temperature"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "temperature": float("nan")}, 400, "temperature"),
-        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "n": 3}, 400, "n"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "n": 0}, 400, "n"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "n": 65}, 400, "n"),
+        ("/v1/completions", {"model": "M", "prompt": [PROMPT] * 33, "n": 2}, 400, "prompt"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logprobs": True}, 400, "logprobs"),
         (
@@ -354,7 +440,12 @@ def test_conversations_map_is_bounded_and_exact():
             400,
             "stream_options",
         ),
-        ("/v1/completions", {"model": "M", "prompt": [1, 2, 3]}, 400, "prompt"),
+        ("/v1/completions", {"model": "M", "prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"model": "M", "prompt": [PROMPT, ""]}, 400, "prompt"),
+        ("/v1/completions", {"model": "M", "prompt": [1, 2, 10**6]}, 400, "prompt"),
+        ("/v1/completions", {"model": "M", "prompt": [[1, 2], [-1]]}, 400, "prompt"),
+        ("/v1/completions", {"model": "M", "prompt": [[1, 2], [True]]}, 400, "prompt"),
+        ("/v1/completions", {"model": "M", "prompt": [1.5]}, 400, "prompt"),
         ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": 2**63}, 400, "seed"),
         ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": -(2**63) - 1}, 400, "seed"),
         ("/v1/completions", {"model": "M", "prompt": PROMPT, "seed": 1.5}, 400, "seed"),
@@ -681,7 +772,7 @@ class FailingLoop:
 
 
 class Facts:
-    name, max_context = "tiny", 64
+    name, max_context, vocab_size = "tiny", 64, 32
 
 
 @pytest.mark.parametrize(
@@ -710,7 +801,7 @@ def test_core_failures_map_to_statuses_and_streams_end_with_an_error_event(error
 
 
 def test_stats_shapes():
-    from coordinator.openai_schema import speculation, usage
+    from coordinator.openai_schema import speculation, total, usage
 
     stats = Stats(
         prompt_tokens=5, generated_tokens=7, rounds=3, drafted_tokens=6, accepted_tokens=3, committed_in_rounds=7
@@ -723,6 +814,11 @@ def test_stats_shapes():
         "accepted_tokens": 3,
         "rounds": 3,
     }
+    # Two prompts, two choices each: each prompt counted once, everything generated summed.
+    other = Stats(prompt_tokens=4, generated_tokens=2, rounds=1, drafted_tokens=2, committed_in_rounds=2)
+    both = total([stats, stats, other, other], n=2)
+    assert usage(both) == {"prompt_tokens": 9, "completion_tokens": 18, "total_tokens": 27}
+    assert speculation(both)["acceptance_rate"] == 6 / 16 and speculation(both)["rounds"] == 8
 
 
 # --- the real default model ---------------------------------------------------------------------------

@@ -21,7 +21,7 @@ class Messages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "k", "resume", "request_id", "tree_nodes")
+    __slots__ = ("text", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "k", "resume", "request_id", "tree_nodes", "prompt_token_ids")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class GenerateRequest(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: Messages
     max_new_tokens: int
@@ -48,7 +49,8 @@ class GenerateRequest(_message.Message):
     resume: Resume
     request_id: str
     tree_nodes: int
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., k: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., request_id: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., k: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., request_id: _Optional[str] = ..., tree_nodes: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("tokens", "text_chars")
