@@ -480,6 +480,18 @@ def test_http_api_model_aliases_and_cors_origins_reach_the_coordinator(chart, mo
     assert "--served-model-name" not in args and "--allowed-origins" not in args
 
 
+def test_a_named_chat_template_reaches_the_coordinator(chart, monkeypatch):
+    from coordinator.cli import coordinator_config
+    from specdec.chat_templates import NAMED
+
+    monkeypatch.delenv("SPECDEC_API_KEYS", raising=False)
+    _, objects = render(chart, {"coordinator": {"chatTemplate": "gemma"}})
+    config = coordinator_config(specdec_parser().parse_args(container(role_workload(objects, "coordinator"))["args"]))
+    assert config.chat_template == NAMED["gemma"]
+    _, objects = render(chart, {})
+    assert "--chat-template" not in container(role_workload(objects, "coordinator"))["args"]
+
+
 def test_config_checksum_annotation_tracks_the_configmap(case, chart):
     configmap = case["manifests"]["specdec/templates/configmap.yaml"]
     digest = hashlib.sha256(configmap.encode()).hexdigest()
