@@ -710,6 +710,18 @@ def test_overload_is_429_with_retry_after_and_a_disconnect_frees_the_slot(stack,
     assert "gen_ai.response.finish_reasons" not in dropped.attributes
 
 
+def test_a_choice_refused_admission_refuses_the_request_and_frees_the_others(narrow, model):
+    """n=2 with room for one request: the second choice's 429 is the request's, and the first choice,
+    cancelled with it, gives its slot back at once."""
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "n": 2}
+    for stream in (False, True):
+        status, reply, headers = http(narrow, "POST", "/v1/completions", {**body, "stream": stream}, key=None)
+        assert status == 429 and int(headers["Retry-After"]) >= 1
+        assert json.loads(reply)["error"]["code"] == "rate_limit_exceeded"
+        status, _, _ = http(narrow, "POST", "/v1/completions", {**body, "n": 1, "max_tokens": 2}, key=None)
+        assert status == 200
+
+
 # --- traces: an HTTP server span over the round loop's --------------------------------------------------
 
 
