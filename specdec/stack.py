@@ -73,6 +73,10 @@ class StackConfig:
     dtype: str | None = None
     # The coordinator's --chat-template (a name or a Jinja file); None: the tokenizer's own.
     chat_template: str | None = None
+    # The HTTP API's extra model names and CORS origins (the coordinator's --served-model-name and
+    # --allowed-origins, comma-separated values each).
+    served_model_names: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = ()
 
 
 class Process:
@@ -244,6 +248,8 @@ class LocalStack:
             if c.http_port is not None:
                 http_port = c.http_port or free_port()
                 http, self.http_address = ["--http-port", str(http_port)], f"127.0.0.1:{http_port}"
+                http += [arg for name in c.served_model_names for arg in ("--served-model-name", name)]
+                http += [arg for origins in c.allowed_origins for arg in ("--allowed-origins", origins)]
             for i in range(1 + c.extra_coordinators):
                 port = c.coordinator_port if i == 0 else 0
                 coordinator = self._spawn(

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from specdec import Client
@@ -50,6 +53,12 @@ def test_up_serves_and_sigterm_stops_everything(tiny_dir, tmp_path):
             model,
             "--target-threads",
             "1",
+            "--http-port",
+            "0",
+            "--served-model-name",
+            "smol",
+            "--allowed-origins",
+            "https://app.example.com",
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -63,6 +72,17 @@ def test_up_serves_and_sigterm_stops_everything(tiny_dir, tmp_path):
         assert len(_processes_mentioning(marker)) >= 3  # draft, target, coordinator
         with Client(f"127.0.0.1:{port}") as client:
             assert client.complete("w1 w2 w3", max_new_tokens=5).token_ids
+        # The HTTP API's options reach the coordinator: the alias is listed, the origin answered.
+        api = re.search(rb"OpenAI API at (http://\S+/v1)", (tmp_path / "up.log").read_bytes()).group(1).decode()
+        with urllib.request.urlopen(f"{api}/models", timeout=30) as response:
+            assert "smol" in [m["id"] for m in json.load(response)["data"]]
+        preflight = urllib.request.Request(
+            f"{api}/chat/completions",
+            method="OPTIONS",
+            headers={"Origin": "https://app.example.com", "Access-Control-Request-Method": "POST"},
+        )
+        with urllib.request.urlopen(preflight, timeout=30) as response:
+            assert response.headers["Access-Control-Allow-Origin"] == "https://app.example.com"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) is not None
         deadline = time.monotonic() + 30
