@@ -170,7 +170,7 @@ class DraftEngine:
             chains = [(i, c, k) for i, c, k, tree in jobs if tree is None]
             trees = [(i, c, tree) for i, c, _, tree in jobs if tree is not None]
             try:
-                drafted = self._draft_many([(c, k, self._picker(calls[i])) for i, c, k in chains])
+                drafted = self._draft_many([(c, k, self._picker(calls[i], c)) for i, c, k in chains])
                 drafted = [(*out, ()) if not isinstance(out, Exception) else out for out in drafted]
             except Exception as exc:  # noqa: BLE001 - a failed pass fails only its own calls
                 drafted = [exc] * len(chains)
@@ -189,7 +189,15 @@ class DraftEngine:
     def _grower(self, call: ProposeCall, cache, tree: TreeShape) -> TreeGrower:
         """The tree ``call`` asks for, to grow (``draft_service.tree_draft``)."""
         position = call.start + len(call.new_tokens)
-        return TreeGrower(tree, call.sampling, call.round_index, position, self.tree_beam, self._sample_top_k)
+        return TreeGrower(
+            tree,
+            call.sampling,
+            call.round_index,
+            position,
+            self.tree_beam,
+            self._sample_top_k,
+            committed=cache.committed,
+        )
 
     # Nodes a level of the tree expands (``TreeGrower.beam``): 1 for drafters that feed one path.
     tree_beam = 1
@@ -223,19 +231,21 @@ class DraftEngine:
     def _after_tree(self, cache) -> None:
         """Hook: drops what growing a tree left in the cache that no committed token follows."""
 
-    def _picker(self, call: ProposeCall) -> TokenPicker:
-        """How this call's tokens are picked, and when its proposal stops."""
+    def _picker(self, call: ProposeCall, cache) -> TokenPicker:
+        """How this call's tokens are picked (after ``cache``'s committed tokens), and when its proposal stops."""
         return TokenPicker(
             call.sampling,
             call.round_index,
             self._sample_top_k,
             call.min_confidence,
             position=call.start + len(call.new_tokens),
+            committed=cache.committed,
         )
 
     def _sync(self, call: ProposeCall):
         """Checks a call, syncs its cache (and hidden states); returns the cache and the k it allows."""
         self._check_tokens(call.new_tokens, "sync.tokens")
+        self._check_tokens([t for t, _ in call.sampling.logit_bias], "sampling.logit_bias")
         if not 0.0 <= call.min_confidence <= 1.0:
             raise ValueError("min_confidence: must lie in [0, 1]")
         # Drafting is sequential on the model's one thread: an unbounded k or ahead would hold it for good.
@@ -450,6 +460,8 @@ class FeatureDrafter(DraftEngine):
         if (
             tail is None
             or call.ahead <= 0
+            # A penalised guess would count the proposal and the guess; a plain one only costs acceptance.
+            or call.sampling.penalized
             or len(cache.committed) != tail.base
             or cache.kv.get_seq_length() != tail.kv_length
         ):

@@ -18,15 +18,27 @@ draft already holds, never on the token about to be drawn. So a sampled proposal
 still drawn token by token from exactly the q it reports, and verification stays exact. (Stopping
 on the drawn token's own probability would not: it would propose low-probability draws less often
 than q says.)
+
+A penalised request's logits pass through ``specdec.sampling.penalize_logits`` first, counting the
+committed tokens and the tokens this proposal picked before the position, as the target counts them
+on its side, so q stays as close to p as the draft can make it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from specdec.sampling import Sampling, coupled_token, dense_to_sparse, round_generator, warp_probs
+from specdec.sampling import (
+    Sampling,
+    coupled_token,
+    dense_to_sparse,
+    penalize_logits,
+    round_generator,
+    warp_probs,
+)
 
 DRAFT_STREAM = 1
 
@@ -43,10 +55,19 @@ class TokenPicker:
     """Product of the top probabilities at the positions picked so far."""
     position: int = 0
     """Sequence position of the next token picked (coupled sampling's noise is keyed by it)."""
+    committed: Sequence[int] = ()
+    """The session's committed tokens, which a penalised request's penalties count."""
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    _picked: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, tuple[list[int], list[float]] | None] | None:
         """The token for draft logits ``[1, V]`` and its sparse q (None for greedy), or None to stop."""
+        picked = self._pick(penalize_logits(logits, self.sampling, self.committed, [self._picked]))
+        if picked is not None:
+            self._picked.append(picked[0])
+        return picked
+
+    def _pick(self, logits: torch.Tensor) -> tuple[int, tuple[list[int], list[float]] | None] | None:
         if self.sampling.greedy:
             token = int(logits[0].argmax())
             if self.min_confidence > 0 and not self._confident(torch.softmax(logits[0].float(), -1)[token]):

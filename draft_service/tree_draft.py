@@ -23,7 +23,7 @@ from distributions it computes anyway.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +33,7 @@ from specdec.ragged import RaggedLayout
 from specdec.sampling import (
     Sampling,
     dense_to_sparse,
+    penalize_logits,
     position_generator,
     ranked_top,
     round_generator,
@@ -66,13 +67,33 @@ class TreeGrower:
     beam: int = 1
     sample_top_k: int = 0
     nodes: list[_Node] = field(default_factory=list)
+    committed: Sequence[int] = ()
+    """The session's committed tokens, which a penalised request's penalties count."""
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
 
+    @property
+    def ranks_on_head(self) -> bool:
+        """Whether a greedy level may take its children from the draft's likeliest tokens found by the
+        caller (``grow_top``): not when penalties reorder them, which only ``grow`` applies."""
+        return self.sampling.greedy and not self.sampling.penalized
+
+    def path_tokens(self, node: int) -> list[int]:
+        """The tokens from the root's child down to ``node`` (none for the root, -1)."""
+        tokens: list[int] = []
+        while node >= 0:
+            tokens.append(self.nodes[node].token)
+            node = self.nodes[node].parent
+        return tokens[::-1]
+
     def grow(self, parent: int, logits: torch.Tensor) -> None:
-        """Adds the children of ``parent`` (-1: the root) from the draft's logits ``[V]`` after it."""
+        """Adds the children of ``parent`` (-1: the root) from the draft's logits ``[V]`` after it,
+        penalised (for a penalised request) by the committed tokens and the path to ``parent``, as the
+        target penalises that node's row."""
         depth = 1 if parent < 0 else self.nodes[parent].depth + 1
         base = 0.0 if parent < 0 else self.nodes[parent].logp
         width = self.shape.width
+        if self.sampling.penalized:
+            logits = penalize_logits(logits[None], self.sampling, self.committed, [self.path_tokens(parent)])[0]
         if self.sampling.greedy:
             probs = torch.softmax(logits.float(), -1)  # [V]
             # Ranked on the logits, as the verifier's argmax is: a softmax can round two of them to one.
@@ -211,7 +232,7 @@ def grow_level(
     node. Greedy trees take their likeliest ``width`` children for all their rows at once, from
     ``top_of(rows, width)`` (host lists ``[G, width]`` of ids and probabilities); the others draw from
     ``logits_of(rows)`` (``[S, V]`` on the host), row by row."""
-    greedy = [r for r, (grower, _) in enumerate(growing) if grower.sampling.greedy]
+    greedy = [r for r, (grower, _) in enumerate(growing) if grower.ranks_on_head]
     if greedy:
         ids, probs = top_of(greedy, max(growing[r][0].shape.width for r in greedy))
         for row, r in enumerate(greedy):

@@ -12,6 +12,12 @@ Each round therefore commits ``accepted + 1`` tokens. With p and q computed afte
 temperature / top-k / top-p, and q exactly the distribution the draft sampled from, the committed
 tokens are distributed exactly as tokens sampled from the target alone.
 
+*Penalties and logit bias* (``penalize_logits``) transform the logits before any of that, at every
+position from the tokens before it: the committed ones and, for a draft position, the draft tokens
+on the path to it. The target's p must be penalised this way, row by row, for the output to be the
+penalised target's; the draft penalises its q the same way so that q stays close to p (the rule is
+exact for any q that is truly what the draft drew from, but accepts less the further q strays).
+
 *Coupled* sampling (``Sampling.coupled``, for seeded requests) trades some acceptance for output
 that no draft can change: the token at sequence position j is the Gumbel-max draw
 argmax_v(log p_j(v) + g_j(v)) with noise g_j keyed by (seed, j) alone. The draft draws its proposal
@@ -24,6 +30,7 @@ coordinator ran the round, so a resumed stream replays exactly what its client s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +81,54 @@ def verify_coupled(p: torch.Tensor, draft_tokens: list[int], seed: int, position
         if i == k or draft_tokens[i] != token:
             return Verdict(i, [*draft_tokens[:i], token])
     raise AssertionError("unreachable: the loop returns at i == k")
+
+
+def penalize_logits(
+    logits: torch.Tensor, sampling: Sampling, committed: Sequence[int], paths: Sequence[Sequence[int]] | None = None
+) -> torch.Tensor:
+    """The logits ``[n, V]`` after the request's logit bias and penalties (unchanged when it has none).
+
+    Row i scores the token after ``committed`` then ``paths[i]`` (the draft tokens before it; None:
+    every row follows ``committed`` alone). In order, as vLLM applies them:
+
+    1. ``logit_bias[t]`` is added to logits[t];
+    2. the repetition penalty r divides a positive logit by r and multiplies a negative one by r, for
+       every token seen in the prompt or the output (committed or on the path);
+    3. logits[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0), count[t] being
+       how often t occurs in the turn's output (committed from ``sampling.output_start`` on, then the
+       path): OpenAI's definition.
+
+    Greedy decoding takes the argmax of the result, sampling warps it (``warp_probs``).
+    """
+    if not sampling.penalized:
+        return logits
+    n, vocab = logits.shape
+    device = logits.device
+    out = logits.float().clone()  # [n, V]
+    if sampling.logit_bias:
+        ids = torch.tensor([t for t, _ in sampling.logit_bias], dtype=torch.long, device=device)  # [B]
+        out[:, ids] += torch.tensor([b for _, b in sampling.logit_bias], dtype=torch.float32, device=device)
+    paths = paths if paths is not None else [()] * n
+    if len(paths) != n:
+        raise ValueError(f"penalize_logits: {len(paths)} paths for {n} rows")
+    output = torch.tensor(list(committed[sampling.output_start :]), dtype=torch.long)  # [T]
+    counts = torch.bincount(output, minlength=vocab)[:vocab].float().expand(n, vocab).clone()  # [n, V]
+    rows = [i for i, path in enumerate(paths) for _ in path]
+    if rows:
+        cols = torch.tensor([t for path in paths for t in path], dtype=torch.long)
+        counts.index_put_((torch.tensor(rows, dtype=torch.long), cols), torch.ones(len(rows)), accumulate=True)
+    counts = counts.to(device)
+    if sampling.repetition_penalty != 1.0:
+        prompt = torch.tensor(list(committed[: sampling.output_start]), dtype=torch.long)  # [P]
+        seen = (counts > 0) | (torch.bincount(prompt, minlength=vocab)[:vocab] > 0).to(device)  # [n, V]
+        r = sampling.repetition_penalty
+        out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+    return out - sampling.frequency_penalty * counts - sampling.presence_penalty * (counts > 0).float()
+
+
+def chain_paths(draft_tokens: Sequence[int]) -> list[list[int]]:
+    """The draft tokens before each of a chain's ``k + 1`` verified rows (row i follows the first i)."""
+    return [list(draft_tokens[:i]) for i in range(len(draft_tokens) + 1)]
 
 
 def warp_probs(logits: torch.Tensor, sampling: Sampling, extra_top_k: int = 0) -> torch.Tensor:

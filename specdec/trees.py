@@ -86,3 +86,12 @@ def path_to(parents: Sequence[int], node: int) -> list[int]:
         path.append(node)
         node = parents[node]
     return path[::-1]
+
+
+def node_paths(tokens: Sequence[int], parents: Sequence[int]) -> list[list[int]]:
+    """The draft tokens before each row a tree is scored in: ``[]`` for the root's row, then for node
+    i the tokens from the root's child down to i itself (what row i + 1 follows)."""
+    out: list[list[int]] = [[]]
+    for i, parent in enumerate(parents):
+        out.append([*out[parent + 1], tokens[i]])
+    return out

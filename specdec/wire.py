@@ -4,16 +4,31 @@ the coordinator uses them too; hidden states convert in ``specdec.hidden_wire``)
 from __future__ import annotations
 
 from specdec.batching import PassLoad
-from specdec.sampling_params import Sampling, check_sampling
+from specdec.sampling_params import Sampling, check_penalties, check_sampling
 from specdec.v1 import common_pb2, target_pb2
 from specdec.vocab import ModelFacts
 
 
 def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
-    """Core sampling settings from the wire; top_p 0 (unset) reads as 1 (off)."""
+    """Core sampling settings from the wire; top_p and repetition_penalty 0 (unset) read as 1 (off).
+    The logit bias's token ids are the engines' to bound: they know their vocabulary."""
     top_p = msg.top_p if msg.top_p > 0 else 1.0
+    repetition = msg.repetition_penalty if msg.repetition_penalty != 0 else 1.0
     check_sampling(msg.temperature, msg.top_k, top_p, "sampling.")
-    return Sampling(temperature=msg.temperature, top_k=msg.top_k, top_p=top_p, seed=msg.seed, coupled=msg.coupled)
+    bias = tuple(sorted(msg.logit_bias.items()))
+    check_penalties(msg.presence_penalty, msg.frequency_penalty, repetition, bias, None, "sampling.")
+    return Sampling(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=top_p,
+        seed=msg.seed,
+        coupled=msg.coupled,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=repetition,
+        logit_bias=bias,
+        output_start=msg.output_start,
+    )
 
 
 def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
@@ -24,6 +39,11 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         top_p=sampling.top_p,
         seed=sampling.seed,
         coupled=sampling.coupled,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=dict(sampling.logit_bias),
+        output_start=sampling.output_start,
     )
 
 

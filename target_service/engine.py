@@ -20,6 +20,8 @@ from specdec.ragged import RaggedItem, ragged_forward, ragged_unsupported
 from specdec.sampling import (
     Sampling,
     Verdict,
+    chain_paths,
+    penalize_logits,
     round_generator,
     sparse_to_dense,
     verify_coupled,
@@ -29,7 +31,7 @@ from specdec.sampling import (
 )
 from specdec.side_layers import check_side_layers
 from specdec.tree_verify import TreeVerdict, verify_tree_coupled, verify_tree_greedy, verify_tree_sampled
-from specdec.trees import MAX_TREE_NODES, check_parents, depths, is_chain
+from specdec.trees import MAX_TREE_NODES, check_parents, depths, is_chain, node_paths
 from specdec.vocab import ModelFacts
 from target_service.pass_costs import PassCosts
 
@@ -322,6 +324,7 @@ class TargetEngine:
         if call.feed_rows:
             return self._prepare_feed(index, call)
         self._check_tokens(call.draft_tokens, "draft_tokens")
+        self._check_tokens([t for t, _ in call.sampling.logit_bias], "sampling.logit_bias")
         reach = len(call.draft_tokens)
         if call.draft_parents:
             if len(call.draft_parents) != len(call.draft_tokens):
@@ -433,7 +436,7 @@ class TargetEngine:
                 outcomes.append((p, VerifyOutcome(0, [], len(cache.committed), rows_out)))
                 continue
             try:
-                verdict = self._verdict(call, item_logits, len(cache.committed))
+                verdict = self._verdict(call, item_logits, cache.committed)
             except Exception as exc:  # noqa: BLE001 - one session's verdict never fails the others in its pass
                 cache.trim()  # the draft rows this pass cached follow no committed token
                 outcomes.append((p, exc))
@@ -476,10 +479,18 @@ class TargetEngine:
             for p, o in outcomes
         ]
 
-    def _verdict(self, call: VerifyCall, logits: torch.Tensor, position: int) -> Verdict | TreeVerdict:
-        """The round's acceptance decision over its chain or tree; ``position``: the sequence position of
-        the root's children (the committed length)."""
+    def _verdict(self, call: VerifyCall, logits: torch.Tensor, committed: list[int]) -> Verdict | TreeVerdict:
+        """The round's acceptance decision over its chain or tree, after ``committed`` (whose length is
+        the sequence position of the root's children).
+
+        A penalised request's rows are penalised first, each by the committed tokens and the draft
+        tokens on its own path (``specdec.sampling.penalize_logits``): greedy then takes their argmax,
+        sampling warps them. The draft transformed its q the same way."""
         tree = call.tree
+        position = len(committed)
+        if call.sampling.penalized:
+            paths = chain_paths(call.draft_tokens) if tree is None else node_paths(call.draft_tokens, tree)
+            logits = penalize_logits(logits, call.sampling, committed, paths)  # [k + 1, V] or [n + 1, V]
         if tree is None:
             if call.sampling.greedy:
                 return verify_greedy(logits, call.draft_tokens)
