@@ -4,7 +4,8 @@ shaping chunks and stats into completions, chat completions and their stream chu
 Pure functions over JSON values, with no HTTP in them: ``coordinator.openai_api`` serves them. A
 request that no exact generation can serve is refused with an ``ApiError`` naming the parameter,
 never silently approximated: an unsupported parameter set to anything but its neutral value (for
-example ``logprobs``, ``presence_penalty``) is a 400.
+example ``logprobs``, ``tools``) is a 400. Penalties and ``logit_bias`` are served exactly: they
+transform the draft's and the target's logits alike (``specdec.sampling.penalize_logits``).
 
 A request asks for one choice per prompt times ``n``: chat has one prompt, completions a string, an
 array of strings, token ids or an array of token-id arrays. Each choice is a ``GenerationRequest`` of
@@ -27,7 +28,7 @@ from typing import Any
 
 from coordinator.server import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from coordinator.turns import GenerationRequest, Stats
-from specdec.sampling_params import check_sampling
+from specdec.sampling_params import check_penalties, check_sampling
 
 # OpenAI's default for /v1/completions when max_tokens is absent; chat runs to the context's end.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -45,9 +46,6 @@ _NEUTRAL = {
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
@@ -167,8 +165,13 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
     seed = _seed(_typed(body, "seed", int))
     # top_k is not OpenAI's, but vLLM and llama.cpp take it; 0 keeps every token.
     top_k, top_p = _typed(body, "top_k", int) or 0, _number(body, "top_p", 1.0)
+    presence, frequency = _number(body, "presence_penalty", 0.0), _number(body, "frequency_penalty", 0.0)
+    # repetition_penalty is vLLM's extension (over prompt and output); 1 is off.
+    repetition = _number(body, "repetition_penalty", 1.0)
+    logit_bias = _logit_bias(body.get("logit_bias"))
     try:
         check_sampling(temperature, top_k, top_p)
+        check_penalties(presence, frequency, repetition, logit_bias, vocab_size)
     except ValueError as exc:
         param, _, message = str(exc).partition(": ")
         raise invalid(param, message) from None
@@ -181,6 +184,10 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         top_p=top_p,
         seed=seed,
         stop=_stop(body.get("stop")),
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        logit_bias=logit_bias,
         fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32],
     )
     choices = tuple(
@@ -264,6 +271,25 @@ def _prompts(value: Any, vocab_size: int) -> list[str | tuple[int, ...]]:
         else:
             raise invalid("prompt", f"{where}must be a string or an array of token ids".strip())
     return prompts
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``, an object from token ids (as strings: JSON keys) to numbers, as sorted
+    (id, bias) pairs; the ranges are ``check_penalties``'."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", f"must be an object mapping token ids to numbers, not {json.dumps(value)[:40]}")
+    pairs = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid("logit_bias", f"{json.dumps(key)[:40]} is not a token id") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise invalid("logit_bias", f"the bias of token {token} must be a number, not {json.dumps(bias)[:40]}")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _stop(value: Any) -> tuple[str, ...]:

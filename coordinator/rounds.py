@@ -147,7 +147,7 @@ class RoundLoop:
         stats = Stats(prompt_tokens=state.prompt_len, generated_tokens=len(record.tokens) - state.prompt_len)
         # A seeded request samples coupled: its tokens then depend on no draft, outage or coordinator.
         coupled = request.seed is not None and request.temperature > 0
-        sampling = Sampling(request.temperature, request.top_k, request.top_p, state.seed, coupled)
+        sampling = request.sampling(state.seed, coupled, state.prompt_len)
         turn = Turn(request, record, resumed, sampling, stats, remaining_s, record.draft, record.target)
         self.policy.start(turn)
         span.set_attributes(

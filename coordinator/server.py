@@ -45,7 +45,7 @@ from specdec.rpc import (
     status_of,
     wait_ready,
 )
-from specdec.sampling_params import check_sampling
+from specdec.sampling_params import check_penalties, check_sampling
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
 
@@ -86,6 +86,9 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
         raise ValueError(f"max_new_tokens: {request.max_new_tokens} exceeds the model's context of {max_context}")
     top_p = request.top_p if request.HasField("top_p") else 1.0
     check_sampling(request.temperature, request.top_k, top_p)
+    repetition = request.repetition_penalty if request.HasField("repetition_penalty") else 1.0
+    logit_bias = tuple(sorted(request.logit_bias.items()))
+    check_penalties(request.presence_penalty, request.frequency_penalty, repetition, logit_bias, None)
     if len(request.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
         # Every round searches the new text for each of them, on the loop that serves every request.
         raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
@@ -115,6 +118,10 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
         resume=resume,
         fingerprint=fingerprint(request),
         tree_nodes=tree_nodes,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        repetition_penalty=repetition,
+        logit_bias=logit_bias,
     )
 
 

@@ -19,7 +19,7 @@ from coordinator.prompts import build_turn
 from coordinator.replicas import CacheRef
 from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable, TurnState, is_session_id
 from coordinator.tree_choice import TreeAcceptance
-from specdec.sampling_params import Sampling
+from specdec.sampling_params import Sampling, check_penalties
 from specdec.token_lists import common_prefix_len
 from specdec.trees import depths
 from specdec.vocab import ModelFacts
@@ -81,8 +81,29 @@ class GenerationRequest:
     owner: str = ""
     # Most nodes of a round's token tree; None: the coordinator's default, 0: chains only.
     tree_nodes: int | None = None
+    # Logit transforms (``specdec.sampling.penalize_logits``), applied to draft and target alike.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # The prompt as token ids, appended to the session's tokens as given (no template, no special tokens).
     prompt_token_ids: tuple[int, ...] | None = None
+
+    def sampling(self, seed: int, coupled: bool, output_start: int) -> Sampling:
+        """The turn's sampling settings; ``output_start``: the committed length where its output begins
+        (the presence and frequency penalties count the tokens from there on)."""
+        return Sampling(
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            seed,
+            coupled,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias=self.logit_bias,
+            output_start=output_start,
+        )
 
 
 @dataclass
@@ -240,6 +261,14 @@ class Turns:
     async def open(self, request: GenerationRequest, new_id: str) -> tuple[SessionRecord, bool]:
         """The session's record with this request's turn in ``record.turn``, and whether the turn is
         resumed (it ran before, on this or another coordinator). The turn takes the session's lease."""
+        # The biased token ids are checked here, where the served vocabulary is known.
+        check_penalties(
+            request.presence_penalty,
+            request.frequency_penalty,
+            request.repetition_penalty,
+            request.logit_bias,
+            self._facts.vocab_size,
+        )
         record = await self._load(request, new_id)
         if request.resume is not None:
             if record.turn is not None and record.turn.fingerprint == request.fingerprint:

@@ -171,12 +171,20 @@ def build_request(
     k: int | None = None,
     tree_nodes: int | None = None,
     prompt_token_ids: Sequence[int] | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    logit_bias: Mapping[int, float] | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The wire request for a prompt: a ``str`` is plain text, a list of dicts is chat. With ``prompt``
     None, ``prompt_token_ids`` are the prompt, token ids taken as given (no template, no special tokens).
 
     Raises InvalidArgument, naming the field, for what the wire cannot carry (a wrong type, an
     integer outside its field's range); the coordinator checks the rest. ``stop`` may be one string.
+
+    ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2], over this turn's output),
+    ``repetition_penalty`` (vLLM's, in (0, 2]; None: off) and ``logit_bias`` (token id -> bias in
+    [-100, 100]) transform the draft's and the target's logits alike, so speculation stays exact.
     """
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     _check_fields(
@@ -189,6 +197,10 @@ def build_request(
         temperature=temperature,
         top_p=top_p,
         tree_nodes=tree_nodes,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
+        logit_bias=logit_bias,
     )
     request = coordinator_pb2.GenerateRequest(
         max_new_tokens=max_new_tokens,
@@ -197,7 +209,12 @@ def build_request(
         top_p=top_p,
         stop=stop,
         session_id=session_id or "",
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        logit_bias={int(t): float(b) for t, b in (logit_bias or {}).items()},
     )
+    if repetition_penalty is not None:
+        request.repetition_penalty = repetition_penalty
     if prompt_token_ids is not None:
         # The wire's int32; the coordinator checks the ids against its vocabulary.
         integers = all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids)
@@ -252,9 +269,23 @@ def _check_fields(prompt: Prompt, stop: tuple, **fields) -> None:
             isinstance(value, bool) or not hasattr(value, "__index__") or not lo <= operator.index(value) <= hi
         ):
             raise invalid(f"{name}: must be an integer in [{lo}, {hi}]")
-    for name in ("temperature", "top_p"):
-        if isinstance(fields[name], bool) or not isinstance(fields[name], numbers.Real):
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = fields[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
             raise invalid(f"{name}: must be a number")
+    bias = fields["logit_bias"]
+    if bias is not None and (
+        not isinstance(bias, Mapping)
+        or not all(
+            isinstance(t, numbers.Integral)
+            and not isinstance(t, bool)
+            and 0 <= t < 2**31
+            and isinstance(b, numbers.Real)
+            and not isinstance(b, bool)
+            for t, b in bias.items()
+        )
+    ):
+        raise invalid("logit_bias: give a mapping of token ids in [0, 2**31) to numbers")
 
 
 def _attempts(

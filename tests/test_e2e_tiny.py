@@ -90,6 +90,73 @@ def test_draft_equal_to_target_accepts_everything(tiny_target, tiny_dir, redis_u
     assert result.stats.rounds == 4 and result.stats.mean_accepted_length == k + 1
 
 
+class OpenAIPenalties:
+    """OpenAI's presence and frequency penalties over the tokens generated after ``prompt_len``, as a
+    transformers logits processor: the reference, written apart from ``specdec.sampling``."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids.tolist()):
+            output = ids[self.prompt_len :]
+            for token in set(output):
+                scores[row, token] -= self.frequency * output.count(token) + self.presence
+        return scores
+
+
+PENALTIES = dict(presence_penalty=0.9, frequency_penalty=0.6, repetition_penalty=1.3, logit_bias={5: 2.5, 1: -100.0})
+
+
+def hf_penalised_greedy(loaded, prompt: str, max_new_tokens: int) -> list[int]:
+    """Target-only greedy decoding with HF generate and the equivalent logits processors, in the order
+    specdec applies them: logit bias, repetition penalty, then presence and frequency penalties."""
+    from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    ids = loaded.tokenizer.encode(prompt, add_special_tokens=False)
+    processors = LogitsProcessorList(
+        [
+            SequenceBiasLogitsProcessor({(t,): b for t, b in PENALTIES["logit_bias"].items()}),
+            RepetitionPenaltyLogitsProcessor(PENALTIES["repetition_penalty"]),
+            OpenAIPenalties(len(ids), PENALTIES["presence_penalty"], PENALTIES["frequency_penalty"]),
+        ]
+    )
+    with torch.inference_mode():
+        out = loaded.model.generate(
+            torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, logits_processor=processors
+        )
+    return out[0, len(ids) :].tolist()
+
+
+@pytest.mark.parametrize("k,tree_nodes", [(0, 0), (3, 0), (6, 0), (3, 6)], ids=["k0", "k3", "k6", "tree6"])
+def test_penalised_greedy_equals_penalised_target_only(client, tiny_target, k, tree_nodes):
+    """Greedy speculation with penalties and a logit bias gives the penalised target's own greedy
+    tokens (HF generate with the same logits processors), chains and trees alike."""
+    for prompt in PROMPTS:
+        want = hf_penalised_greedy(tiny_target, prompt, 30)
+        got = client.complete(prompt, max_new_tokens=30, k=k, tree_nodes=tree_nodes, **PENALTIES)
+        assert got.token_ids == want, prompt
+        # The penalties change the answer (EOS is banned, so it runs the whole length).
+        assert want != hf_greedy(tiny_target, prompt, 30) and len(want) == 30
+
+
+def test_penalties_count_only_this_turns_output(client, tiny_target):
+    """A session's second turn counts its own output only: its answer equals a fresh request's over
+    the whole history, whose prompt is what the first turn committed."""
+    first = client.complete("w1 w2 w3", max_new_tokens=8, k=3, presence_penalty=1.5, frequency_penalty=1.0)
+    second = client.complete(
+        " w4", max_new_tokens=12, k=3, presence_penalty=1.5, frequency_penalty=1.0, session_id=first.session_id
+    )
+    history = tiny_target.tokenizer.encode("w1 w2 w3", add_special_tokens=False) + first.token_ids
+    history += tiny_target.tokenizer.encode(" w4", add_special_tokens=False)
+    fresh = client.complete(
+        tiny_target.tokenizer.decode(history), max_new_tokens=12, k=0, presence_penalty=1.5, frequency_penalty=1.0
+    )
+    assert tiny_target.tokenizer.encode(tiny_target.tokenizer.decode(history), add_special_tokens=False) == history
+    assert second.token_ids == fresh.token_ids
+
+
 def test_stream_chunks_add_up_to_complete(client):
     chunks = list(client.stream(PROMPTS[1], max_new_tokens=25, k=3))
     final = chunks[-1]
@@ -261,6 +328,11 @@ BAD = [
     (dict(k=33), "k"),
     (dict(k=-1), "k"),
     (dict(prompt="w1 " * 300), "prompt"),
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.1), "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logit_bias={32: 1.0}), "logit_bias"),  # the tiny vocabulary has 32 tokens
+    (dict(logit_bias={3: 101.0}), "logit_bias"),
 ]
 
 

@@ -186,6 +186,30 @@ def test_chat_equals_grpc_sdk_and_target_only(served, model, sync_client, tiny_t
     assert spec["rounds"] >= 1 and spec["drafted_tokens"] > 0
 
 
+def test_penalties_and_logit_bias_equal_the_grpc_sdk(served, model, sync_client, tokenizer):
+    """Penalties and a logit bias reach the round loop as the gRPC API's: the same greedy tokens, and
+    not those of the plain request (the bias bans the plain answer's first token)."""
+    plain = sync_client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"return_token_ids": True}
+    )
+    first = plain.choices[0].model_extra["token_ids"][0]
+    penalties = dict(presence_penalty=1.2, frequency_penalty=0.7, logit_bias={first: -100.0})
+    with Client(served.grpc, timeout=60, api_key=KEY) as grpc_client:
+        grpc_reply = grpc_client.complete(PROMPT, max_new_tokens=12, **penalties)
+    reply = sync_client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=1.2,
+        frequency_penalty=0.7,
+        logit_bias={str(first): -100},
+        extra_body={"return_token_ids": True},
+    )
+    assert reply.choices[0].model_extra["token_ids"] == grpc_reply.token_ids
+    assert first not in grpc_reply.token_ids
+
+
 def test_chat_stream_with_usage(sync_client, model, tiny_target, tokenizer):
     stream = sync_client.chat.completions.create(
         model=model,
@@ -434,6 +458,13 @@ def test_conversations_map_is_bounded_and_exact():
         ("/v1/completions", {"model": "M", "prompt": [PROMPT] * 33, "n": 2}, 400, "prompt"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "frequency_penalty": "x"}, 400, "frequency_penalty"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logit_bias": {"32": 1}}, 400, "logit_bias"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logit_bias": {"3": 150}}, 400, "logit_bias"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logit_bias": {"w3": 1}}, 400, "logit_bias"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logit_bias": [3]}, 400, "logit_bias"),
         (
             "/v1/chat/completions",
             {"model": "M", "messages": CHAT, "stream_options": {"include_usage": True}},
