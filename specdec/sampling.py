@@ -220,6 +220,39 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int], ge
     return Verdict(k, [*draft_tokens, int(bonus)])
 
 
+# Most alternatives a logprobs request may ask for per token (OpenAI's limit for top_logprobs).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log probability under the target and its ``top`` alternatives
+    ((token id, logprob) pairs, likeliest first, ties in index order)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Each token's log probability under the raw model distribution of its row of ``logits [n, V]``
+    (the target's own, before penalties, bias, temperature, top-k and top-p, as vLLM reports by
+    default) and the ``top`` likeliest tokens there. They are ranked on the logits themselves, as
+    ``verify_greedy``'s argmax picks (a log-softmax can round two logits to one value), so without
+    penalties or a bias the first alternative is the greedy token."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+    chosen = logp.gather(-1, torch.tensor(list(tokens), dtype=torch.long, device=logp.device)[:, None])[:, 0]  # [n]
+    out = []
+    best = ranked_top(logits.float(), top).cpu() if top > 0 else None  # [n, top]
+    for i, token in enumerate(tokens):
+        alternatives: tuple[tuple[int, float], ...] = ()
+        if best is not None:
+            ids = best[i].tolist()
+            alternatives = tuple(zip(ids, logp[i, best[i].to(logp.device)].tolist()))
+        out.append(TokenLogprob(int(token), float(chosen[i]), alternatives))
+    return out
+
+
 def sparse_to_dense(token_ids: list[int], probs: list[float], vocab_size: int) -> torch.Tensor:
     """Rebuilds a dense ``[V]`` distribution from its sparse wire form."""
     dense = torch.zeros(vocab_size, dtype=torch.float32)

@@ -18,12 +18,15 @@ from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel
 from specdec.ragged import RaggedItem, ragged_forward, ragged_unsupported
 from specdec.sampling import (
+    MAX_TOP_LOGPROBS,
     Sampling,
+    TokenLogprob,
     Verdict,
     chain_paths,
     penalize_logits,
     round_generator,
     sparse_to_dense,
+    token_logprobs,
     verify_coupled,
     verify_greedy,
     verify_sampled,
@@ -78,6 +81,8 @@ class VerifyCall:
     side_layers: tuple[int, ...] = ()
     # A token tree: each draft token's parent (``specdec.trees``); empty: the draft tokens are a chain.
     draft_parents: tuple[int, ...] = ()
+    # Not None: report each committed token's log probability with this many alternatives.
+    top_logprobs: int | None = None
 
     @property
     def tree(self) -> tuple[int, ...] | None:
@@ -138,6 +143,8 @@ class VerifyOutcome:
     load: PassLoad | None = None
     # A tree's accepted nodes, root to leaf (indices into its draft tokens); None for a chain.
     path: list[int] | None = None
+    # When asked: one per committed token, from the target's raw logits of this pass.
+    logprobs: list[TokenLogprob] | None = None
 
 
 def stamp_queue_wait(outcome: VerifyOutcome, queue_ms: float) -> VerifyOutcome:
@@ -338,6 +345,8 @@ class TargetEngine:
             reach = max(depths(call.draft_parents), default=0)
         elif len(call.draft_tokens) > MAX_K:
             raise ValueError(f"draft_tokens: at most {MAX_K} per round, got {len(call.draft_tokens)}")
+        if call.top_logprobs is not None and not 0 <= call.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs: must lie in [0, {MAX_TOP_LOGPROBS}]")
         if not call.sampling.greedy:
             if len(call.q) != len(call.draft_tokens):
                 raise ValueError(
@@ -442,6 +451,12 @@ class TargetEngine:
                 outcomes.append((p, exc))
                 continue
             path = verdict.path if isinstance(verdict, TreeVerdict) else None
+            logprobs = None
+            if call.top_logprobs is not None:
+                # Committed token j came from row j of a chain; from the root's row, then each accepted
+                # node's row, of a tree.
+                scored = list(range(len(verdict.tokens))) if path is None else [0, *(node + 1 for node in path)]
+                logprobs = token_logprobs(item_logits[scored], verdict.tokens, call.top_logprobs)
             if path is not None:
                 # Only the accepted path's entries follow committed tokens: move them behind the chain rows.
                 lead = len(p.fed) - len(call.draft_tokens)
@@ -454,7 +469,12 @@ class TargetEngine:
             if call.with_hidden:  # keep fed positions that were committed; the newest token is fed next round
                 rows_out = HiddenRows(start, item_hidden[: len(cache.committed) - 1 - start])
             outcomes.append(
-                (p, VerifyOutcome(verdict.accepted, verdict.tokens, len(cache.committed), rows_out, path=path))
+                (
+                    p,
+                    VerifyOutcome(
+                        verdict.accepted, verdict.tokens, len(cache.committed), rows_out, path=path, logprobs=logprobs
+                    ),
+                )
             )
         committed_all = sum(len(o.tokens) for _, o in outcomes if not isinstance(o, Exception))
         alone = self._costs.curve(0, self._curve_rows)

@@ -50,6 +50,7 @@ def verify_call_from_pb(request: target_pb2.VerifyRequest) -> VerifyCall:
         request.sync.fence,
         side_layers=tuple(request.hidden_side_layers),
         draft_parents=tuple(request.draft_parents),
+        top_logprobs=request.top_logprobs if request.HasField("top_logprobs") else None,
     )
 
 
@@ -110,6 +111,13 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                 reply.load.CopyFrom(pass_load_to_pb(load))
             if outcome.hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))
+            for entry in outcome.logprobs or ():
+                reply.logprobs.add(
+                    token=entry.token,
+                    logprob=entry.logprob,
+                    top_ids=[t for t, _ in entry.top],
+                    top_logprobs=[lp for _, lp in entry.top],
+                )
             return reply
 
 

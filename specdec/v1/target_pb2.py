@@ -26,7 +26,7 @@ from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 from specdec.v1 import draft_pb2 as specdec_dot_v1_dot_draft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x16specdec/v1/draft.proto\"\xfc\x01\n\rVerifyRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.CacheSync\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12)\n\x01q\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05round\x18\x05 \x01(\r\x12\x15\n\rreturn_hidden\x18\x06 \x01(\x08\x12\x1a\n\x12hidden_side_layers\x18\x07 \x03(\r\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\"\xa8\x01\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\r\x12(\n\x06hidden\x18\x04 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\"\n\x04load\x18\x05 \x01(\x0b\x32\x14.specdec.v1.PassLoad\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x06 \x03(\r\"\x9d\x01\n\x08PassLoad\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x18\n\x10others_committed\x18\x03 \x01(\r\x12\x0f\n\x07pass_ms\x18\x04 \x01(\x02\x12\x10\n\x08\x63urve_ms\x18\x05 \x03(\x02\x12\x10\n\x08\x61lone_ms\x18\x06 \x03(\x02\x12\x10\n\x08queue_ms\x18\x07 \x01(\x02\x12\x10\n\x08\x66\x65\x64_rows\x18\x08 \x01(\r2\x94\x02\n\rTargetService\x12?\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x18.specdec.v1.PrefillReply\x12<\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x17.specdec.v1.VerifyReply\x12?\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x18.specdec.v1.ReleaseReply\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x16specdec/v1/draft.proto\"\xa8\x02\n\rVerifyRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.CacheSync\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12)\n\x01q\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05round\x18\x05 \x01(\r\x12\x15\n\rreturn_hidden\x18\x06 \x01(\x08\x12\x1a\n\x12hidden_side_layers\x18\x07 \x03(\r\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\x12\x19\n\x0ctop_logprobs\x18\t \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_top_logprobs\"\xd4\x01\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\r\x12(\n\x06hidden\x18\x04 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\"\n\x04load\x18\x05 \x01(\x0b\x32\x14.specdec.v1.PassLoad\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x06 \x03(\r\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x9d\x01\n\x08PassLoad\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x18\n\x10others_committed\x18\x03 \x01(\r\x12\x0f\n\x07pass_ms\x18\x04 \x01(\x02\x12\x10\n\x08\x63urve_ms\x18\x05 \x03(\x02\x12\x10\n\x08\x61lone_ms\x18\x06 \x03(\x02\x12\x10\n\x08queue_ms\x18\x07 \x01(\x02\x12\x10\n\x08\x66\x65\x64_rows\x18\x08 \x01(\r2\x94\x02\n\rTargetService\x12?\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x18.specdec.v1.PrefillReply\x12<\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x17.specdec.v1.VerifyReply\x12?\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x18.specdec.v1.ReleaseReply\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,11 +34,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYREQUEST']._serialized_start=89
-  _globals['_VERIFYREQUEST']._serialized_end=341
-  _globals['_VERIFYREPLY']._serialized_start=344
-  _globals['_VERIFYREPLY']._serialized_end=512
-  _globals['_PASSLOAD']._serialized_start=515
-  _globals['_PASSLOAD']._serialized_end=672
-  _globals['_TARGETSERVICE']._serialized_start=675
-  _globals['_TARGETSERVICE']._serialized_end=951
+  _globals['_VERIFYREQUEST']._serialized_end=385
+  _globals['_VERIFYREPLY']._serialized_start=388
+  _globals['_VERIFYREPLY']._serialized_end=600
+  _globals['_PASSLOAD']._serialized_start=603
+  _globals['_PASSLOAD']._serialized_end=760
+  _globals['_TARGETSERVICE']._serialized_start=763
+  _globals['_TARGETSERVICE']._serialized_end=1039
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("sync", "draft_tokens", "q", "sampling", "round", "return_hidden", "hidden_side_layers", "draft_parents")
+    __slots__ = ("sync", "draft_tokens", "q", "sampling", "round", "return_hidden", "hidden_side_layers", "draft_parents", "top_logprobs")
     SYNC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class VerifyRequest(_message.Message):
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.CacheSync
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_draft_pb2.SparseDistribution]
@@ -26,23 +27,26 @@ class VerifyRequest(_message.Message):
     return_hidden: bool
     hidden_side_layers: _containers.RepeatedScalarFieldContainer[int]
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., return_hidden: _Optional[bool] = ..., hidden_side_layers: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., return_hidden: _Optional[bool] = ..., hidden_side_layers: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("accepted", "tokens", "committed", "hidden", "load", "accepted_nodes")
+    __slots__ = ("accepted", "tokens", "committed", "hidden", "load", "accepted_nodes", "logprobs")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     committed: int
     hidden: _common_pb2.HiddenStates
     load: PassLoad
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., load: _Optional[_Union[PassLoad, _Mapping]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenLogprob]
+    def __init__(self, accepted: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., committed: _Optional[int] = ..., hidden: _Optional[_Union[_common_pb2.HiddenStates, _Mapping]] = ..., load: _Optional[_Union[PassLoad, _Mapping]] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PassLoad(_message.Message):
     __slots__ = ("sessions", "rows", "others_committed", "pass_ms", "curve_ms", "alone_ms", "queue_ms", "fed_rows")
