@@ -1,11 +1,12 @@
 """``specdec distill``: train a draft for a target from the target's own continuations.
 
     specdec distill --target default --out drafts/smollm2-135m-token [--kind token] [--minutes 15]
-                    [--tokens 80000] [--seed 0] [--resume]
+                    [--tokens 80000] [--seed 0] [--resume] [--prompts-file FILE] [--device cuda]
 
-Builds a prompt set (templates and standard-library docstrings), collects the target's greedy and
-sampled continuations, trains the draft, evaluates it on held-out prompts and writes the draft with
-its card. Data and checkpoints live in ``--work`` so ``--resume`` continues a stopped run.
+Builds a prompt set (templates and standard-library docstrings, or the user's own prompts file),
+collects the target's greedy and sampled continuations, trains the draft, evaluates it on held-out
+prompts and writes the draft with its card. Data and checkpoints live in ``--work`` so ``--resume``
+continues a stopped run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from draft_service.distill.config import DistillConfig
+from draft_service.distill.config import DEVICES, DTYPES, DistillConfig
 from specdec.cli import extra_installed
 
 
@@ -68,12 +69,44 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec", help="converted model cache")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
+    p.add_argument("--device", choices=DEVICES, default=d.device, help="where the target and training compute")
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=d.dtype,
+        help="target dtype and training autocast; auto: the target in bfloat16 where the device computes it "
+        "natively (a GPU, a CPU with AVX-512 BF16 or AMX), else float32, and bf16 training on a GPU only",
+    )
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (they are drawn only when stderr is a terminal)"
+    )
     p.add_argument(
         "--collect-only", action="store_true", help="stop after collecting the data (train later with --resume)"
     )
     g = p.add_argument_group("data")
-    g.add_argument("--prompts", type=int, default=d.prompts, help="prompts to build (used in seeded order)")
-    g.add_argument("--held-out", type=int, default=d.held_out, help="prompts held out for evaluation")
+    g.add_argument(
+        "--prompts-file",
+        type=Path,
+        default=None,
+        help="your own prompts instead of the built-in set: OpenAI-style JSONL ({'messages': [...]} or "
+        "{'prompt': ...} a line) or ShareGPT JSON; one prompt per user turn, held out per 'category'",
+    )
+    g.add_argument(
+        "--held-out-share",
+        type=float,
+        default=d.held_out_share,
+        help="with --prompts-file: share of each category's conversations held out",
+    )
+    g.add_argument(
+        "--held-out-cap",
+        type=int,
+        default=d.held_out_cap,
+        help="with --prompts-file: at most this many conversations held out per category",
+    )
+    g.add_argument(
+        "--prompts", type=int, default=d.prompts, help="built-in set: prompts to build (used in seeded order)"
+    )
+    g.add_argument("--held-out", type=int, default=d.held_out, help="built-in set: prompts held out for evaluation")
     g.add_argument(
         "--prompt-offset",
         type=int,
@@ -133,6 +166,18 @@ def _config(args: argparse.Namespace, argv: list[str]) -> DistillConfig:
         raise SystemExit("--side-layers is for --kind feature")
     if args.init_draft and args.kind != "feature":
         raise SystemExit("--init-draft is for --kind feature")
+    if args.prompts_file is not None and not args.prompts_file.is_file():
+        raise SystemExit(f"--prompts-file {args.prompts_file}: no such file")
+    if not 0.0 <= args.held_out_share < 1.0:
+        raise SystemExit(f"--held-out-share must lie in [0, 1), not {args.held_out_share}")
+    # torch loads here only to ask for CUDA, and only when a GPU is asked for.
+    if args.device != "cpu":
+        from draft_service.distill.placement import DeviceUnavailable, require_device
+
+        try:
+            require_device(args.device)
+        except DeviceUnavailable as e:
+            raise SystemExit(f"specdec distill: {e}") from None
     work = args.work or args.cache_dir / "distill" / args.out.resolve().name
     return DistillConfig(
         target=args.target,
@@ -146,6 +191,13 @@ def _config(args: argparse.Namespace, argv: list[str]) -> DistillConfig:
         seed=args.seed,
         resume=args.resume,
         threads=args.threads,
+        device=args.device,
+        dtype=args.dtype,
+        # Bars redrawn into a log file are noise: only on a terminal.
+        progress=sys.stderr.isatty() and not args.no_progress,
+        prompts_file=args.prompts_file,
+        held_out_share=args.held_out_share,
+        held_out_cap=args.held_out_cap,
         prompts=args.prompts,
         held_out=args.held_out,
         prompt_offset=args.prompt_offset,

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from draft_service.distill.progress import Progress
 from specdec.kvcache import GrowableCache
 
 
@@ -59,11 +59,13 @@ def generate_batch(
     """
     batch = len(prompts)
     width = max(len(p) for p in prompts)
+    device = model.get_output_embeddings().weight.device
     ids = torch.full((batch, width), pad_id, dtype=torch.long)  # [B, W]
     mask = torch.zeros((batch, width), dtype=torch.long)  # [B, W]
     for row, p in enumerate(prompts):
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
+    ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, W]
     cache = GrowableCache()
     hidden = model.get_decoder()(
@@ -72,8 +74,8 @@ def generate_batch(
     head = model.get_output_embeddings()
     logits = head(hidden[:, -1]).float()  # [B, V]
     prompt_labels = _prompt_argmax(head, hidden[:, :-1], mask[:, :-1], prompts)
-    eos = torch.tensor(list(eos_ids) or [-1])
-    done = torch.zeros(batch, dtype=torch.bool)
+    eos = torch.tensor(list(eos_ids) or [-1], device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
     conts: list[list[int]] = [[] for _ in range(batch)]
     labels: list[list[int]] = [[] for _ in range(batch)]
     top_ids: list[list[torch.Tensor]] = [[] for _ in range(batch)]
@@ -87,12 +89,15 @@ def generate_batch(
             chosen = torch.multinomial(probs, 1, generator=generator)[:, 0]  # [B]
         else:
             chosen = greedy
+        # One copy to the host per step (a no-op on a CPU), not one per row and token.
+        host_chosen, host_greedy, host_done = chosen.tolist(), greedy.tolist(), done.tolist()
+        host_ids, host_vals = indices.to(torch.int32).cpu(), values.to(torch.float16).cpu()  # [B, K]
         for row in range(batch):
-            if not done[row]:
-                conts[row].append(int(chosen[row]))
-                labels[row].append(int(greedy[row]))
-                top_ids[row].append(indices[row].to(torch.int32))
-                top_vals[row].append(values[row].to(torch.float16))
+            if not host_done[row]:
+                conts[row].append(host_chosen[row])
+                labels[row].append(host_greedy[row])
+                top_ids[row].append(host_ids[row])
+                top_vals[row].append(host_vals[row])
         done |= torch.isin(chosen, eos)
         if bool(done.all()):
             break
@@ -126,9 +131,10 @@ def _prompt_argmax(
         if len(rows)
         else rows.new_zeros(0, dtype=torch.long)
     )
+    host = picks.tolist()  # one copy off the device
     out, start = [], 0
     for p in prompts:
-        out.append(picks[start : start + len(p) - 1].tolist())
+        out.append(host[start : start + len(p) - 1])
         start += len(p) - 1
     return out
 
@@ -191,16 +197,20 @@ def collect(
     token_budget: int | None = None,
     deadline: float | None = None,
     desc: str = "collect",
+    bar: bool = False,
 ) -> int:
     """Continues ``prompts`` batch by batch into shards under ``folder``; returns generated tokens.
 
     Batches whose shard exists are skipped (resume). Stops early once ``token_budget`` generated
-    tokens are on disk or ``time.monotonic()`` passes ``deadline``.
+    tokens are on disk or ``time.monotonic()`` passes ``deadline``. ``bar`` draws a progress bar
+    (else a log line now and then, ``Progress``).
     """
     folder.mkdir(parents=True, exist_ok=True)
     batches = [prompts[i : i + plan.batch_size] for i in range(0, len(prompts), plan.batch_size)]
     have = sum(len(s.tokens) - s.prompt_len for s in load_shards(folder))
-    bar = tqdm(total=token_budget or None, initial=have, desc=desc, unit="tok", dynamic_ncols=True)
+    device = model.get_output_embeddings().weight.device
+    total = token_budget or sum(len(b) for b in batches) * plan.max_new  # the budget, or at most every token
+    progress = Progress(desc, "tok", total, bar, initial=have)
     try:
         for index, batch in enumerate(batches):
             path = folder / f"shard-{index:05d}.pt"
@@ -211,12 +221,13 @@ def collect(
             ):
                 break
             temperature = plan.temperatures[index % len(plan.temperatures)]
-            generator = torch.Generator().manual_seed(plan.seed * 100_003 + index)
+            # Seeded per batch, so a resumed collection samples what an unbroken one would.
+            generator = torch.Generator(device=device).manual_seed(plan.seed * 100_003 + index)
             samples = generate_batch(model, batch, plan.max_new, temperature, eos_ids, pad_id, generator)
             save_shard(path, samples)
             made = sum(s.generated for s in samples)
             have += made
-            bar.update(made)
+            progress.update(made)
     finally:
-        bar.close()
+        progress.close()
     return have

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+DEVICES = ("cpu", "cuda")
+"""``--device`` values."""
+DTYPES = ("auto", "float32", "bfloat16")
+"""``--dtype`` values; float16 is left out because it would need loss scaling to train."""
+
 
 @dataclass(frozen=True)
 class DistillConfig:
@@ -30,7 +35,23 @@ class DistillConfig:
     collect_only: bool = False
     """Stop once the data is collected (a later ``--resume`` trains on it)."""
     threads: int = 2
+    device: str = "cpu"
+    """Where the target and the draft's training compute: ``cpu`` or ``cuda``."""
+    dtype: str = "auto"
+    """The target's dtype and the draft's training autocast (``DTYPES``); ``auto``: the target in
+    bfloat16 where the device computes it natively, else float32, and bf16 training on a GPU only
+    (``placement.resolve_placement``)."""
+    progress: bool = False
+    """Draw progress bars (the CLI turns them on when stderr is a terminal); else log a line now and then."""
     # data
+    prompts_file: Path | None = None
+    """The user's prompts (``user_prompts``: OpenAI ``messages`` JSONL or ShareGPT JSON) instead of the
+    built-in set; ``prompts`` and ``held_out`` then do not apply."""
+    held_out_share: float = 0.05
+    """With ``prompts_file``: share of each category's conversations held out."""
+    held_out_cap: int = 50
+    """With ``prompts_file``: at most this many conversations held out per category (references are
+    collected for every held-out prompt before training)."""
     prompts: int = 20_000
     """Prompts built (in a seeded order; collection uses as many as the budgets allow)."""
     held_out: int = 48
@@ -69,6 +90,7 @@ class DistillConfig:
         out = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
         out["extra_eval"] = [str(p) for p in self.extra_eval]
         out["init_draft"] = None if self.init_draft is None else str(self.init_draft)
-        for k in ("out", "work", "cache_dir", "resume", "command", "collect_only"):
+        out["prompts_file"] = None if self.prompts_file is None else str(self.prompts_file)
+        for k in ("out", "work", "cache_dir", "resume", "command", "collect_only", "progress"):
             out.pop(k)
         return out

@@ -12,11 +12,15 @@
 - *Acceptance by position* i (1..k): the share of rounds whose first i draft tokens were all
   accepted (as ``specdec bench`` reports it); *conditional* acceptance divides by the rounds that
   reached position i. *Mean accepted length* counts tokens committed per round, bonus included.
+
+Each reference is scored once into a ``Tally``; the figures of any group of references (all of them,
+or one prompt category) are summed from their tallies, so figures by category cost no second pass.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -50,19 +54,45 @@ def rounds_from_matches(matches: list[bool], k: int) -> list[int]:
     return accepted_counts
 
 
-def evaluate(draft: TokenDraft, references: list[Sample], k: int = 4) -> dict:
-    """Top-1 agreement and greedy round statistics at ``k`` over greedy ``references``."""
+@dataclass(frozen=True)
+class Tally:
+    """One reference's score: teacher-forced matches out of its positions, and its rounds' accepted counts."""
+
+    correct: int
+    positions: int
+    rounds: tuple[int, ...]
+
+
+def token_tallies(draft: TokenDraft, references: list[Sample], k: int = 4) -> list[Tally]:
+    """Each greedy reference's ``Tally`` under a token draft (in order)."""
     draft.eval()
-    correct = total = 0
-    rounds: list[int] = []
+    out = []
     for sample in references:
         if sample.generated == 0:
+            out.append(Tally(0, 0, ()))
             continue
         matches = teacher_forced_matches(draft, sample)
-        correct += int(matches.sum())
-        total += len(matches)
-        rounds += rounds_from_matches(matches.tolist(), k)
-    return _summary(correct, total, rounds, len(references), k)
+        out.append(Tally(int(matches.sum()), len(matches), tuple(rounds_from_matches(matches.tolist(), k))))
+    return out
+
+
+def evaluate(draft: TokenDraft, references: list[Sample], k: int = 4) -> dict:
+    """Top-1 agreement and greedy round statistics at ``k`` over greedy ``references``."""
+    return summarise(token_tallies(draft, references, k), k)
+
+
+def summarise(tallies: list[Tally], k: int) -> dict:
+    """The figures of a group of references from their tallies (``_summary``)."""
+    rounds = [a for t in tallies for a in t.rounds]
+    return _summary(sum(t.correct for t in tallies), sum(t.positions for t in tallies), rounds, len(tallies), k)
+
+
+def summarise_by_category(tallies: list[Tally], categories: list[str], k: int) -> dict[str, dict]:
+    """The figures of each category's references (``categories[i]`` is reference i's), by name."""
+    groups: dict[str, list[Tally]] = {}
+    for tally, category in zip(tallies, categories, strict=True):
+        groups.setdefault(category, []).append(tally)
+    return {category: summarise(groups[category], k) for category in sorted(groups)}
 
 
 @torch.inference_mode()
@@ -98,11 +128,18 @@ def _summary(correct: int, total: int, rounds: list[int], sequences: int, k: int
     }
 
 
-@torch.inference_mode()
 def evaluate_feature(
     draft: FeatureDraft, references: list[Sample], features: list[torch.Tensor], k: int = 4, lookup_min: int = 0
 ) -> dict:
-    """Top-1 agreement (teacher-forced on the target's features) and greedy rounds at ``k``.
+    """Top-1 agreement and greedy rounds at ``k`` of a feature draft (``feature_tallies``)."""
+    return summarise(feature_tallies(draft, references, features, k, lookup_min), k)
+
+
+@torch.inference_mode()
+def feature_tallies(
+    draft: FeatureDraft, references: list[Sample], features: list[torch.Tensor], k: int = 4, lookup_min: int = 0
+) -> list[Tally]:
+    """Each reference's ``Tally``: top-1 agreement (teacher-forced on the target's features) and greedy rounds at ``k``.
 
     A feature draft's later proposals read its own predicted features, so rounds cannot be derived
     from teacher-forced matches: they are replayed through ``FeatureSession`` exactly as the draft
@@ -111,19 +148,17 @@ def evaluate_feature(
     (``whole_continuation``); top-1 agreement is the model's alone either way.
     """
     draft.eval()
-    correct = total = 0
-    rounds: list[int] = []
+    out = []
     for sample, feats in zip(references, features):
         if sample.generated == 0:
+            out.append(Tally(0, 0, ()))
             continue
         tokens = torch.tensor([sample.tokens])  # [1, T]
         predicted = draft.predict(feats[None, :-1].float(), tokens[:, 1:])  # [1, T-1, D]: f_{i+1} for i < T-1
         guess = draft.head_ids[draft.head_logits(predicted[0, sample.prompt_len - 2 : -1]).argmax(-1)]  # [C]
         matches = guess == tokens[0, sample.prompt_len :]
-        correct += int(matches.sum())
-        total += len(matches)
-        rounds += replay_rounds(draft, sample, feats, k, lookup_min)
-    return _summary(correct, total, rounds, len(references), k)
+        out.append(Tally(int(matches.sum()), len(matches), tuple(replay_rounds(draft, sample, feats, k, lookup_min))))
+    return out
 
 
 def replay_rounds(draft: FeatureDraft, sample: Sample, feats: torch.Tensor, k: int, lookup_min: int = 0) -> list[int]:

@@ -160,14 +160,16 @@ def two_steps(
     """
     t = tokens.shape[1]
     x = draft._fc(tokens, features)  # [B, T, D]
-    positions = torch.arange(t).unsqueeze(0)  # [1, T]
-    causal = torch.ones(t, t, dtype=torch.bool).tril()  # [T, T]
+    positions = torch.arange(t, device=tokens.device).unsqueeze(0)  # [1, T]
+    causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()  # [T, T]
     h, (keys, values) = _decoder_layer(draft.layer, x, draft.rope(x, positions), causal)
     first = draft.norm(h)
     if not rollout or t < 2:
         return first, None
     x = draft._fc(tokens[:, 1:], first[:, :-1])  # [B, T-1, D]: the draft's own features, no side layers
-    seen = torch.cat([causal[:-1, :-1], torch.eye(t - 1, dtype=torch.bool)], dim=1)  # [T-1, 2(T-1)]
+    seen = torch.cat(
+        [causal[:-1, :-1], torch.eye(t - 1, dtype=torch.bool, device=tokens.device)], dim=1
+    )  # [T-1, 2(T-1)]
     h, _ = _decoder_layer(draft.layer, x, draft.rope(x, positions[:, 1:]), seen, (keys[:, :, :-1], values[:, :, :-1]))
     return first, draft.norm(h)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from draft_service.distill.collect import Sample
+from draft_service.distill.progress import Progress
 from specdec.side_layers import layer_outputs, with_sides
 
 FEATURE_DTYPE = torch.float16
@@ -32,11 +32,13 @@ def sample_features(model, tokens: list[list[int]], side_layers: tuple[int, ...]
     ids = torch.zeros((len(tokens), width), dtype=torch.long)  # [B, W]
     for row, t in enumerate(tokens):
         ids[row, : len(t)] = torch.tensor(t)
+    ids = ids.to(model.get_output_embeddings().weight.device)
     decoder = model.get_decoder()
     with layer_outputs(decoder.layers, side_layers) as sides:
         hidden = decoder(input_ids=ids, use_cache=False).last_hidden_state  # [B, W, D]
     hidden = with_sides(hidden, sides, side_layers)  # [B, W, D * (1 + S)]
-    return [hidden[row, : len(t)].to(FEATURE_DTYPE).clone() for row, t in enumerate(tokens)]
+    hidden = hidden.to(FEATURE_DTYPE).cpu()  # features are stored and trained from on the host
+    return [hidden[row, : len(t)].clone() for row, t in enumerate(tokens)]
 
 
 def extract_features(
@@ -46,11 +48,13 @@ def extract_features(
     batch_tokens: int = 4096,
     shard_samples: int = 64,
     side_layers: tuple[int, ...] = (),
+    bar: bool = False,
 ) -> list[torch.Tensor]:
-    """Features of every sample (in order), computing only the shards not yet on disk."""
+    """Features of every sample (in order), computing only the shards not yet on disk; ``bar`` draws
+    a progress bar (else a log line now and then)."""
     folder.mkdir(parents=True, exist_ok=True)
     out: list[torch.Tensor] = []
-    bar = tqdm(total=sum(len(s.tokens) for s in samples), desc="features", unit="tok", dynamic_ncols=True)
+    progress = Progress("features", "tok", sum(len(s.tokens) for s in samples), bar)
     try:
         for index, first in enumerate(range(0, len(samples), shard_samples)):
             group = samples[first : first + shard_samples]
@@ -65,9 +69,9 @@ def extract_features(
                 torch.save(feats, partial)
                 partial.rename(path)
             out.extend(feats)
-            bar.update(sum(len(s.tokens) for s in group))
+            progress.update(sum(len(s.tokens) for s in group))
     finally:
-        bar.close()
+        progress.close()
     return out
 
 

@@ -9,17 +9,28 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from draft_service.distill.collect import CollectPlan, collect, load_shards
 from draft_service.distill.config import DistillConfig
-from draft_service.distill.evaluate import evaluate, evaluate_feature, ms_per_step
+from draft_service.distill.evaluate import (
+    evaluate,
+    evaluate_feature,
+    feature_tallies,
+    ms_per_step,
+    summarise,
+    summarise_by_category,
+    token_tallies,
+)
 from draft_service.distill.feature_train import feature_batcher, feature_loss, make_feature_examples
 from draft_service.distill.features import extract_features
+from draft_service.distill.placement import DeviceUnavailable, Placement, resolve_placement
 from draft_service.distill.prompts import Prompt, build_prompts, harvest_stdlib, split_prompts
 from draft_service.distill.train import TrainConfig, make_examples, token_batcher, token_loss, top_tokens, train
+from draft_service.distill.user_prompts import PromptFileError, load_user_prompts
 from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.feature_draft import (
     FeatureDraftArch,
@@ -50,8 +61,8 @@ its training computes those layers with the same helpers, so it can be made for 
 
 
 class DistillError(RuntimeError):
-    """A run that cannot make a draft: an unsupported target, or nothing to train on. Its message is
-    meant for the user as it is."""
+    """A run that cannot make a draft: an unsupported target, a bad prompts file, no CUDA device for
+    ``--device cuda``, or nothing to train on. Its message is meant for the user as it is."""
 
 
 def check_target_family(config: DistillConfig) -> None:
@@ -88,7 +99,16 @@ def _references(target: LoadedModel, prompts: list[Prompt], folder: Path, config
     """The target's greedy continuations of evaluation prompts (collected once, then reused)."""
     ids = [p.render(target.tokenizer) for p in prompts]
     plan = CollectPlan(config.batch_size, config.eval_max_new, (0.0,), config.seed)
-    collect(target.model, ids, folder, plan, target.eos_token_ids, pad_id, desc=f"references {folder.name}")
+    collect(
+        target.model,
+        ids,
+        folder,
+        plan,
+        target.eos_token_ids,
+        pad_id,
+        desc=f"references {folder.name}",
+        bar=config.progress,
+    )
     return load_shards(folder)
 
 
@@ -129,6 +149,17 @@ def run(config: DistillConfig) -> dict | None:
     if config.kind not in (KIND, FEATURE_KIND):
         raise ValueError(f"unknown draft kind {config.kind!r} (expected {KIND!r} or {FEATURE_KIND!r})")
     check_target_family(config)
+    try:
+        placement = resolve_placement(config.device, config.dtype)
+    except DeviceUnavailable as e:
+        raise DistillError(str(e)) from None
+    # A bad prompts file is refused before the target loads (minutes on a large one).
+    user = None
+    if config.prompts_file is not None:
+        try:
+            user = load_user_prompts(config.prompts_file, config.held_out_share, config.held_out_cap, config.seed)
+        except (PromptFileError, OSError) as e:
+            raise DistillError(str(e)) from None
     torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     started = time.monotonic()
@@ -137,25 +168,45 @@ def run(config: DistillConfig) -> dict | None:
     if not config.resume and any(config.work.iterdir()):
         raise FileExistsError(f"{config.work} holds an earlier run: pass --resume to continue it, or remove it")
 
-    # float32: the weights hash is over float32 values, and training reads the target in float32.
+    # Loaded in float32 because the weights hash is over float32 values; then it computes (references,
+    # collection, features) in the run's dtype on its device.
     target = load_model(config.target, config.cache_dir, dtype=torch.float32)
     target.model.requires_grad_(False)
     target_hash = target_weights_hash(target.model)
+    borrowed = None if (placement.device, placement.dtype) == ("cpu", torch.float32) else _borrowed(target.model)
+    target.model.to(device=placement.device, dtype=placement.dtype)
+    target = replace(target, dtype=placement.dtype)
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (target.eos_token_ids or (0,))[0]
 
-    # Prompts: a seeded set, split into training and held-out prompts.
-    stdlib = harvest_stdlib()
-    prompts = build_prompts(config.prompts, config.seed, stdlib)
-    train_prompts, held_prompts = split_prompts(prompts, config.held_out, config.seed)
-    log.info("%d prompts (%d stdlib functions harvested), %d held out", len(prompts), len(stdlib), len(held_prompts))
-
+    # Prompts: the user's file, or a seeded built-in set; split into training and held-out prompts.
+    if user is not None:
+        train_prompts, held_prompts = list(user.train), list(user.held_out)
+        source = user.record()
+        log.info(
+            "%d prompts from %s (%d conversations), %d held out",
+            len(train_prompts) + len(held_prompts),
+            config.prompts_file,
+            user.conversations,
+            len(held_prompts),
+        )
+    else:
+        stdlib = harvest_stdlib()
+        prompts = build_prompts(config.prompts, config.seed, stdlib)
+        train_prompts, held_prompts = split_prompts(prompts, config.held_out, config.seed)
+        source = {"kind": "built-in", "prompts": len(prompts), "held_out": config.held_out}
+        log.info(
+            "%d prompts (%d stdlib functions harvested), %d held out", len(prompts), len(stdlib), len(held_prompts)
+        )
+    _, held_prompts, held_too_long = _fitting(held_prompts, tokenizer, target.max_context - config.eval_max_new)
     references = _references(target, held_prompts, config.work / "eval-held-out", config, pad_id)
     t_collect = time.monotonic()
     train_prompts = train_prompts[config.prompt_offset :]
-    train_ids = [p.render(tokenizer) for p in train_prompts]
+    train_ids, train_prompts, train_too_long = _fitting(train_prompts, tokenizer, target.max_context - config.max_new)
     plan = CollectPlan(config.batch_size, config.max_new, config.temperatures, config.seed)
     collect_deadline = started + 60 * config.minutes * config.collect_share
+    before = sum(s.generated for s in load_shards(config.work / "data")) if config.resume else 0
+    t_generate = time.monotonic()
     collected = collect(
         target.model,
         train_ids,
@@ -166,7 +217,16 @@ def run(config: DistillConfig) -> dict | None:
         token_budget=config.tokens,
         deadline=collect_deadline,
         desc="collect",
+        bar=config.progress,
     )
+    generate_s = time.monotonic() - t_generate
+    if collected > before:
+        log.info(
+            "collected %d tokens in %.0f s: %.1f tokens/s",
+            collected - before,
+            generate_s,
+            (collected - before) / max(1e-9, generate_s),
+        )
     if collected == 0:
         # Training on nothing would still write a draft, and its card would look like a result.
         raise DistillError(
@@ -177,20 +237,25 @@ def run(config: DistillConfig) -> dict | None:
     samples = load_shards(config.work / "data")
     collect_s = time.monotonic() - t_collect
     used = train_prompts[: len(samples)]
+    if user is not None:
+        source["too_long_dropped"] = held_too_long + train_too_long
     data = {
-        "prompts": "templated instructions (code, chat, summarisation, QA, maths, translation) and Python "
-        "standard-library signatures/docstrings/sources, built by draft_service.distill.prompts with the seed",
+        "prompt_source": source,
+        "prompts": _describe_source(config),
         "continuations": f"target's own, batch {config.batch_size}, left padding, up to {config.max_new} new tokens, "
-        f"temperatures cycled per batch {list(config.temperatures)} (0 = greedy); labels are the "
-        "target's argmax (and top-16 logits) at every generated position, and its argmax over the prompt",
+        f"temperatures cycled per batch {list(config.temperatures)} (0 = greedy), {placement.dtype_name} on "
+        f"{placement.device}; labels are the target's argmax (and top-16 logits) at every generated position, "
+        "and its argmax over the prompt",
         "train_prompts": len(samples),
         "train_prompt_categories": _counts(p.category for p in used),
         "train_generated_tokens": sum(s.generated for s in samples),
         "train_total_tokens": sum(len(s.tokens) for s in samples),
         "held_out_prompts": len(held_prompts),
         "held_out_generated_tokens": sum(s.generated for s in references),
+        "categories": _by_category(train_prompts, samples, held_prompts, references),
     }
     log.info("training data: %s", {k: v for k, v in data.items() if isinstance(v, int)})
+    held_categories = [p.category for p in held_prompts]
 
     # The draft's head: the most frequent target tokens of the training data (frozen once chosen).
     head_path = config.work / "head_ids.pt"
@@ -216,7 +281,8 @@ def run(config: DistillConfig) -> dict | None:
         soft_weight=config.soft_weight,
         seed=config.seed,
     )
-    common = (config, target, samples, references, extra, head_ids, tconf, budget_end)
+    common = (config, target, samples, references, held_categories, extra, head_ids, tconf, budget_end, placement)
+    common += (borrowed,)
     if config.kind == FEATURE_KIND:
         draft, arch, training, metrics, train_s = _train_feature(*common, target_hash)
     else:
@@ -227,6 +293,12 @@ def run(config: DistillConfig) -> dict | None:
         "train_s": round(train_s, 1),
         "total_s": round(time.monotonic() - started, 1),
         "threads": config.threads,
+        "device": placement.device,
+        "dtype": placement.dtype_name,
+        "train_autocast": str(placement.train_dtype).removeprefix("torch."),
+        # This run's own collection only (a resumed run's earlier shards took earlier time).
+        "collected_tokens_this_run": collected - before,
+        "collect_tokens_per_s": round((collected - before) / max(1e-9, generate_s), 1) if collected > before else None,
     }
     card = _card(config, target, target_hash, arch, data, training, metrics, timing)
     (config.out / CARD_FILE).write_text(json.dumps(card, indent=2) + "\n")
@@ -234,25 +306,92 @@ def run(config: DistillConfig) -> dict | None:
     return card
 
 
-def _train_token(config, target, samples, references, extra, head_ids, tconf, budget_end):
-    """Trains, evaluates and saves a token draft; returns (draft, arch, training, metrics, seconds)."""
+@dataclass(frozen=True)
+class Borrowed:
+    """The float32 values of the target weights a draft borrows: the embedding, and the LM head when
+    it is not tied to it (None when tied)."""
+
+    embedding: torch.Tensor
+    head: torch.Tensor | None
+
+
+def _borrowed(model) -> Borrowed:
+    """Float32 host copies of the weights a draft borrows, kept before the target is cast: the draft
+    is trained and scored with the values it will be served with, not their bf16 roundings."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is None or head.weight.data_ptr() == embedding.data_ptr()
+    return Borrowed(
+        embedding.detach().to("cpu", torch.float32, copy=True),
+        None if tied else head.weight.detach().to("cpu", torch.float32, copy=True),
+    )
+
+
+def _for_drafting(target: LoadedModel, device: str, borrowed: Borrowed | None = None) -> None:
+    """Readies the target for the draft built around it once the target's own passes are over.
+
+    A draft keeps the target's embedding module by reference (outside its module tree) and cuts its
+    head rows from the LM head, so these go where the draft computes, in float32 (the draft's
+    weights' dtype) and, with ``borrowed``, back to their original values; the rest of the target is
+    never run again and stays as it is.
+    """
+    embedding = target.model.get_input_embeddings()
+    if borrowed is not None:
+        embedding.weight.data = borrowed.embedding.to(device)
+        if borrowed.head is not None:
+            target.model.get_output_embeddings().weight.data = borrowed.head.to(device)
+    embedding.to(device=device, dtype=torch.float32)
+
+
+def _place(draft, target: LoadedModel, device: str):
+    """``draft`` (and the target embedding it reads) moved to ``device``."""
+    _for_drafting(target, device)
+    return draft.to(device)
+
+
+def _train_token(
+    config,
+    target,
+    samples,
+    references,
+    held_categories,
+    extra,
+    head_ids,
+    tconf,
+    budget_end,
+    placement: Placement,
+    borrowed: Borrowed | None,
+):
+    """Trains, evaluates and saves a token draft; returns (draft, arch, training, metrics, seconds).
+
+    Training runs on the run's device; evaluation and the step timing on the CPU, where the figures
+    are comparable between runs."""
     arch = TokenDraftArch(config.layers, config.init_from, len(head_ids))
-    draft = build_token_draft(target.model, head_ids, arch)
+    _for_drafting(target, placement.device, borrowed)  # the target's own passes are over
+    draft = _place(build_token_draft(target.model, head_ids, arch), target, "cpu")
     untrained = evaluate(draft, references)
     examples = make_examples(samples, draft.vocab_to_head, config.max_len, prompt_weight=config.prompt_weight)
     t_train = time.monotonic()
     training = train(
-        draft,
+        _place(draft, target, placement.device),
         token_batcher(examples, tconf),
         token_loss(tconf),
         tconf,
         config.work / f"checkpoint-{config.kind}.pt",
         deadline=budget_end,
         resume=config.resume,
+        placement=placement,
+        bar=config.progress,
     )
     train_s = time.monotonic() - t_train
+    draft = _place(draft, target, "cpu")
     draft.requires_grad_(False)
-    metrics = {"held_out": evaluate(draft, references), "held_out_untrained": untrained}
+    tallies = token_tallies(draft, references)
+    metrics = {
+        "held_out": summarise(tallies, 4),
+        "held_out_by_category": summarise_by_category(tallies, held_categories, 4),
+        "held_out_untrained": untrained,
+    }
     for name, refs in extra.items():
         metrics[f"extra:{name}"] = evaluate(draft, refs)
     context = references[0].tokens[: references[0].prompt_len] if references else [0, 1, 2]
@@ -261,42 +400,118 @@ def _train_token(config, target, samples, references, extra, head_ids, tconf, bu
     return draft, arch, training, metrics, train_s
 
 
-def _train_feature(config, target, samples, references, extra, head_ids, tconf, budget_end, target_hash):
+def _train_feature(
+    config,
+    target,
+    samples,
+    references,
+    held_categories,
+    extra,
+    head_ids,
+    tconf,
+    budget_end,
+    placement: Placement,
+    borrowed: Borrowed | None,
+    target_hash,
+):
     """Extracts the target's features, then trains, evaluates and saves a feature draft."""
-    arch = FeatureDraftArch(head_size=len(head_ids), side_layers=config.side_layers)
-    draft = build_feature_draft(target.model, head_ids, arch)
-    start = None if config.init_draft is None else warm_start(draft, config.init_draft, target_hash)
-    sides = {"side_layers": config.side_layers}
+    sides = {"side_layers": config.side_layers, "bar": config.progress}
+    # Every target pass comes before the draft is built around the target's embedding.
     features = extract_features(target.model, samples, config.work / "features-data", **sides)
     ref_features = extract_features(target.model, references, config.work / "features-eval-held-out", **sides)
+    extra_features = {
+        name: extract_features(target.model, refs, config.work / f"features-eval-{Path(name).stem}", **sides)
+        for name, refs in extra.items()
+    }
+    arch = FeatureDraftArch(head_size=len(head_ids), side_layers=config.side_layers)
+    _for_drafting(target, placement.device, borrowed)
+    draft = _place(build_feature_draft(target.model, head_ids, arch), target, "cpu")
+    start = None if config.init_draft is None else warm_start(draft, config.init_draft, target_hash)
     before = evaluate_feature(draft, references, ref_features)
     examples = make_feature_examples(samples, features, draft.vocab_to_head, config.max_len, config.prompt_weight)
     t_train = time.monotonic()
     training = train(
-        draft,
+        _place(draft, target, placement.device),
         feature_batcher(examples, config.batch_tokens),
         lambda d, b: feature_loss(d, b, config.soft_weight),
         tconf,
         config.work / f"checkpoint-{config.kind}.pt",
         deadline=budget_end,
         resume=config.resume,
+        placement=placement,
+        bar=config.progress,
     )
     train_s = time.monotonic() - t_train
+    draft = _place(draft, target, "cpu")
     draft.requires_grad_(False)
     if start is not None:
         training["started_from"] = start
+    tallies = feature_tallies(draft, references, ref_features)
     metrics = {
-        "held_out": evaluate_feature(draft, references, ref_features),
+        "held_out": summarise(tallies, 4),
+        "held_out_by_category": summarise_by_category(tallies, held_categories, 4),
         # Before this run's training: the target's own layer, or the draft it started from.
         ("held_out_untrained" if start is None else "held_out_start"): before,
         # As the draft service serves it by default: prompt lookup first.
         "held_out_with_lookup": evaluate_feature(draft, references, ref_features, lookup_min=DraftConfig.lookup_min),
     }
     for name, refs in extra.items():
-        feats = extract_features(target.model, refs, config.work / f"features-eval-{Path(name).stem}", **sides)
-        metrics[f"extra:{name}"] = evaluate_feature(draft, refs, feats)
+        metrics[f"extra:{name}"] = evaluate_feature(draft, refs, extra_features[name])
     save_feature_draft(draft, config.out)
     return draft, arch, training, metrics, train_s
+
+
+def _fitting(prompts: list[Prompt], tokenizer, longest: int) -> tuple[list[list[int]], list[Prompt], int]:
+    """The rendered prompts of at most ``longest`` tokens (room left in the target's context for the
+    continuation), those prompts, and how many were dropped as too long."""
+    ids, kept = [], []
+    for prompt in prompts:
+        rendered = prompt.render(tokenizer)
+        if len(rendered) <= longest:
+            ids.append(rendered)
+            kept.append(prompt)
+    return ids, kept, len(prompts) - len(kept)
+
+
+def _describe_source(config: DistillConfig) -> str:
+    """What the prompts were, in words, for the card."""
+    if config.prompts_file is not None:
+        return (
+            f"the user's prompts file {config.prompts_file}: one prompt per user turn (the conversation up to "
+            "and including it; logged assistant turns are context only), split by conversation per category "
+            "(draft_service.distill.user_prompts)"
+        )
+    return (
+        "templated instructions (code, chat, summarisation, QA, maths, translation) and Python "
+        "standard-library signatures/docstrings/sources, built by draft_service.distill.prompts with the seed"
+    )
+
+
+def _by_category(train_prompts: list[Prompt], samples, held_prompts: list[Prompt], references) -> dict[str, dict]:
+    """Per category: training prompts available and continued, held-out prompts, and generated tokens."""
+    out: dict[str, dict] = {}
+
+    def entry(category: str) -> dict:
+        return out.setdefault(
+            category,
+            {
+                "train_prompts_available": 0,
+                "train_prompts": 0,
+                "train_generated_tokens": 0,
+                "held_out_prompts": 0,
+                "held_out_generated_tokens": 0,
+            },
+        )
+
+    for prompt in train_prompts:
+        entry(prompt.category)["train_prompts_available"] += 1
+    for prompt, sample in zip(train_prompts, samples):  # shards hold the prompts' continuations in order
+        entry(prompt.category)["train_prompts"] += 1
+        entry(prompt.category)["train_generated_tokens"] += sample.generated
+    for prompt, sample in zip(held_prompts, references):
+        entry(prompt.category)["held_out_prompts"] += 1
+        entry(prompt.category)["held_out_generated_tokens"] += sample.generated
+    return dict(sorted(out.items()))
 
 
 def _why_nothing(config: DistillConfig, prompts: int, started: float, t_collect: float) -> str:

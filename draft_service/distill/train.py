@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from draft_service.distill.collect import Sample
+from draft_service.distill.placement import Placement, to_device
+from draft_service.distill.progress import Progress
 from draft_service.token_draft import TokenDraft
 
 IGNORE = -100
@@ -206,21 +207,27 @@ def train(
     deadline: float | None,
     resume: bool,
     checkpoint_every_s: float = 60.0,
+    placement: Placement | None = None,
+    bar: bool = False,
 ) -> dict:
     """Trains ``draft`` in place, checkpointing to ``ckpt``; returns a summary for the card.
 
     ``batcher(rng)`` gives one shuffled epoch of batches; ``loss_fn(draft, batch)`` gives
     (loss, correct top-1, labelled positions). The schedule's length is fixed on the first run:
     ``epochs`` passes, or fewer if the steps that fit before ``deadline`` (measured on the first
-    steps) are fewer. ``resume`` continues from ``ckpt``.
+    steps) are fewer. ``resume`` continues from ``ckpt``. With ``placement``, batches move to its
+    device (where the draft must be) and the loss is computed under its autocast; the backward pass
+    and the optimiser stay in the weights' float32. ``bar`` draws a progress bar (else a log line
+    now and then).
     """
+    place = placement or Placement("cpu", torch.float32)
     params = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
     rng = random.Random(config.seed)
     per_epoch = len(batcher(random.Random(0)))
     state = {"step": 0, "total_steps": None, "seconds": 0.0, "seen_tokens": 0, "history": []}
     if resume and ckpt.exists():
-        saved = torch.load(ckpt, weights_only=False)
+        saved = torch.load(ckpt, weights_only=False, map_location="cpu")  # resumable on another device
         draft.load_state_dict(saved["draft"])
         optimizer.load_state_dict(saved["optimizer"])
         state = saved["state"]
@@ -243,21 +250,20 @@ def train(
 
     draft.train()
     last_save = time.monotonic()
-    bar = tqdm(
-        total=state["total_steps"] or planned, initial=state["step"], desc="train", unit="step", dynamic_ncols=True
-    )
+    progress = Progress("train", "step", state["total_steps"] or planned, bar, initial=state["step"])
     window: list[tuple[float, int, int]] = []
     batches: list = []
     try:
         while state["total_steps"] is None or state["step"] < state["total_steps"]:
             if not batches:
                 batches = batcher(rng)
-            batch = batches.pop()
+            batch = to_device(batches.pop(), place.device)
             started = time.monotonic()
             for group in optimizer.param_groups:
                 total = state["total_steps"] or planned
                 group["lr"] = config.lr * _lr_factor(state["step"], total, min(config.warmup_steps, total // 10 + 1))
-            loss, correct, count = loss_fn(draft, batch)
+            with place.autocast():
+                loss, correct, count = loss_fn(draft, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -275,16 +281,15 @@ def train(
                     else int(max(0.0, deadline - time.monotonic()) / (state["seconds"] / 5)) + 5
                 )
                 state["total_steps"] = max(10, min(planned, fits))
-                bar.total = state["total_steps"]
-                bar.refresh()
-            bar.update(1)
+                progress.set_total(state["total_steps"])
+            progress.update(1)
             if len(window) == 20:
                 mean_loss = sum(w[0] for w in window) / len(window)
                 acc = sum(w[1] for w in window) / max(1, sum(w[2] for w in window))
                 state["history"].append(
                     {"step": state["step"], "loss": round(mean_loss, 4), "train_top1": round(acc, 4)}
                 )
-                bar.set_postfix(loss=f"{mean_loss:.3f}", top1=f"{acc:.3f}")
+                progress.set_postfix(loss=f"{mean_loss:.3f}", top1=f"{acc:.3f}")
                 window = []
             if time.monotonic() - last_save > checkpoint_every_s:
                 save()
@@ -292,7 +297,7 @@ def train(
             if deadline is not None and time.monotonic() > deadline and state["step"] >= 5:
                 break
     finally:
-        bar.close()
+        progress.close()
         save()
         draft.eval()
     return {
