@@ -174,7 +174,9 @@ class CostModel:
     """
 
     k_max: int
-    # Priors, in milliseconds, until measurements replace them: a CPU-sized target step and a cheap draft.
+    # Priors, in milliseconds, until measurements replace them: a CPU-sized target step and a cheap
+    # draft. A coordinator replaces them at start-up with what it measured of its own draft and
+    # target (``seed``, from ``coordinator.rounds.RoundLoop.probe``).
     draft_ms_per_token: float = 2.0
     step_ms: float = 100.0
     verify_ms: list[float] = field(default_factory=list)
@@ -198,10 +200,37 @@ class CostModel:
         # which a per-token average would hide behind cheap calls (a prompt-lookup hit).
         self._draft_calls: dict[int, float] = {}
         self._draft_counts: dict[int, int] = {}
+        self._probed = False  # the priors are measured ones (``seed``)
+
+    def seed(self, probe: CostModel) -> None:
+        """Takes what a start-up probe measured (the costs recorded into ``probe``) as this model's
+        priors: the draft call's fixed part and per-token step, and the verify pass's cost at one
+        token and its growth per extra token, each fitted through the sizes the probe saw. Anything
+        the probe did not measure keeps its prior.
+
+        They stay priors, not measurements: a round's own measurement of a draft length or verify
+        size replaces them, as it replaces any prior, since calls at start-up (cold caches, a first
+        call's allocations) are less like the rounds to come than those rounds are.
+        """
+        if probe._draft_calls:
+            self.draft_ms_per_token = probe.draft_step_ms()
+            self.draft_call_ms = max(0.0, probe.draft_curve()[1] - self.draft_ms_per_token)
+            self._probed = True
+        seen = [n for n in range(1, len(probe.verify_ms)) if probe._seen[n]]
+        if seen:
+            low, high = seen[0], seen[-1]
+            ms = probe.verify_ms
+            slope = max(0.0, (ms[high] - ms[low]) / (high - low)) if high > low else self.growth * ms[low]
+            self.step_ms = max(ms[low] - slope * (low - 1), 1e-3)
+            self.growth = slope / self.step_ms
 
     def record_draft(self, ms: float, tokens: int) -> None:
         """Folds in one draft call that proposed ``tokens`` tokens in ``ms`` end to end."""
         if tokens > 0:
+            if not self._draft_calls and not self._probed:
+                # The first measurement replaces an assumed prior, as a verify size's does: one 20
+                # times too cheap (a model draft's, not a 2 ms/token one's) took a dozen calls to forget.
+                self.draft_ms_per_token = ms / tokens
             self.draft_ms_per_token += self.smoothing * (ms / tokens - self.draft_ms_per_token)
             known = self._draft_calls.get(tokens)
             self._draft_calls[tokens] = ms if known is None else known + self.smoothing * (ms - known)

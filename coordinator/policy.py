@@ -202,6 +202,21 @@ class SpeculationPolicy:
         elif outcome.model_drafted and turn.sampling.greedy:
             self.fleet.record(outcome.drafted, outcome.verdict.accepted)
 
+    def observe_probe(self, probed: CostModel, outcome: RoundOutcome) -> None:
+        """Learns from a round of the start-up probe (``coordinator.rounds.RoundLoop.probe``): its
+        costs into ``probed``, which then seeds the measured costs' priors (``CostModel.seed``), and
+        its acceptance into the fleet's, as any greedy round's. The load it saw is not kept: a
+        request's first round measures the load it meets.
+
+        The fixed prior costs of sampled requests stay as they are: their k, and so their draws, must
+        not depend on what a probe happened to time.
+        """
+        if self._prices_drafting(outcome) and outcome.plan.tree is None:
+            probed.record_draft(outcome.draft_ms, outcome.drafted)
+        probed.record_verify(outcome.verify_ms, outcome.drafted + 1, outcome.verdict.load)
+        if outcome.model_drafted and outcome.verdict.path is None:
+            self.fleet.record(outcome.drafted, outcome.verdict.accepted)
+
     def _prices_drafting(self, outcome: RoundOutcome) -> bool:
         """Whether the round's draft call prices a draft of its length: only the model drafting on the
         spot, in a routine call that took in no more tokens than one round commits.

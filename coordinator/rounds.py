@@ -18,11 +18,12 @@ from dataclasses import replace
 
 from opentelemetry import trace
 
+from coordinator.adaptive import CostModel
 from coordinator.checkpoints import Checkpoints
 from coordinator.identity import span_session
 from coordinator.policy import RoundOutcome, RoundPlan, SpeculationPolicy
-from coordinator.routing import Router
-from coordinator.sessions import StoreUnavailable, new_session_id
+from coordinator.routing import PROBE_TIMEOUT_S, Router
+from coordinator.sessions import SessionRecord, StoreUnavailable, TurnState, new_session_id
 from coordinator.textstream import Release, TextStream
 from coordinator.turns import Chunk, GenerationRequest, Stats, Turn, Turns, clip
 from specdec.metrics import CoordinatorMetrics
@@ -30,6 +31,13 @@ from specdec.sampling_params import Sampling
 from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
+
+# The start-up probe (``RoundLoop.probe``): rounds alternating the longest adaptive k and k = 1, so
+# the draft is priced at two lengths (its call's fixed part and its step), the verify pass at two
+# sizes, and the draft's acceptance is seen at every position.
+PROBE_ROUNDS = 8
+# Plain text any tokenizer encodes: the draft is judged on the target's own continuation of it.
+PROBE_TEXT = "The history of the lighthouse on the northern coast begins"
 
 
 class RoundLoop:
@@ -90,6 +98,72 @@ class RoundLoop:
                 # continued, so it must not count against the client's session limit until it expires.
                 await self._turns.unclaim(request, new_id)
             raise
+
+    async def probe(self, timeout_s: float, rounds: int = PROBE_ROUNDS) -> int:
+        """Measures the draft and target this coordinator serves with, before any request, and
+        returns the rounds that ran: greedy rounds of a throwaway session (never stored, not in the
+        metrics, its caches released after). What a draft call and a verify pass cost becomes the
+        adaptive k's prior costs (``CostModel.seed``); the draft's acceptance by position goes into
+        the fleet's (``FleetAcceptance``), which new sessions start from.
+
+        Assumed priors fit one kind of draft only (a cheap one, half its tokens accepted) and held a
+        model draft to short k through a fresh coordinator's first requests. A probe that fails or
+        runs out of time only measures less, never fails the start: the rounds learn the rest.
+        """
+        if not len(self.router.drafts):
+            return 0  # nothing to measure yet: drafts that join later are learned from their rounds
+        k_max = self.policy.costs.k_max
+        probed = CostModel(k_max)
+        prompt = self._tokenizer.encode(PROBE_TEXT, add_special_tokens=True)
+        record = SessionRecord(new_session_id(), tokens=list(prompt), turn=TurnState("", len(prompt), 0))
+        deadline = time.monotonic() + timeout_s
+        turn = Turn(
+            GenerationRequest(None, None, rounds * (k_max + 1)),
+            record,
+            False,
+            Sampling(),
+            Stats(),
+            lambda: max(0.0, deadline - time.monotonic()),
+        )
+        span, done = trace.INVALID_SPAN, 0
+        try:
+            with self.router.holding() as holding:
+                async with asyncio.timeout(timeout_s):
+                    await self.router.place(turn, span)
+                    holding.update(turn.draft, turn.target)
+                    for i in range(rounds):
+                        k = k_max if i % 2 == 0 else 1
+                        if len(turn.committed) + k + 1 > self._facts.max_context:
+                            break
+                        outcome, _ = await self._draft_and_verify(turn, RoundPlan(k), span)
+                        holding.update(turn.draft, turn.target)
+                        self.policy.observe_probe(probed, outcome)
+                        turn.committed.extend(outcome.verdict.tokens)
+                        turn.state.round += 1
+                        done += 1
+        except Exception as exc:  # noqa: BLE001 - a probe that fails must not stop the coordinator
+            log.warning("start-up probe of draft and target stopped after %d of %d rounds: %s", done, rounds, exc)
+        finally:
+            await self._release_probe(turn)
+        self.policy.costs.seed(probed)
+        log.info(
+            "start-up probe: %d rounds, draft %.1f ms a token, acceptance by position %s",
+            done,
+            self.policy.costs.draft_step_ms(),
+            [round(a, 2) for a in self.policy.fleet.counts.rates(k_max)],
+        )
+        return done
+
+    async def _release_probe(self, turn: Turn) -> None:
+        """Drops the probe's caches, best effort: a cache left behind idles out in the end."""
+        for replicas, ref in ((self.router.drafts, turn.draft), (self.router.targets, turn.target)):
+            replica = replicas.find(ref.address) if ref is not None else None
+            if replica is None or ref is None:
+                continue
+            try:
+                await replica.release(ref.cache_id, PROBE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - best effort, as above
+                log.info("could not release the probe's cache on %s: %s", ref.address, exc)
 
     async def _generate(
         self, request: GenerationRequest, remaining_s: Callable[[], float | None], new_id: str
@@ -171,23 +245,29 @@ class RoundLoop:
             turn.request.max_new_tokens - turn.stats.generated_tokens, self._facts.max_context - len(turn.committed)
         )
 
+    async def _draft_and_verify(self, turn: Turn, plan: RoundPlan, span: trace.Span) -> tuple[RoundOutcome, bool]:
+        """Drafts as planned and verifies, timing both; also whether a draft replica was called."""
+        t0 = time.perf_counter()
+        draft, caught_up, draft_ms, called = plan.local_draft(), None, 0.0, False
+        if plan.k > 0:
+            call = await self.router.draft(turn, plan, span)
+            if call is not None:
+                called, draft, caught_up = True, call.result, call.caught_up
+                draft_ms = (time.perf_counter() - t0) * 1000
+        t0 = time.perf_counter()
+        verdict = await self.router.verify(turn, draft, span)
+        verify_ms = (time.perf_counter() - t0) * 1000
+        assert turn.target is not None
+        return RoundOutcome(plan, draft, verdict, turn.target.address, draft_ms, verify_ms, caught_up), called
+
     async def _round(self, turn: Turn, plan: RoundPlan) -> RoundOutcome:
         """One round in its own span: draft as planned, verify, and time both."""
         with self._tracer.start_as_current_span("specdec.round") as span:
             round_t0 = time.perf_counter()
-            draft, caught_up, draft_ms, called = plan.local_draft(), None, 0.0, False
-            if plan.k > 0:
-                call = await self.router.draft(turn, plan, span)
-                if call is not None:
-                    called, draft, caught_up = True, call.result, call.caught_up
-                    draft_ms = (time.perf_counter() - round_t0) * 1000
-                    if draft is not None and draft.from_ahead:
-                        turn.stats.ahead_rounds += 1
-            t0 = time.perf_counter()
-            verdict = await self.router.verify(turn, draft, span)
-            verify_ms = (time.perf_counter() - t0) * 1000
-            assert turn.target is not None
-            outcome = RoundOutcome(plan, draft, verdict, turn.target.address, draft_ms, verify_ms, caught_up)
+            outcome, called = await self._draft_and_verify(turn, plan, span)
+            draft, verdict, draft_ms, verify_ms = outcome.draft, outcome.verdict, outcome.draft_ms, outcome.verify_ms
+            if draft is not None and draft.from_ahead:
+                turn.stats.ahead_rounds += 1
             turn.stats.draft_ms += draft_ms
             turn.stats.verify_ms += verify_ms
             if self._metrics is not None:

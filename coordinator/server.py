@@ -422,6 +422,8 @@ async def start_coordinator(
         raise
     for following in memberships:
         router.stop_on_close(following.stop)
+    # Before serving: the first requests' k then follows what this draft and target cost.
+    await loop.probe(config.rpc_timeout_s)
     admission = Admission(config.admission)  # one for gRPC and HTTP: a slot is a slot
     servicer = CoordinatorServicer(loop, target_facts[0].max_context, admission)
     interceptors = [ApiKeyInterceptor(config.api_key_hashes)] if config.api_key_hashes else []

@@ -68,8 +68,8 @@ def test_cost_model_learns_and_fills_gaps():
     curve = costs.curve()
     assert curve[1] == 100.0 and curve[3] == 130.0
     assert curve[1] < curve[2] < curve[3] < curve[4]
-    costs.record_draft(20.0, 5)  # 4 ms per token
-    assert costs.draft_ms_per_token == pytest.approx(2.0 + 0.2 * (4.0 - 2.0))
+    costs.record_draft(20.0, 5)  # 4 ms per token: the first measurement replaces the assumed 2 ms
+    assert costs.draft_ms_per_token == pytest.approx(4.0)
     costs.record_draft(12.0, 2)
     drafts = costs.draft_curve()
     assert drafts[0] == 0.0 and drafts[2] == 12.0
@@ -78,6 +78,34 @@ def test_cost_model_learns_and_fills_gaps():
     assert costs.draft_step_ms() == pytest.approx(8.0 / 3)
     assert drafts[3] == pytest.approx(12.0 + 8.0 / 3)
     assert drafts[1] == pytest.approx(12.0 - 8.0 / 3)
+
+
+def test_a_probe_of_a_model_draft_seeds_the_priors_and_rounds_replace_them():
+    """The start-up probe priced a draft call at 10 ms plus 30 ms a token (a model draft, not the
+    assumed 2 ms a token) and a verify pass at 95 ms plus 5 ms a row. Before any round those are the
+    costs k is chosen by; a round's own measurement of a size then replaces its prior."""
+    probe = CostModel(k_max=8)
+    for _ in range(3):
+        probe.record_draft(40.0, 1)
+        probe.record_draft(250.0, 8)
+        probe.record_verify(100.0, 2)
+        probe.record_verify(135.0, 9)
+    costs = CostModel(k_max=8)
+    costs.seed(probe)
+    assert costs.draft_curve() == pytest.approx([0.0] + [10.0 + 30.0 * k for k in range(1, 9)])
+    assert costs.curve()[1:] == pytest.approx([95.0 + 5.0 * (n - 1) for n in range(1, 10)])
+    good = AcceptanceTracker(prior=0.9, prior_weight=1e6)
+    # Each token of this draft costs a third of a pass: k stops short of the 8 the assumed priors took.
+    assert 0 < costs.choose(good) < 8 == CostModel(k_max=8).choose(good)
+    costs.record_verify(60.0, 1)
+    assert costs.curve()[1] == 60.0
+    costs.record_draft(70.0, 2)  # measured: replaces the prior at 2; the probed step extrapolates it
+    assert costs.draft_curve()[2] == 70.0 and costs.draft_curve()[3] == pytest.approx(70.0 + 30.0 + 0.2 * 5.0)
+    # A probe that measured nothing leaves the priors as they were.
+    untouched = CostModel(k_max=8)
+    untouched.seed(CostModel(k_max=8))
+    assert untouched.draft_curve() == CostModel(k_max=8).draft_curve()
+    assert untouched.curve() == CostModel(k_max=8).curve()
 
 
 def test_a_round_whose_pass_also_fed_the_prompt_is_not_a_rounds_cost():
@@ -164,3 +192,4 @@ def test_the_fleet_estimate_follows_a_changing_draft():
     for _ in range(300):
         fleet.record(1, 0)
     assert fleet.counts.tried[0] <= 100 and fleet.session_tracker(1).rates(1)[0] < 0.15
+

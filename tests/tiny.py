@@ -137,3 +137,26 @@ def save_draft_with_card(draft, folder: Path, target_hash: str, jitter_seed: int
     }
     (folder / CARD_FILE).write_text(json.dumps(card))
     return folder
+
+
+def make_deeper_copy(source: Path, folder: Path, extra_layers: int) -> Path:
+    """The Llama at ``source`` with ``extra_layers`` more decoder layers that add nothing (their
+    attention and MLP output projections are zero), saved with the shared tokenizer: a bigger, slower
+    model whose every output equals the source's, so the source drafts for it with acceptance 1.0."""
+    small = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32)
+    config = LlamaConfig.from_pretrained(source)
+    config.num_hidden_layers += extra_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[0]] * config.num_hidden_layers
+    big = LlamaForCausalLM(config)
+    missing, unexpected = big.load_state_dict(small.state_dict(), strict=False)
+    assert not unexpected and all(".layers." in name for name in missing)
+    with torch.no_grad():
+        for layer in big.model.layers[-extra_layers:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    big.generation_config = small.generation_config
+    folder.mkdir(parents=True, exist_ok=True)
+    big.save_pretrained(folder)
+    make_tokenizer(folder)
+    return folder
