@@ -8,8 +8,19 @@ here imports torch, which loads only once the draft starts. ``specdec distill`` 
 from __future__ import annotations
 
 import argparse
+import os
+from dataclasses import replace
 
-from specdec.cli import add_cache_limits, add_device, add_server, env, extra_installed, model_config, server_config
+from specdec.cli import (
+    add_cache_limits,
+    add_device,
+    add_server,
+    env,
+    extra_installed,
+    model_config,
+    server_config,
+    threads_arg,
+)
 from specdec.config import DEFAULT_DRAFT_KIND, DRAFT_KINDS, DraftConfig, default_draft_model
 
 
@@ -31,7 +42,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="draft model or distilled draft folder, or the model whose tokenizer n-gram drafting speaks "
         "(default: the draft shipped for the default target; env SPECDEC_DRAFT_MODEL)",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument(
+        "--threads",
+        type=threads_arg,
+        default=None,
+        help="torch threads: N or auto (default; 1 for a draft under 200M parameters, else every core "
+        "when OMP_WAIT_POLICY=PASSIVE makes idle threads sleep, half of them otherwise)",
+    )
     add_device(p, "DRAFT_DEVICE")
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
     add_cache_limits(p)
@@ -68,11 +85,12 @@ def serve(args: argparse.Namespace) -> None:
         draft_model = args.model or default_draft_model(args.kind, args.target_model)
     except ValueError as exc:
         raise SystemExit(f"specdec serve-draft: {exc}") from None
+    auto = args.threads is None
     main(
         DraftConfig(
             server=server_config(args),
             kind=args.kind,
-            model=model_config(args, draft_model),
+            model=replace(model_config(args, draft_model), threads=1) if auto else model_config(args, draft_model),
             target_model=args.target_model,
             ngram_max=args.ngram_max,
             ngram_min=args.ngram_min,
@@ -80,5 +98,8 @@ def serve(args: argparse.Namespace) -> None:
             int8_head=not args.fp32_head,
             lookup_min=args.lookup_min,
             tree_beam=args.tree_beam,
+            auto_threads=auto,
+            cores=len(os.sched_getaffinity(0)),
+            passive_wait=os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE",
         )
     )

@@ -197,6 +197,14 @@ class DraftConfig:
     # Nodes each level of a draft tree expands (EAGLE-2's beam); 0: the kind's default, 4 for a
     # feature draft, 1 (one path) for a model draft.
     tree_beam: int = 0
+    # Torch threads from the draft's size at start-up (``draft_service.server.auto_draft_threads``)
+    # rather than ``model.threads``: one for a small draft, more for a model draft.
+    auto_threads: bool = False
+    # The cores this process may run on (``os.sched_getaffinity``), for ``auto_threads``.
+    cores: int = 1
+    # Whether the draft's idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, as ``specdec up`` runs
+    # it), so that threads it idles while the target verifies take no core from the target.
+    passive_wait: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.tree_beam <= MAX_TREE_NODES:

@@ -49,7 +49,8 @@ class StackConfig:
     target_threads: int = 2
     # Processes the target is sharded over (tensor parallelism); each gets target_threads threads.
     target_tp: int = 1
-    draft_threads: int = 1
+    # The draft's torch threads; None: auto, from the draft's size (``draft_service.server.auto_draft_threads``).
+    draft_threads: int | None = None
     # None: the coordinator picks k each round.
     default_k: int | None = None
     # With k auto, the draft stops where its confidence no longer pays (see CoordinatorConfig).
@@ -237,11 +238,12 @@ class LocalStack:
                     "--target-model",
                     c.target_model,
                     "--threads",
-                    str(c.draft_threads),
+                    "auto" if c.draft_threads is None else str(c.draft_threads),
                     *dtype,
                     *common,
                 ],
-                c.draft_threads,
+                # Auto may take every core: the OpenMP default must not cap what the draft then sets.
+                len(os.sched_getaffinity(0)) if c.draft_threads is None else c.draft_threads,
             )
             coordinators = []
             http = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.adaptive import AcceptanceTracker, CostModel, FleetAcceptance, choose_k, expected_tokens
+from draft_service.server import auto_draft_threads
 from specdec.batching import PassLoad
 
 
@@ -193,3 +194,56 @@ def test_the_fleet_estimate_follows_a_changing_draft():
         fleet.record(1, 0)
     assert fleet.counts.tried[0] <= 100 and fleet.session_tracker(1).rates(1)[0] < 0.15
 
+
+@pytest.mark.parametrize(
+    "parameters,cores,passive,threads",
+    [
+        (0, 8, True, 1),  # n-gram lookup: no model at all
+        (7_000_000, 8, True, 1),  # a shipped feature or token draft
+        (135_000_000, 2, True, 1),  # SmolLM2-135M drafting: still small
+        (494_000_000, 2, True, 2),  # Qwen2.5-0.5B drafting on 2 cores, idle while the target verifies
+        (494_000_000, 16, False, 8),  # its idle threads spin: half the cores, the rest the target's
+        (494_000_000, 1, False, 1),
+    ],
+)
+def test_auto_draft_threads_follow_the_drafts_size_and_the_cores(parameters, cores, passive, threads):
+    assert auto_draft_threads(parameters, cores, passive) == threads
+
+
+def test_draft_threads_default_to_auto_on_every_command(tiny_dir, monkeypatch):
+    """``specdec up --draft-threads`` and ``serve-draft --threads`` default to auto; a model draft past
+    the small size sets its model thread's torch threads once loaded."""
+    import argparse
+
+    import torch
+
+    import draft_service.server as draft_server
+    from specdec.cli import add_stack, threads_arg
+    from specdec.config import DraftConfig, ModelConfig
+    from specdec.stack import StackConfig
+
+    parser = argparse.ArgumentParser()
+    add_stack(parser)
+    assert parser.parse_args([]).draft_threads is None and StackConfig().draft_threads is None
+    assert parser.parse_args(["--draft-threads", "3"]).draft_threads == 3
+    assert threads_arg("auto") is None
+    with pytest.raises(argparse.ArgumentTypeError):
+        threads_arg("0")
+
+    model = ModelConfig(model=str(tiny_dir / "draft"), cache_dir=tiny_dir)
+    config = DraftConfig(kind="model", model=model, auto_threads=True, cores=3, passive_wait=True)
+
+    def threads_after_build(config: DraftConfig) -> int:
+        torch.set_num_threads(1)
+        draft_server.build_drafter(config)
+        return torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    try:
+        assert threads_after_build(config) == 1  # a tiny draft is small
+        monkeypatch.setattr(draft_server, "SMALL_DRAFT_PARAMETERS", 0)  # as if it were a big model
+        assert threads_after_build(config) == 3
+        fixed = DraftConfig(kind="model", model=model, cores=3, passive_wait=True)
+        assert threads_after_build(fixed) == 1  # a fixed count is left as given
+    finally:
+        torch.set_num_threads(before)
