@@ -95,7 +95,9 @@ def api_error(exc: Exception) -> ApiError:
     code, detail = _status(exc)  # logs what it does not know
     status, kind, name = _HTTP_OF.get(code, (500, "server_error", "internal_error"))
     retry = _BACKEND_RETRY_MS / 1000 if status == 429 else None
-    return ApiError(status, detail, kind, code=name, retry_after_s=retry)
+    # A format the grammar engine refused when the turn opened (``Turns.check_format``) names its parameter.
+    param = "response_format" if status == 400 and detail.startswith("response_format:") else None
+    return ApiError(status, detail, kind, param=param, code=name, retry_after_s=retry)
 
 
 def error_response(error: ApiError) -> web.Response:

@@ -5,7 +5,8 @@ Pure functions over JSON values, with no HTTP in them: ``coordinator.openai_api`
 request that no exact generation can serve is refused with an ``ApiError`` naming the parameter,
 never silently approximated: an unsupported parameter set to anything but its neutral value (for
 example ``logprobs``, ``tools``) is a 400. Penalties and ``logit_bias`` are served exactly: they
-transform the draft's and the target's logits alike (``specdec.sampling.penalize_logits``).
+transform the draft's and the target's logits alike (``specdec.sampling.penalize_logits``), and so
+does ``response_format``'s grammar mask (``specdec.constrain``).
 
 A request asks for one choice per prompt times ``n``: chat has one prompt, completions a string, an
 array of strings, token ids or an array of token-id arrays. Each choice is a ``GenerationRequest`` of
@@ -28,6 +29,7 @@ from typing import Any
 
 from coordinator.server import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from coordinator.turns import GenerationRequest, Stats
+from specdec.grammar import response_format_key
 from specdec.sampling_params import check_penalties, check_sampling
 
 # OpenAI's default for /v1/completions when max_tokens is absent; chat runs to the context's end.
@@ -48,7 +50,6 @@ _NEUTRAL = {
     "suffix": (None, ""),
     "tools": (None, []),
     "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
 }
 # The finish reasons of the round loop, as OpenAI names them: the context's end is a length limit too.
 FINISH_REASON = {"stop": "stop", "length": "length", "context": "length"}
@@ -170,6 +171,11 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
     repetition = _number(body, "repetition_penalty", 1.0)
     logit_bias = _logit_bias(body.get("logit_bias"))
     try:
+        # Checked for shape here; compiled against the served tokenizer when the turn opens.
+        response_format = response_format_key(body.get("response_format"))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="response_format") from None
+    try:
         check_sampling(temperature, top_k, top_p)
         check_penalties(presence, frequency, repetition, logit_bias, vocab_size)
     except ValueError as exc:
@@ -188,6 +194,7 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         frequency_penalty=frequency,
         repetition_penalty=repetition,
         logit_bias=logit_bias,
+        response_format=response_format,
         fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32],
     )
     choices = tuple(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import replace
@@ -34,6 +35,7 @@ from coordinator.turns import (
     Turns,
 )
 from specdec.config import FEATURE_KIND, MAX_K, MAX_TREE_NODES, CoordinatorConfig
+from specdec.grammar import response_format_key
 from specdec.metadata import RETRY_AFTER_METADATA
 from specdec.metrics import CoordinatorMetrics, start_metrics_server
 from specdec.rpc import (
@@ -89,6 +91,12 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
     repetition = request.repetition_penalty if request.HasField("repetition_penalty") else 1.0
     logit_bias = tuple(sorted(request.logit_bias.items()))
     check_penalties(request.presence_penalty, request.frequency_penalty, repetition, logit_bias, None)
+    response_format = ""
+    if request.response_format:
+        try:
+            response_format = response_format_key(json.loads(request.response_format))
+        except json.JSONDecodeError:
+            raise ValueError("response_format: not valid JSON") from None
     if len(request.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in request.stop):
         # Every round searches the new text for each of them, on the loop that serves every request.
         raise ValueError(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_CHARS} characters each")
@@ -122,6 +130,7 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
         frequency_penalty=request.frequency_penalty,
         repetition_penalty=repetition,
         logit_bias=logit_bias,
+        response_format=response_format,
     )
 
 

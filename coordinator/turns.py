@@ -19,6 +19,7 @@ from coordinator.prompts import build_turn
 from coordinator.replicas import CacheRef
 from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable, TurnState, is_session_id
 from coordinator.tree_choice import TreeAcceptance
+from specdec.grammar import GrammarCompiler, ResponseFormat, compiler_for
 from specdec.sampling_params import Sampling, check_penalties
 from specdec.token_lists import common_prefix_len
 from specdec.trees import depths
@@ -88,6 +89,9 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...] = ()
     # The prompt as token ids, appended to the session's tokens as given (no template, no special tokens).
     prompt_token_ids: tuple[int, ...] | None = None
+    # Structured output: ``specdec.grammar.ResponseFormat.key()`` of the format the output must match
+    # ("" for none); the services mask the draft's q and the target's p by its grammar.
+    response_format: str = ""
 
     def sampling(self, seed: int, coupled: bool, output_start: int) -> Sampling:
         """The turn's sampling settings; ``output_start``: the committed length where its output begins
@@ -103,6 +107,7 @@ class GenerationRequest:
             repetition_penalty=self.repetition_penalty,
             logit_bias=self.logit_bias,
             output_start=output_start,
+            response_format=self.response_format,
         )
 
 
@@ -257,6 +262,20 @@ class Turns:
         self._facts = facts
         self.store = store
         self._max_sessions_per_client = max_sessions_per_client
+        self._grammars: GrammarCompiler | None = None
+
+    def check_format(self, fmt: ResponseFormat) -> None:
+        """Compiles ``fmt`` for the served tokenizer (cached), so that a format the services could not
+        enforce is refused before a session opens: ValueError ``response_format: <the engine's reason>``,
+        which names the schema keyword. The compiler is built at the first format (about a second for a
+        49k vocabulary, once per coordinator); a compile takes about a millisecond."""
+        if self._grammars is None:
+            facts = self._facts
+            self._grammars = compiler_for(self._tokenizer, facts.vocab_size, facts.eos_token_ids)
+        try:
+            self._grammars.compile(fmt)
+        except ValueError as error:
+            raise ValueError(f"response_format: {error}") from None
 
     async def open(self, request: GenerationRequest, new_id: str) -> tuple[SessionRecord, bool]:
         """The session's record with this request's turn in ``record.turn``, and whether the turn is
@@ -269,6 +288,8 @@ class Turns:
             request.logit_bias,
             self._facts.vocab_size,
         )
+        if request.response_format:
+            self.check_format(ResponseFormat.from_key(request.response_format))
         record = await self._load(request, new_id)
         if request.resume is not None:
             if record.turn is not None and record.turn.fingerprint == request.fingerprint:

@@ -18,6 +18,8 @@ from draft_service.picking import TokenPicker, take_next
 from draft_service.tree_draft import TREE_BEAM, TreeGrower, TreeRows, grow_level, level_layout
 from specdec.batching import waves
 from specdec.config import MAX_K
+from specdec.constrain import grammar_at
+from specdec.grammar import GrammarCompiler, GrammarMatcher, compiler_for
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel
 from specdec.ngram import LOOKUP_MAX_N, lookup_tree, propose_ngram, whole_continuation
@@ -82,6 +84,11 @@ class DraftEngine:
     hidden_size: int | None = None
     # A sampled draft narrows its q to its top this many tokens (0: no narrowing).
     _sample_top_k: int = 0
+    # The tokenizer a constrained request's grammar is compiled for; None: proposals are not masked,
+    # which costs acceptance, never exactness (q is still what the draft drew from). Lookup drafts
+    # leave it unset.
+    grammar_tokenizer: object | None = None
+    _grammars: GrammarCompiler | None = None
 
     def __init__(
         self,
@@ -197,7 +204,15 @@ class DraftEngine:
             self.tree_beam,
             self._sample_top_k,
             committed=cache.committed,
+            grammar=self._grammar(call, cache),
         )
+
+    def _grammar(self, call: ProposeCall, cache) -> GrammarMatcher | None:
+        """A constrained call's grammar state after the committed tokens, as a copy its picker or tree
+        may advance (``_sync`` brought the session's state there); None where nothing is masked."""
+        if not call.sampling.constrained or cache.grammar is None:
+            return None
+        return cache.grammar.matcher.fork()
 
     # Nodes a level of the tree expands (``TreeGrower.beam``): 1 for drafters that feed one path.
     tree_beam = 1
@@ -240,6 +255,7 @@ class DraftEngine:
             call.min_confidence,
             position=call.start + len(call.new_tokens),
             committed=cache.committed,
+            grammar=self._grammar(call, cache),
         )
 
     def _sync(self, call: ProposeCall):
@@ -257,6 +273,11 @@ class DraftEngine:
             call.tree.check()
         cache = self._caches.get(call.cache_id)
         cache.sync(call.start, call.new_tokens, call.fence)
+        if call.sampling.constrained and self.grammar_tokenizer is not None:
+            if self._grammars is None:  # built once: reading a 49k vocabulary takes about a second
+                facts = self._facts
+                self._grammars = compiler_for(self.grammar_tokenizer, facts.vocab_size, facts.eos_token_ids)
+            cache.grammar = grammar_at(cache.grammar, self._grammars, call.sampling, cache.committed)
         if call.hidden is not None:
             self._take_hidden(cache, call.hidden)
         return cache, min(call.k, self._facts.max_context - len(cache.committed) - 1)
@@ -336,6 +357,7 @@ class ModelDrafter(DraftEngine):
         super().__init__(loaded.facts("model"), max_sessions, **limits)
         self._loaded = loaded
         self._sample_top_k = sample_top_k
+        self.grammar_tokenizer = loaded.tokenizer
         # Where the model runs ragged, every session's tree level is one pass (``draft_service.model_trees``)
         # and may expand ``tree_beam`` nodes; otherwise trees grow along one path, a session at a time.
         # One path is the default: on the development CPU the shipped token draft's wider levels
@@ -462,6 +484,8 @@ class FeatureDrafter(DraftEngine):
             or call.ahead <= 0
             # A penalised guess would count the proposal and the guess; a plain one only costs acceptance.
             or call.sampling.penalized
+            # A guess under a grammar would need the state after the proposal and the guess.
+            or call.sampling.constrained
             or len(cache.committed) != tail.base
             or cache.kv.get_seq_length() != tail.kv_length
         ):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -347,6 +348,8 @@ class FeatureSession:
     tail: DraftTail | None = None
     # Drafted ahead, until the next sync serves or drops it.
     ahead: AheadDraft | None = None
+    # A constrained session's grammar state at its committed tokens (``specdec.constrain.SessionGrammar``).
+    grammar: Any = None
 
     @property
     def feature_end(self) -> int:

@@ -21,7 +21,10 @@ than q says.)
 
 A penalised request's logits pass through ``specdec.sampling.penalize_logits`` first, counting the
 committed tokens and the tokens this proposal picked before the position, as the target counts them
-on its side, so q stays as close to p as the draft can make it.
+on its side, so q stays as close to p as the draft can make it. A constrained request's logits are
+then masked by the grammar (``specdec.constrain.mask_logits``) at the position, from its own copy of
+the session's grammar state advanced by the tokens picked: the draft proposes only legal tokens, and
+the q it reports is the masked q it drew from.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.constrain import mask_logits
+from specdec.grammar import GrammarMatcher
 from specdec.sampling import (
     Sampling,
     coupled_token,
@@ -57,14 +62,25 @@ class TokenPicker:
     """Sequence position of the next token picked (coupled sampling's noise is keyed by it)."""
     committed: Sequence[int] = ()
     """The session's committed tokens, which a penalised request's penalties count."""
+    grammar: GrammarMatcher | None = None
+    """A constrained request's grammar state after the committed tokens: the picker's own copy, which
+    it advances by each token it picks."""
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
     _picked: list[int] = field(default_factory=list, init=False, repr=False)
 
     def __call__(self, logits: torch.Tensor) -> tuple[int, tuple[list[int], list[float]] | None] | None:
         """The token for draft logits ``[1, V]`` and its sparse q (None for greedy), or None to stop."""
-        picked = self._pick(penalize_logits(logits, self.sampling, self.committed, [self._picked]))
+        logits = penalize_logits(logits, self.sampling, self.committed, [self._picked])
+        if self.grammar is not None:
+            logits = mask_logits(logits, self.grammar.allowed()[None])
+        picked = self._pick(logits)
         if picked is not None:
             self._picked.append(picked[0])
+            if self.grammar is not None and not self.grammar.ended:
+                if self.grammar.is_allowed(picked[0]):
+                    self.grammar.advance(picked[0])
+                else:
+                    self.grammar = None  # a row the grammar left dead: nothing after it can be accepted
         return picked
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, tuple[list[int], list[float]] | None] | None:

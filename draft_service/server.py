@@ -146,7 +146,7 @@ def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
     if config.int8_head and _prepacks(config, dtype) and dtype == torch.float32:  # int8 kernels take fp32 rows
         draft.quantize_head_int8()
     facts = replace(target.facts(FEATURE_KIND), name=str(path))
-    return FeatureDrafter(
+    drafter = FeatureDrafter(
         draft,
         facts,
         config.model.max_sessions,
@@ -155,6 +155,8 @@ def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
         tree_beam=config.tree_beam or TREE_BEAM,
         **config.model.cache_limits(),
     )
+    drafter.grammar_tokenizer = target.tokenizer  # masks a constrained request's q as the target masks p
+    return drafter
 
 
 # The size under which a draft keeps one torch thread when its threads are "auto": the shipped

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from draft_service.picking import DRAFT_STREAM
+from specdec.constrain import mask_logits
+from specdec.grammar import GrammarMatcher
 from specdec.ragged import RaggedLayout
 from specdec.sampling import (
     Sampling,
@@ -69,13 +71,33 @@ class TreeGrower:
     nodes: list[_Node] = field(default_factory=list)
     committed: Sequence[int] = ()
     """The session's committed tokens, which a penalised request's penalties count."""
+    grammar: GrammarMatcher | None = None
+    """A constrained request's grammar state after the committed tokens (the root); each node's state
+    is a fork of its parent's, advanced by the node's token."""
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
+    _states: dict[int, GrammarMatcher | None] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def ranks_on_head(self) -> bool:
         """Whether a greedy level may take its children from the draft's likeliest tokens found by the
-        caller (``grow_top``): not when penalties reorder them, which only ``grow`` applies."""
-        return self.sampling.greedy and not self.sampling.penalized
+        caller (``grow_top``): not when penalties reorder them or a grammar masks them, which only
+        ``grow`` applies."""
+        return self.sampling.greedy and not self.sampling.penalized and self.grammar is None
+
+    def grammar_after(self, node: int) -> GrammarMatcher | None:
+        """The grammar state after the path to ``node`` (-1: the root); None where the grammar refuses a
+        token on the path (no child of it can be accepted) or the request has no grammar."""
+        if node < 0 or self.grammar is None:
+            return self.grammar
+        if node not in self._states:
+            parent = self.grammar_after(self.nodes[node].parent)
+            state = None
+            if parent is not None and (parent.ended or parent.is_allowed(self.nodes[node].token)):
+                state = parent.fork()
+                if not parent.ended:
+                    state.advance(self.nodes[node].token)
+            self._states[node] = state
+        return self._states[node]
 
     def path_tokens(self, node: int) -> list[int]:
         """The tokens from the root's child down to ``node`` (none for the root, -1)."""
@@ -94,6 +116,9 @@ class TreeGrower:
         width = self.shape.width
         if self.sampling.penalized:
             logits = penalize_logits(logits[None], self.sampling, self.committed, [self.path_tokens(parent)])[0]
+        state = self.grammar_after(parent)
+        if state is not None:
+            logits = mask_logits(logits[None], state.allowed()[None])[0]  # as the target masks that node's row
         if self.sampling.greedy:
             probs = torch.softmax(logits.float(), -1)  # [V]
             # Ranked on the logits, as the verifier's argmax is: a softmax can round two of them to one.

@@ -12,12 +12,14 @@ the same one the first coordinator would have given.
 from __future__ import annotations
 
 import asyncio
+import json
 import numbers
 import operator
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -175,6 +177,7 @@ def build_request(
     frequency_penalty: float = 0.0,
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
+    response_format: Mapping[str, Any] | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The wire request for a prompt: a ``str`` is plain text, a list of dicts is chat. With ``prompt``
     None, ``prompt_token_ids`` are the prompt, token ids taken as given (no template, no special tokens).
@@ -185,8 +188,14 @@ def build_request(
     ``presence_penalty`` and ``frequency_penalty`` (OpenAI's, in [-2, 2], over this turn's output),
     ``repetition_penalty`` (vLLM's, in (0, 2]; None: off) and ``logit_bias`` (token id -> bias in
     [-100, 100]) transform the draft's and the target's logits alike, so speculation stays exact.
+
+    ``response_format`` is OpenAI's object: ``{"type": "json_object"}``, ``{"type": "json_schema",
+    "json_schema": {"schema": {...}, "strict": True}}`` or the extension ``{"type": "regex", "regex":
+    "..."}``; the output then matches it, exactly as the constrained target alone would write it.
     """
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    if response_format is not None and not isinstance(response_format, Mapping):
+        raise InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, "response_format: give a mapping (OpenAI's object)")
     _check_fields(
         prompt,
         stop,
@@ -215,6 +224,8 @@ def build_request(
     )
     if repetition_penalty is not None:
         request.repetition_penalty = repetition_penalty
+    if response_format is not None:
+        request.response_format = json.dumps(response_format)
     if prompt_token_ids is not None:
         # The wire's int32; the coordinator checks the ids against its vocabulary.
         integers = all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids)

@@ -80,6 +80,20 @@ class ResponseFormat:
         """A canonical text of the format: equal keys compile to the same grammar."""
         return json.dumps([self.kind, self.schema, self.pattern, self.strict])
 
+    @classmethod
+    def from_key(cls, key: str) -> ResponseFormat:
+        """The format whose ``key()`` is ``key`` (as the services read it off the wire); ValueError
+        naming ``sampling.response_format`` when it is not one."""
+        try:
+            kind, schema, pattern, strict = json.loads(key)
+        except (ValueError, TypeError):
+            raise ValueError("sampling.response_format: not a [kind, schema, pattern, strict] JSON list") from None
+        if kind not in ("json_object", "json_schema", "regex") or not isinstance(strict, bool):
+            raise ValueError(f"sampling.response_format: kind {kind!r} is not json_object, json_schema or regex")
+        if not isinstance(schema, str) or not isinstance(pattern, str):
+            raise ValueError("sampling.response_format: schema and pattern must be strings")
+        return cls(kind, schema, pattern, strict)
+
 
 def parse_response_format(value: Mapping[str, Any]) -> ResponseFormat:
     """Reads OpenAI's ``response_format`` (``{"type": "json_schema", "json_schema": {"schema": ...,
@@ -106,6 +120,18 @@ def parse_response_format(value: Mapping[str, Any]) -> ResponseFormat:
             raise ValueError("response_format.regex must be a non-empty string")
         return ResponseFormat("regex", pattern=pattern)
     raise ValueError(f"response_format.type {kind!r} is not one of json_object, json_schema, regex")
+
+
+def response_format_key(value: Any) -> str:
+    """The wire form (``ResponseFormat.key()``) of OpenAI's ``response_format`` object; "" for none
+    (absent, null or ``{"type": "text"}``). ValueError naming the field that is wrong."""
+    if value is None:
+        return ""
+    if not isinstance(value, Mapping):
+        raise ValueError("response_format must be a JSON object with a type")
+    if value.get("type") == "text":
+        return ""
+    return parse_response_format(value).key()
 
 
 def close_objects(schema: Any) -> Any:
@@ -294,6 +320,21 @@ class GrammarCompiler:
         """A fresh session matcher at the start of the document."""
         compiled = fmt_or_grammar if isinstance(fmt_or_grammar, CompiledGrammar) else self.compile(fmt_or_grammar)
         return GrammarMatcher(compiled, compiled.prototype.deep_copy(), 0, False)
+
+
+def compiler_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> GrammarCompiler:
+    """The compiler for a served model's tokenizer (``vocab_size``: the model's logits' width).
+
+    A tokenizer whose decoder llguidance cannot read (the word-level test vocabularies) is taken as a
+    bare vocabulary: each token's bytes are its own string. Its grammars then speak of tokens' strings
+    without the separators its decoder would add."""
+    try:
+        return GrammarCompiler(tokenizer, vocab_size, eos_ids)
+    except ValueError as error:
+        if "decoder type" not in str(error):
+            raise
+    tokens = [str(t).encode() for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
+    return GrammarCompiler.from_token_bytes(tokens, eos_ids, vocab_size)
 
 
 class GrammarMatcher:

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -147,6 +148,8 @@ class SessionCache:
     kv_tokens: list[int] = field(default_factory=list)
     # The highest fencing token a caller showed: callers with a lower one are stale.
     fence: int = 0
+    # A constrained session's grammar state at its committed tokens (``specdec.constrain.SessionGrammar``).
+    grammar: Any = None
 
     def sync(self, start: int, new_tokens: list[int], fence: int = 0) -> None:
         """Crops to ``start`` committed tokens, appends ``new_tokens``, and drops stale KV entries.

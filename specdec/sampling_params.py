@@ -41,6 +41,9 @@ class Sampling:
     # Committed position where the turn's output begins: the frequency and presence penalties count
     # the committed tokens from here on (and the draft tokens of the path being scored).
     output_start: int = 0
+    # Structured output: ``specdec.grammar.ResponseFormat.key()`` ("" for none). Its grammar's mask
+    # zeroes p and q outside the allowed tokens, after the penalties (``specdec.constrain``).
+    response_format: str = ""
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +56,11 @@ class Sampling:
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
         )
+
+    @property
+    def constrained(self) -> bool:
+        """True when a grammar masks the logits (both sides, identically)."""
+        return bool(self.response_format)
 
 
 def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "") -> None:

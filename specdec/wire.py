@@ -28,6 +28,7 @@ def sampling_from_pb(msg: common_pb2.SamplingParams) -> Sampling:
         repetition_penalty=repetition,
         logit_bias=bias,
         output_start=msg.output_start,
+        response_format=msg.response_format,
     )
 
 
@@ -44,6 +45,7 @@ def sampling_to_pb(sampling: Sampling) -> common_pb2.SamplingParams:
         repetition_penalty=sampling.repetition_penalty,
         logit_bias=dict(sampling.logit_bias),
         output_start=sampling.output_start,
+        response_format=sampling.response_format,
     )
 
 

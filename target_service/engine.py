@@ -13,7 +13,9 @@ import torch
 
 from specdec.batching import PassLoad, waves
 from specdec.config import MAX_K
+from specdec.constrain import grammar_at, mask_logits
 from specdec.errors import CacheBudgetExceeded
+from specdec.grammar import GrammarCompiler, GrammarMatcher, compiler_for
 from specdec.kvcache import CacheTable, HiddenRows, SessionCache
 from specdec.models import LoadedModel
 from specdec.ragged import RaggedItem, ragged_forward, ragged_unsupported
@@ -201,6 +203,8 @@ class TargetEngine:
         self._costs = PassCosts()
         self._warming = False  # passes now are warm-up's (PassCosts.record)
         self._curve_rows = curve_rows
+        # Built at the first constrained call: reading a 49k vocabulary into the engine takes a second.
+        self._grammars: GrammarCompiler | None = None
         self._reset_totals()
 
     def _reset_totals(self) -> None:
@@ -229,6 +233,13 @@ class TargetEngine:
     def batches(self) -> bool:
         """True when calls that arrive together share one pass."""
         return self._ragged
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this model's tokenizer, built once."""
+        if self._grammars is None:
+            loaded = self._loaded
+            self._grammars = compiler_for(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
+        return self._grammars
 
     def _check_tokens(self, tokens: list[int], what: str) -> None:
         vocab = self._loaded.vocab_size
@@ -357,6 +368,9 @@ class TargetEngine:
                 if len(dist.probs) != len(dist.token_ids) or any(not 0.0 <= x <= 1.0 for x in dist.probs):
                     raise ValueError("q.probs: need one probability in [0, 1] per token id")
         cache = self._synced(call)
+        if call.sampling.constrained:
+            # The grammar's state at the committed tokens: what this round's masks start from.
+            cache.grammar = grammar_at(cache.grammar, self.grammar_compiler(), call.sampling, cache.committed)
         if len(cache.committed) + reach >= self._loaded.max_context:
             raise ValueError(f"draft_tokens: the round would exceed the context of {self._loaded.max_context}")
         return _Prepared(index, call, cache, cache.pending() + list(call.draft_tokens))
@@ -445,7 +459,8 @@ class TargetEngine:
                 outcomes.append((p, VerifyOutcome(0, [], len(cache.committed), rows_out)))
                 continue
             try:
-                verdict = self._verdict(call, item_logits, cache.committed)
+                grammar = cache.grammar.matcher if call.sampling.constrained else None
+                verdict = self._verdict(call, item_logits, cache.committed, grammar)
             except Exception as exc:  # noqa: BLE001 - one session's verdict never fails the others in its pass
                 cache.trim()  # the draft rows this pass cached follow no committed token
                 outcomes.append((p, exc))
@@ -465,6 +480,11 @@ class TargetEngine:
                     item_hidden = item_hidden[list(range(lead)) + [lead + node for node in path]]
             cache.committed.extend(verdict.tokens)
             cache.trim()
+            if call.sampling.constrained:
+                try:
+                    cache.grammar.advance(verdict.tokens)
+                except ValueError:
+                    cache.grammar = None  # rebuilt from the committed output at the next call, which names it
             rows_out = None
             if call.with_hidden:  # keep fed positions that were committed; the newest token is fed next round
                 rows_out = HiddenRows(start, item_hidden[: len(cache.committed) - 1 - start])
@@ -499,18 +519,29 @@ class TargetEngine:
             for p, o in outcomes
         ]
 
-    def _verdict(self, call: VerifyCall, logits: torch.Tensor, committed: list[int]) -> Verdict | TreeVerdict:
+    def _verdict(
+        self, call: VerifyCall, logits: torch.Tensor, committed: list[int], grammar: GrammarMatcher | None = None
+    ) -> Verdict | TreeVerdict:
         """The round's acceptance decision over its chain or tree, after ``committed`` (whose length is
         the sequence position of the root's children).
 
         A penalised request's rows are penalised first, each by the committed tokens and the draft
         tokens on its own path (``specdec.sampling.penalize_logits``): greedy then takes their argmax,
-        sampling warps them. The draft transformed its q the same way."""
+        sampling warps them. The draft transformed its q the same way. A constrained request's rows are
+        then masked by ``grammar`` (its state at ``committed``), each by the mask after its own path
+        (``specdec.constrain.mask_logits``): every rule below sees the constrained p."""
         tree = call.tree
         position = len(committed)
         if call.sampling.penalized:
             paths = chain_paths(call.draft_tokens) if tree is None else node_paths(call.draft_tokens, tree)
             logits = penalize_logits(logits, call.sampling, committed, paths)  # [k + 1, V] or [n + 1, V]
+        if grammar is not None:
+            masks = (
+                grammar.masks_along(call.draft_tokens)
+                if tree is None
+                else grammar.masks_for_tree(call.draft_tokens, tree)
+            )  # [k + 1, V] or [n + 1, V]
+            logits = mask_logits(logits, masks)
         if tree is None:
             if call.sampling.greedy:
                 return verify_greedy(logits, call.draft_tokens)

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xba\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0f\n\x07\x63oupled\x18\x05 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0coutput_start\x18\n \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"U\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"K\n\tCacheSync\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05\x66\x65nce\x18\x04 \x01(\x04\"\xaa\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x13\n\x0bside_layers\x18\x07 \x03(\r\x12\r\n\x05trees\x18\x08 \x01(\x08\"\x12\n\x10ModelInfoRequest\"t\n\x0ePrefillRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rreturn_hidden\x18\x02 \x01(\x08\x12\r\n\x05\x66\x65nce\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x65\x65\x64_now\x18\x04 \x01(\x08\x12\x1a\n\x12hidden_side_layers\x18\x05 \x03(\r\"]\n\x0cPrefillReply\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x01(\r\x12(\n\x06hidden\x18\x03 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\"8\n\x0cHiddenStates\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04\x66p16\x18\x03 \x01(\x0c\"\"\n\x0eReleaseRequest\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"\xd3\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0f\n\x07\x63oupled\x18\x05 \x01(\x08\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12=\n\nlogit_bias\x18\t \x03(\x0b\x32).specdec.v1.SamplingParams.LogitBiasEntry\x12\x14\n\x0coutput_start\x18\n \x01(\r\x12\x17\n\x0fresponse_format\x18\x0b \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"U\n\x0cTokenLogprob\x12\r\n\x05token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"K\n\tCacheSync\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\r\n\x05\x66\x65nce\x18\x04 \x01(\x04\"\xaa\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x13\n\x0bmax_context\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1d\n\x15tokenizer_fingerprint\x18\x05 \x01(\t\x12\x0c\n\x04kind\x18\x06 \x01(\t\x12\x13\n\x0bside_layers\x18\x07 \x03(\r\x12\r\n\x05trees\x18\x08 \x01(\x08\"\x12\n\x10ModelInfoRequest\"t\n\x0ePrefillRequest\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\x12\x15\n\rreturn_hidden\x18\x02 \x01(\x08\x12\r\n\x05\x66\x65nce\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x65\x65\x64_now\x18\x04 \x01(\x08\x12\x1a\n\x12hidden_side_layers\x18\x05 \x03(\r\"]\n\x0cPrefillReply\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x01(\r\x12(\n\x06hidden\x18\x03 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\"8\n\x0cHiddenStates\x12\r\n\x05start\x18\x01 \x01(\r\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04\x66p16\x18\x03 \x01(\x0c\"\"\n\x0eReleaseRequest\x12\x10\n\x08\x63\x61\x63he_id\x18\x01 \x01(\t\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,25 +34,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGPARAMS']._serialized_start=40
-  _globals['_SAMPLINGPARAMS']._serialized_end=354
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=306
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=354
-  _globals['_TOKENLOGPROB']._serialized_start=356
-  _globals['_TOKENLOGPROB']._serialized_end=441
-  _globals['_CACHESYNC']._serialized_start=443
-  _globals['_CACHESYNC']._serialized_end=518
-  _globals['_MODELINFO']._serialized_start=521
-  _globals['_MODELINFO']._serialized_end=691
-  _globals['_MODELINFOREQUEST']._serialized_start=693
-  _globals['_MODELINFOREQUEST']._serialized_end=711
-  _globals['_PREFILLREQUEST']._serialized_start=713
-  _globals['_PREFILLREQUEST']._serialized_end=829
-  _globals['_PREFILLREPLY']._serialized_start=831
-  _globals['_PREFILLREPLY']._serialized_end=924
-  _globals['_HIDDENSTATES']._serialized_start=926
-  _globals['_HIDDENSTATES']._serialized_end=982
-  _globals['_RELEASEREQUEST']._serialized_start=984
-  _globals['_RELEASEREQUEST']._serialized_end=1018
-  _globals['_RELEASEREPLY']._serialized_start=1020
-  _globals['_RELEASEREPLY']._serialized_end=1052
+  _globals['_SAMPLINGPARAMS']._serialized_end=379
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=331
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=379
+  _globals['_TOKENLOGPROB']._serialized_start=381
+  _globals['_TOKENLOGPROB']._serialized_end=466
+  _globals['_CACHESYNC']._serialized_start=468
+  _globals['_CACHESYNC']._serialized_end=543
+  _globals['_MODELINFO']._serialized_start=546
+  _globals['_MODELINFO']._serialized_end=716
+  _globals['_MODELINFOREQUEST']._serialized_start=718
+  _globals['_MODELINFOREQUEST']._serialized_end=736
+  _globals['_PREFILLREQUEST']._serialized_start=738
+  _globals['_PREFILLREQUEST']._serialized_end=854
+  _globals['_PREFILLREPLY']._serialized_start=856
+  _globals['_PREFILLREPLY']._serialized_end=949
+  _globals['_HIDDENSTATES']._serialized_start=951
+  _globals['_HIDDENSTATES']._serialized_end=1007
+  _globals['_RELEASEREQUEST']._serialized_start=1009
+  _globals['_RELEASEREQUEST']._serialized_end=1043
+  _globals['_RELEASEREPLY']._serialized_start=1045
+  _globals['_RELEASEREPLY']._serialized_end=1077
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class Messages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "k", "resume", "request_id", "tree_nodes", "prompt_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias")
+    __slots__ = ("text", "messages", "max_new_tokens", "temperature", "top_k", "top_p", "seed", "stop", "session_id", "k", "resume", "request_id", "tree_nodes", "prompt_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -47,6 +47,7 @@ class GenerateRequest(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     text: str
     messages: Messages
     max_new_tokens: int
@@ -65,7 +66,8 @@ class GenerateRequest(_message.Message):
     frequency_penalty: float
     repetition_penalty: float
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., k: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., request_id: _Optional[str] = ..., tree_nodes: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    response_format: str
+    def __init__(self, text: _Optional[str] = ..., messages: _Optional[_Union[Messages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., session_id: _Optional[str] = ..., k: _Optional[int] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., request_id: _Optional[str] = ..., tree_nodes: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., response_format: _Optional[str] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("tokens", "text_chars")
