@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-peers bench-load bench-own-models bench-long-prompt pass-grid pass-curve tree-ceiling clean
+.PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-structured bench-peers bench-load bench-own-models bench-long-prompt pass-grid pass-curve bench-allocators tree-ceiling clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -64,6 +64,12 @@ SAMPLED_ARGS ?= --n 12 --max-new-tokens 64 --temperature 0.7 --modes specdec-k0,
 bench-sampled: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(SAMPLED_ARGS) --out reports/bench-sampled.json
 
+# JSON-schema-constrained requests (structured output), speculation beside target-only, in one run.
+STRUCTURED_ARGS ?= --n 12 --max-new-tokens 96 --modes specdec-k0,specdec
+bench-structured: install
+	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(STRUCTURED_ARGS) --prompts bench/structured.jsonl \
+		--response-format bench/structured-format.json --out reports/bench-structured.json
+
 # vLLM's CPU build (its own virtualenv, .venv-vllm) beside the stack, A B B A: tok/s at 1 and 8 streams
 # and greedy identity counts. The first run installs vLLM (several minutes); each vLLM start compiles.
 VLLM_VENV := .venv-vllm
@@ -108,6 +114,11 @@ pass-grid: install
 # One pass's cost by rows in float32 and bfloat16, in process, and whether each kept a row's bits.
 pass-curve: install
 	$(VENV)/bin/specdec pass-curve --cache-dir $(CACHE_DIR) --out reports/pass-curve.json
+
+# The target's pass under each allocator / OpenMP setting (tcmalloc, OMP_WAIT_POLICY), A B .. B A.
+bench-allocators: install
+	dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4; }
+	$(PY) -m bench.allocators --cache-dir $(CACHE_DIR) --out reports/allocators.json
 
 # The most token trees could gain over chains with the shipped draft on this machine (in process).
 tree-ceiling: install

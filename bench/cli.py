@@ -86,6 +86,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=1,
         help="with --concurrency: runs of each specdec mode per level, in A B B A order, summed",
     )
+    p.add_argument(
+        "--response-format",
+        type=Path,
+        help="a JSON file holding an OpenAI response_format object: the specdec modes generate under it "
+        "(structured output; transformers modes have no grammar and are refused)",
+    )
     p.add_argument("--address", help="use a running coordinator instead of starting a local stack")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process HF modes")
     add_out(p, "bench")
@@ -234,6 +240,9 @@ def run_bench(args: argparse.Namespace) -> None:
             draft = load_model(str(path), args.cache_dir).model
     if args.address is not None and len(kinds) > 1:
         raise SystemExit("--address reaches one running stack: give one --draft-kind with it")
+    response_format = json.loads(args.response_format.read_text()) if args.response_format else None
+    if response_format is not None and any(not m.startswith("specdec") or m == "specdec-http" for m in modes):
+        raise SystemExit("--response-format runs the specdec gRPC modes only (--modes specdec-k0,specdec,...)")
     if "specdec-http" in modes and (args.address is not None or k is not None):
         raise SystemExit("specdec-http runs on a local stack, with the coordinator's k (--default-k, not --k)")
     runners = {
@@ -260,7 +269,9 @@ def run_bench(args: argparse.Namespace) -> None:
             # The fixed variants (specdec-k0, specdec-chain, specdec-tree:NxD) run on the first stack only.
             for mode in (m for m in spec_modes if m == "specdec" or (stack_variant(m) is not None and i == 0)):
                 name = mode if mode != "specdec" or len(kinds) == 1 else f"specdec:{kind}"
-                runners[name] = specdec_runner(name, clients[-1], args.max_new_tokens, args.temperature, k)
+                runners[name] = specdec_runner(
+                    name, clients[-1], args.max_new_tokens, args.temperature, k, response_format
+                )
             if i == 0 and "specdec-http" in modes:
                 runners["specdec-http"] = http_runner(stacks[0].http_address, args.max_new_tokens, args.temperature)
         results = run_interleaved(runners, prompts)
@@ -279,6 +290,7 @@ def run_bench(args: argparse.Namespace) -> None:
             "draft_kinds": kinds,
             "hf_assisted": "assistant_model" if draft is not None else "prompt_lookup_num_tokens",
             "target_model": args.target_model,
+            "response_format": response_format,
             "dtype": args.dtype or "auto",
             "chat_template": args.chat_template,
             "target_threads": args.target_threads,

@@ -229,6 +229,15 @@ speculation beside the same stack target-only (`k = 0`), taking turns. Sampled o
 target's distribution either way (the tests check it statistically); this measures what speculation
 gains on most users' default."""
 
+STRUCTURED_METHOD = """\
+## Structured output (`make bench-structured`)
+
+Twelve extraction requests of our own (`bench/structured.jsonl`), greedy, up to 96 tokens, each under
+one JSON schema (`bench/structured-format.json`, strict): the stack with speculation beside the same
+stack target-only (`k = 0`), taking turns. The grammar masks the target's p and the draft's q alike,
+so both answer the same tokens (`exact vs k = 0`); where the schema forces the text, the masked draft
+has one legal token to propose."""
+
 OWN_METHOD = """\
 ## Models the project never shipped (`make bench-own-models`)
 
@@ -570,21 +579,26 @@ def curve_section(report: dict | None) -> list[str]:
     return lines + [""]
 
 
-def sampled_section(report: dict | None) -> list[str]:
-    lines = SAMPLED_METHOD.splitlines() + [""]
+def speculation_section(report: dict | None, method: str, name: str, target: str) -> list[str]:
+    """A method text and, from ``report`` (``reports/<name>``, made by ``make <target>``), each mode's
+    tok/s, tokens per round and ratio to k = 0."""
+    lines = method.splitlines() + [""]
     modes = (report or {}).get("modes")
     if not isinstance(modes, dict) or not modes:
-        return lines + missing("reports/bench-sampled.json", "bench-sampled")
+        return lines + missing(f"reports/{name}", target)
+    checked = any("exact_vs_k0" in mode for mode in modes.values())  # greedy runs compare answers
     rows = [
         [
-            name,
+            mode_name,
             num(mode.get("tokens_per_s"), 1),
             num(mode.get("mean_accepted_length")) if mode.get("mean_accepted_length") else DASH,
             f"**{num(mode['measured_speedup_vs_k0'])}×**" if mode.get("measured_speedup_vs_k0") else DASH,
         ]
-        for name, mode in modes.items()
+        + ([str(mode.get("exact_vs_k0", DASH))] if checked else [])
+        for mode_name, mode in modes.items()
     ]
-    return lines + table(["mode", "tok/s", "tokens per round", "vs k = 0"], rows) + [""]
+    headers = ["mode", "tok/s", "tokens per round", "vs k = 0"] + (["exact vs k = 0"] if checked else [])
+    return lines + table(headers, rows) + [""]
 
 
 def own_models_section(files: list[tuple[str, dict]]) -> list[str]:
@@ -815,6 +829,7 @@ def gather(root: Path, reports: Path, drafts: Path) -> dict:
         "curve": (label(reports / "pass-curve.json", root), load(reports / "pass-curve.json")),
         "peers": (label(reports / "peers.json", root), load(reports / "peers.json")),
         "sampled": (label(reports / "bench-sampled.json", root), load(reports / "bench-sampled.json")),
+        "structured": (label(reports / "bench-structured.json", root), load(reports / "bench-structured.json")),
         "long": [(label(p, root), r) for p in long_files if (r := load(p)) is not None],
         "own": [(label(p, root), r) for p in own_files if (r := load(p)) is not None],
         "cards": [(p.parent.name, c) for p in card_files if (c := load(p)) is not None],
@@ -827,7 +842,8 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines = INTRO.splitlines() + [""]
     lines += bench_section(data["bench"][1], root, reports)
     lines += load_section(data["load"][1], root, reports)
-    lines += sampled_section(data["sampled"][1])
+    lines += speculation_section(data["sampled"][1], SAMPLED_METHOD, "bench-sampled.json", "bench-sampled")
+    lines += speculation_section(data["structured"][1], STRUCTURED_METHOD, "bench-structured.json", "bench-structured")
     lines += curve_section(data["curve"][1])
     lines += peers_section(data["peers"][1])
     lines += own_models_section(data["own"])
@@ -835,7 +851,7 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines += tree_ceiling_section(data["trees"][1])
     lines += long_section(data["long"])
     lines += drafts_section(data["cards"])
-    named = [data["bench"], data["sampled"], data["load"], data["curve"], data["peers"], data["grid"], data["trees"]]
+    named = [data[key] for key in ("bench", "sampled", "structured", "load", "curve", "peers", "grid", "trees")]
     lines += files_section(named + data["long"] + data["own"])
     while lines and not lines[-1]:
         lines.pop()

@@ -183,8 +183,16 @@ def hf_runner(mode: str, loaded, draft, max_new_tokens: int, temperature: float,
     return run
 
 
-def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k: int | None) -> PromptRunner:
-    """Runs each prompt through a specdec coordinator (``client``, a ``specdec.client.Client``)."""
+def specdec_runner(
+    mode: str,
+    client,
+    max_new_tokens: int,
+    temperature: float,
+    k: int | None,
+    response_format: dict | None = None,
+) -> PromptRunner:
+    """Runs each prompt through a specdec coordinator (``client``, a ``specdec.client.Client``), under
+    ``response_format`` (OpenAI's object) when given."""
     from coordinator.adaptive import add_counts
 
     fixed_k, tree_nodes = stack_variant(mode) or (None, None)
@@ -193,7 +201,13 @@ def specdec_runner(mode: str, client, max_new_tokens: int, temperature: float, k
     def run(index: int, p: BenchPrompt, result: ModeResult) -> None:
         start = time.perf_counter()
         reply = client.complete(
-            p.prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=index, k=k, tree_nodes=tree_nodes
+            p.prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            seed=index,
+            k=k,
+            tree_nodes=tree_nodes,
+            response_format=response_format,
         )
         result.seconds += time.perf_counter() - start
         s = reply.stats

@@ -1,0 +1,80 @@
+"""Whether a memory allocator or an OpenMP setting pays for the target's pass (``make bench-allocators``).
+
+An eager pass makes thousands of small tensors, so the allocator behind them and how OpenMP's idle
+threads wait can cost as much as a kernel. This runs ``specdec pass-curve`` (one dtype) in a child
+process per setting, each setting twice in the order A B C D D C B A so a shared machine's drift falls
+on all alike, and reports each setting's median pass by rows beside the default's.
+
+    python -m bench.allocators --out reports/allocators.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+# Debian's libtcmalloc-minimal4 (the Makefile and the container image install it).
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+# Each setting's environment on top of the caller's; the rows each report compares.
+VARIANTS = {
+    "default": {},
+    "tcmalloc": {"LD_PRELOAD": TCMALLOC},
+    "omp-active": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "tcmalloc+omp-active": {"LD_PRELOAD": TCMALLOC, "OMP_WAIT_POLICY": "ACTIVE"},
+}
+KEYS = ("1", "8", "8x1")
+
+
+def run_variant(env: dict[str, str], args: argparse.Namespace, out: Path) -> dict[str, float]:
+    """One ``specdec pass-curve`` in a child with ``env`` added; its pass medians by rows (``KEYS``)."""
+    argv = [sys.executable, "-m", "specdec.cli", "pass-curve", "--dtypes", args.dtype]
+    argv += ["--repeats", str(args.repeats), "--cache-dir", str(args.cache_dir), "--out", str(out)]
+    subprocess.run(argv, env=os.environ | env, check=True, stdout=subprocess.DEVNULL)
+    curve = json.loads(out.read_text())["engines"][args.dtype]["pass_ms"]
+    return {key: curve[key] for key in KEYS}
+
+
+def summarize(runs: dict[str, list[dict[str, float]]]) -> dict:
+    """Per setting: the median over its runs of each row count's pass, and default's over it."""
+    medians = {name: {key: statistics.median(r[key] for r in rs) for key in KEYS} for name, rs in runs.items()}
+    base = medians["default"]
+    return {
+        name: {"pass_ms": m, "speedup_vs_default": {key: round(base[key] / m[key], 3) for key in KEYS}}
+        for name, m in medians.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Runs every setting A B .. B A and writes the report."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--repeats", type=int, default=5, help="timed sweeps of each child's pass-curve")
+    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec")
+    p.add_argument("--out", type=Path, default=Path("specdec-allocators.json"))
+    args = p.parse_args(argv)
+    if not Path(TCMALLOC).is_file():
+        raise SystemExit(f"{TCMALLOC} is missing: apt-get install libtcmalloc-minimal4")
+    order = list(VARIANTS) + list(reversed(VARIANTS))
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    with tempfile.TemporaryDirectory() as scratch:
+        for i, name in enumerate(order):
+            runs[name].append(run_variant(VARIANTS[name], args, Path(scratch) / f"{i}.json"))
+            print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
+    report = {
+        "config": {"dtype": args.dtype, "repeats": args.repeats, "order": order, "variants": VARIANTS},
+        "runs": runs,
+        "settings": summarize(runs),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report["settings"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
