@@ -27,7 +27,7 @@ from specdec.tracing import outgoing_metadata
 from specdec.trees import TreeShape, is_chain
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.vocab import ModelFacts
-from specdec.wire import facts_from_pb, pass_load_from_pb, sampling_to_pb
+from specdec.wire import facts_from_pb, logprobs_from_pb, pass_load_from_pb, sampling_to_pb
 
 
 def _translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
@@ -217,15 +217,18 @@ class TargetReplica(_Replica):
         remaining_s: float | None,
         with_hidden: bool = False,
         side_layers: tuple[int, ...] = (),
+        top_logprobs: int | None = None,
     ) -> VerifyResult:
         """Syncs the cache to ``committed``, verifies the draft tokens, commits accepted + 1 (returning the
-        fed positions' hidden states, then the outputs of ``side_layers``, when ``with_hidden``)."""
+        fed positions' hidden states, then the outputs of ``side_layers``, when ``with_hidden``; each
+        committed token's logprob with ``top_logprobs`` alternatives, when set)."""
         request = target_pb2.VerifyRequest(
             sync=_sync(ref, committed),
             sampling=sampling_to_pb(sampling),
             round=round_index,
             return_hidden=with_hidden,
             hidden_side_layers=side_layers if with_hidden else (),
+            top_logprobs=top_logprobs,
         )
         if draft is not None:
             request.draft_tokens.extend(draft.tokens)
@@ -242,4 +245,5 @@ class TargetReplica(_Replica):
             hidden_from_message(reply.hidden) if with_hidden else None,
             load,
             tuple(reply.accepted_nodes) if draft is not None and not is_chain(draft.parents) else None,
+            logprobs_from_pb(reply.logprobs) if top_logprobs is not None else None,
         )

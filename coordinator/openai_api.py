@@ -53,6 +53,7 @@ from coordinator.server import _BACKEND_RETRY_MS, _status
 from coordinator.turns import Chunk, ContextOverflow, GenerationRequest, SessionNotFound
 from specdec.config import CoordinatorConfig, ServerConfig
 from specdec.rpc import RunningServer
+from specdec.sampling_params import TokenLogprob
 from specdec.vocab import DEFAULT_MODEL, ModelFacts
 
 log = logging.getLogger(__name__)
@@ -301,22 +302,30 @@ class OpenAiApi:
                 return await self._stream(request, api, cores, caller, firsts, runs)
             texts: list[list[str]] = [[] for _ in cores]
             ids: list[list[int]] = [[] for _ in cores]
+            logprobs: list[list[TokenLogprob] | None] = [[] for _ in cores]
             lasts: list[Chunk | None] = [None] * len(cores)
             queued = iter(firsts)
             while any(last is None for last in lasts):
                 index, chunk = next(queued, None) or await runs.next()
                 texts[index].append(chunk.text)
                 ids[index] += chunk.token_ids
+                held = logprobs[index]
+                logprobs[index] = None if held is None or chunk.logprobs is None else held + chunk.logprobs
                 if chunk.finish_reason is not None:
                     lasts[index] = chunk
         finally:
             await runs.close()
         answers = []
-        for core, text, token_ids, last in zip(cores, texts, ids, lasts, strict=True):
+        for core, text, token_ids, last, entries in zip(cores, texts, ids, lasts, logprobs, strict=True):
             assert last is not None and last.stats is not None and last.finish_reason is not None
             self._remember(core, caller, "".join(text), last)
-            answers.append(Answer("".join(text), token_ids, last.finish_reason, last.stats))
-        return web.json_response(Shaper(api).response(answers))
+            answers.append(Answer("".join(text), token_ids, last.finish_reason, last.stats, entries))
+        return web.json_response(self._shaper(api).response(answers))
+
+    def _shaper(self, api: ApiRequest) -> Shaper:
+        """The request's response builder; it names tokens by their text when logprobs are asked for."""
+        wants_logprobs = any(core.top_logprobs is not None for core in api.choices)
+        return Shaper(api, self._loop.token_text if wants_logprobs else None)
 
     def _refusal(self, error: ApiError, chat: bool) -> ApiError:
         """A choice's failure before its first chunk, as the request's error. The core measures the
@@ -339,7 +348,7 @@ class OpenAiApi:
     ) -> web.StreamResponse:
         """Server-sent events: one chunk per release of text of a choice, each choice's finish chunk
         with its ``specdec`` stats, the usage chunk when asked for, then ``[DONE]``."""
-        shaper = Shaper(api)
+        shaper = self._shaper(api)
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
         if api.chat:
@@ -355,11 +364,13 @@ class OpenAiApi:
                 if chunk.finish_reason is not None:
                     assert chunk.stats is not None
                     lasts[index] = chunk
-                    await response.write(
-                        _sse(shaper.chunk(index, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats))
+                    finished = shaper.chunk(
+                        index, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats, chunk.logprobs
                     )
-                elif chunk.text or (api.return_token_ids and chunk.token_ids):
-                    await response.write(_sse(shaper.chunk(index, chunk.text, chunk.token_ids)))
+                    await response.write(_sse(finished))
+                elif chunk.text or chunk.logprobs or (api.return_token_ids and chunk.token_ids):
+                    piece = shaper.chunk(index, chunk.text, chunk.token_ids, logprobs=chunk.logprobs)
+                    await response.write(_sse(piece))
             if api.include_usage:
                 await response.write(_sse(shaper.usage_chunk([last.stats for last in lasts if last and last.stats])))
         except ApiError as error:

@@ -23,14 +23,14 @@ import hashlib
 import json
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from coordinator.server import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from coordinator.turns import GenerationRequest, Stats
 from specdec.grammar import response_format_key
-from specdec.sampling_params import check_penalties, check_sampling
+from specdec.sampling_params import MAX_TOP_LOGPROBS, TokenLogprob, check_penalties, check_sampling
 
 # OpenAI's default for /v1/completions when max_tokens is absent; chat runs to the context's end.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -43,8 +43,6 @@ MAX_CHOICES = 64
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # Parameters specdec does not implement, with the value that asks for nothing (absent is fine too).
 _NEUTRAL = {
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -170,6 +168,7 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
     # repetition_penalty is vLLM's extension (over prompt and output); 1 is off.
     repetition = _number(body, "repetition_penalty", 1.0)
     logit_bias = _logit_bias(body.get("logit_bias"))
+    top_logprobs = _logprobs(body, chat)
     try:
         # Checked for shape here; compiled against the served tokenizer when the turn opens.
         response_format = response_format_key(body.get("response_format"))
@@ -195,6 +194,7 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         repetition_penalty=repetition,
         logit_bias=logit_bias,
         response_format=response_format,
+        top_logprobs=top_logprobs,
         fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32],
     )
     choices = tuple(
@@ -204,6 +204,25 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
     )
     return_token_ids = bool(_typed(body, "return_token_ids", bool))
     return ApiRequest(choices, chat, stream, include_usage, model_ids[0], return_token_ids, n)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token's logprob comes with; None: no logprobs. Chat asks with
+    ``logprobs: true`` and ``top_logprobs`` (0 to 20, only with logprobs), completions with ``logprobs``
+    as that number (OpenAI's legacy field)."""
+    if not chat:
+        value = _typed(body, "logprobs", int)
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise invalid("logprobs", f"must lie in [0, {MAX_TOP_LOGPROBS}]")
+        return value
+    top = _typed(body, "top_logprobs", int)
+    if not _typed(body, "logprobs", bool):
+        if top is not None:
+            raise invalid("top_logprobs", "only allowed with logprobs: true")
+        return None
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid("top_logprobs", f"must lie in [0, {MAX_TOP_LOGPROBS}]")
+    return top or 0
 
 
 def _prompted(core: GenerationRequest, prompt: Prompt) -> GenerationRequest:
@@ -344,6 +363,8 @@ class Answer:
     token_ids: list[int]
     finish: str
     stats: Stats
+    # With logprobs asked for: one per token of ``token_ids``.
+    logprobs: list[TokenLogprob] | None = None
 
 
 def total(stats: Sequence[Stats], n: int) -> Stats:
@@ -383,8 +404,10 @@ def speculation(stats: Stats) -> dict[str, float | int]:
 class Shaper:
     """Builds one request's response objects: the whole response, or its stream chunks."""
 
-    def __init__(self, request: ApiRequest) -> None:
+    def __init__(self, request: ApiRequest, token_text: Callable[[int], str] | None = None) -> None:
+        """``token_text`` gives a token id's text, for logprobs (None: none are reported)."""
         self._request = request
+        self._token_text = token_text
         self.id = ("chatcmpl-" if request.chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
 
@@ -406,7 +429,7 @@ class Shaper:
                 choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": answer.text}}
             else:
                 choice = {"index": index, "text": answer.text}
-            choice.update(logprobs=None, finish_reason=FINISH_REASON[answer.finish])
+            choice.update(logprobs=self._logprobs(answer.logprobs), finish_reason=FINISH_REASON[answer.finish])
             if self._request.return_token_ids:
                 choice["token_ids"] = answer.token_ids
             choices.append(choice)
@@ -421,19 +444,55 @@ class Shaper:
         return self._chunk_of({"index": index, "delta": {"role": "assistant", "content": ""}}, [], None)
 
     def chunk(
-        self, index: int, text: str, token_ids: list[int], finish: str | None = None, stats: Stats | None = None
+        self,
+        index: int,
+        text: str,
+        token_ids: list[int],
+        finish: str | None = None,
+        stats: Stats | None = None,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> dict:
-        """One stream chunk of choice ``index``: new text, and on its last one the finish reason and
-        that choice's ``specdec`` stats."""
+        """One stream chunk of choice ``index``: new text (with its tokens' logprobs when asked for),
+        and on its last one the finish reason and that choice's ``specdec`` stats."""
         if self._request.chat:
             delta: dict[str, str] = {} if finish is not None and not text else {"content": text}
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text}
-        return self._chunk_of(choice, token_ids, finish, stats)
+        return self._chunk_of(choice, token_ids, finish, stats, self._logprobs(logprobs))
 
-    def _chunk_of(self, choice: dict, token_ids: list[int], finish: str | None, stats: Stats | None = None) -> dict:
-        choice.update(logprobs=None, finish_reason=None if finish is None else FINISH_REASON[finish])
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        """OpenAI's ``logprobs`` of a choice or chunk: chat's ``content`` list, or the completions'
+        parallel lists (``text_offset`` counts from the text this object covers)."""
+        if entries is None or self._token_text is None:
+            return None
+        text_of = self._token_text
+        if self._request.chat:
+
+            def item(token: int, logprob: float) -> dict:
+                text = text_of(token)
+                return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+            content = [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+            return {"content": content, "refusal": None}
+        tokens = [text_of(e.token) for e in entries]
+        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{text_of(t): lp for t, lp in e.top} for e in entries],
+            "text_offset": offsets,
+        }
+
+    def _chunk_of(
+        self,
+        choice: dict,
+        token_ids: list[int],
+        finish: str | None,
+        stats: Stats | None = None,
+        logprobs: dict | None = None,
+    ) -> dict:
+        choice.update(logprobs=logprobs, finish_reason=None if finish is None else FINISH_REASON[finish])
         if self._request.return_token_ids:
             choice["token_ids"] = token_ids
         body = self._envelope("chat.completion.chunk" if self._request.chat else "text_completion", [choice])

@@ -15,7 +15,7 @@ from typing import Generic, Protocol, TypeVar
 
 from specdec.batching import PassLoad
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
-from specdec.sampling_params import Sampling
+from specdec.sampling_params import Sampling, TokenLogprob
 from specdec.trees import TreeShape
 from specdec.vocab import ModelFacts
 
@@ -238,6 +238,8 @@ class VerifyResult:
     load: PassLoad | None = None
     # A tree's accepted nodes, root to leaf; None for a chain.
     path: tuple[int, ...] | None = None
+    # When asked for: each committed token's logprob under the target, in order.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -324,8 +326,10 @@ class TargetBackend(Replica, Protocol):
         remaining_s: float | None,
         with_hidden: bool = False,
         side_layers: tuple[int, ...] = (),
+        top_logprobs: int | None = None,
     ) -> VerifyResult:
-        """Syncs the cache to ``committed``, verifies the draft's tokens and commits accepted + 1."""
+        """Syncs the cache to ``committed``, verifies the draft's tokens and commits accepted + 1 (with
+        each committed token's logprob and ``top_logprobs`` alternatives, when set)."""
 
 
 def core_error(service: str, address: str, exc: Exception) -> Exception:

@@ -27,7 +27,7 @@ from coordinator.sessions import SessionRecord, StoreUnavailable, TurnState, new
 from coordinator.textstream import Release, TextStream
 from coordinator.turns import Chunk, GenerationRequest, Stats, Turn, Turns, clip
 from specdec.metrics import CoordinatorMetrics
-from specdec.sampling_params import Sampling
+from specdec.sampling_params import Sampling, TokenLogprob
 from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -98,6 +98,10 @@ class RoundLoop:
                 # continued, so it must not count against the client's session limit until it expires.
                 await self._turns.unclaim(request, new_id)
             raise
+
+    def token_text(self, token: int) -> str:
+        """A token id's text, decoded alone (logprobs name their tokens by it)."""
+        return self._tokenizer.decode([token])
 
     async def probe(self, timeout_s: float, rounds: int = PROBE_ROUNDS) -> int:
         """Measures the draft and target this coordinator serves with, before any request, and
@@ -199,7 +203,7 @@ class RoundLoop:
                     turn.stats.add_round(
                         outcome.drafted, verdict.accepted, len(verdict.tokens), plan.lookup is not None
                     )
-                released, finish = self._commit(turn, text, verdict.tokens, room)
+                released, finish = self._commit(turn, text, verdict.tokens, room, verdict.logprobs)
                 if finish is None:
                     # The checkpoint goes out before the tokens do, so a resume never starts ahead of them.
                     self._checkpoint(checkpoints, turn)
@@ -208,7 +212,8 @@ class RoundLoop:
                 if released.token_ids or released.text:
                     if not turn.stats.time_to_first_token_ms:
                         turn.stats.time_to_first_token_ms = (time.perf_counter() - started) * 1000
-                    yield Chunk(turn.record.session_id, released.text, released.token_ids)
+                    logprobs = _logprobs(turn, released)
+                    yield Chunk(turn.record.session_id, released.text, released.token_ids, logprobs=logprobs)
             yield await self._finish(turn, text, checkpoints, finish, finished_before, started, span)
 
     async def _open(
@@ -301,9 +306,16 @@ class RoundLoop:
             )
         return outcome
 
-    def _commit(self, turn: Turn, text: TextStream, tokens: list[int], room: int) -> tuple[Release, str | None]:
-        """Commits a round's tokens up to EOS, the room left or a stop string; returns what may be
-        streamed now and the finish reason, if the turn ends here."""
+    def _commit(
+        self,
+        turn: Turn,
+        text: TextStream,
+        tokens: list[int],
+        room: int,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> tuple[Release, str | None]:
+        """Commits a round's tokens up to EOS, the room left or a stop string (keeping the logprobs of
+        those committed); returns what may be streamed now and the finish reason, if the turn ends here."""
         finish = None
         eos = next((i for i, t in enumerate(tokens) if t in self._facts.eos_token_ids), None)
         if eos is not None:
@@ -317,6 +329,8 @@ class RoundLoop:
         if released.stopped:
             finish = "stop"
             tokens = tokens[: len(text.tokens) - stats.generated_tokens]
+        for i, entry in enumerate((logprobs or [])[: len(tokens)]):
+            turn.logprobs[stats.generated_tokens + i] = entry
         turn.committed.extend(tokens)
         stats.generated_tokens += len(tokens)
         return released, finish
@@ -376,7 +390,18 @@ class RoundLoop:
                 "specdec.mean_accepted_length": stats.mean_accepted_length,
             }
         )
-        return Chunk(turn.record.session_id, tail.text, tail.token_ids, finish, stats)
+        return Chunk(turn.record.session_id, tail.text, tail.token_ids, finish, stats, _logprobs(turn, tail))
+
+
+def _logprobs(turn: Turn, released: Release) -> list[TokenLogprob] | None:
+    """The logprobs of a release's tokens, when the request asked for them and this coordinator holds
+    every one (a turn resumed here lacks those committed before)."""
+    if turn.request.top_logprobs is None:
+        return None
+    positions = range(released.start, released.start + len(released.token_ids))
+    if any(i not in turn.logprobs for i in positions):
+        return None
+    return [turn.logprobs[i] for i in positions]
 
 
 def _request_attributes(

@@ -213,6 +213,7 @@ class Router:
         assert turn.target is not None
         ref, committed, want, fed = turn.target, turn.committed, self.want_hidden, None
         asks = (want, self.side_layers)
+        logprobs = turn.request.top_logprobs
         left = ref
         for _ in range(len(self.targets) + 1):
             if not self.targets.stays(ref.address):
@@ -224,14 +225,14 @@ class Router:
                     raise BackendUnavailable("target", ref.address, "the replica left")
                 try:
                     result = await target.verify(
-                        ref, committed, draft, turn.sampling, turn.state.round, turn.remaining_s(), *asks
+                        ref, committed, draft, turn.sampling, turn.state.round, turn.remaining_s(), *asks, logprobs
                     )
                 except CacheLost:
                     ref, fed = await target.prefill_with_hidden(
                         committed, turn.remaining_s(), want, ref.fence, side_layers=self.side_layers
                     )
                     result = await target.verify(
-                        ref, committed, draft, turn.sampling, turn.state.round, turn.remaining_s(), *asks
+                        ref, committed, draft, turn.sampling, turn.state.round, turn.remaining_s(), *asks, logprobs
                     )
                 self.targets.succeeded(target.address)
                 turn.target = replace(ref, committed=result.committed)

@@ -47,9 +47,10 @@ from specdec.rpc import (
     status_of,
     wait_ready,
 )
-from specdec.sampling_params import check_penalties, check_sampling
+from specdec.sampling_params import MAX_TOP_LOGPROBS, check_penalties, check_sampling
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
 from specdec.vocab import ModelFacts, load_tokenizer, resolve_model_path, tokenizer_fingerprint
+from specdec.wire import logprobs_to_pb
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -106,6 +107,9 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
     tree_nodes = request.tree_nodes if request.HasField("tree_nodes") else None
     if tree_nodes is not None and tree_nodes > MAX_TREE_NODES:
         raise ValueError(f"tree_nodes: must lie in [0, {MAX_TREE_NODES}]")
+    top_logprobs = request.top_logprobs if request.HasField("top_logprobs") else None
+    if top_logprobs is not None and top_logprobs > MAX_TOP_LOGPROBS:
+        raise ValueError(f"top_logprobs: must lie in [0, {MAX_TOP_LOGPROBS}]")
     resume = None
     if request.HasField("resume"):
         if not request.session_id:
@@ -131,6 +135,7 @@ def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> Gene
         repetition_penalty=repetition,
         logit_bias=logit_bias,
         response_format=response_format,
+        top_logprobs=top_logprobs,
     )
 
 
@@ -179,6 +184,7 @@ def _chunk_pb(chunk: Chunk) -> coordinator_pb2.GenerateChunk:
         msg.finish_reason = chunk.finish_reason
     if chunk.stats is not None:
         msg.stats.CopyFrom(_stats_pb(chunk.stats))
+    logprobs_to_pb(chunk.logprobs or (), msg.logprobs)
     return msg
 
 
@@ -250,6 +256,7 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         async for chunk in self._chunks(request, context):
             reply.text += chunk.text
             reply.token_ids.extend(chunk.token_ids)
+            logprobs_to_pb(chunk.logprobs or (), reply.logprobs)
             reply.session_id = chunk.session_id
             if chunk.finish_reason is not None:
                 reply.finish_reason = chunk.finish_reason

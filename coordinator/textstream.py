@@ -16,6 +16,8 @@ class Release:
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     stopped: bool = False
+    # Index in the output of the first of ``token_ids``.
+    start: int = 0
 
 
 class TextStream:
@@ -67,7 +69,9 @@ class TextStream:
         return self._release(len(self.tokens), len(self.text), stopped=True)
 
     def _release(self, n_tokens: int, n_chars: int, stopped: bool = False) -> Release:
-        out = Release(self.tokens[self._sent_tokens : n_tokens], self.text[self._sent_text : n_chars], stopped)
+        out = Release(
+            self.tokens[self._sent_tokens : n_tokens], self.text[self._sent_text : n_chars], stopped, self._sent_tokens
+        )
         # max(): after a resume the client may hold more than has been committed again so far.
         self._sent_tokens, self._sent_text = max(n_tokens, self._sent_tokens), max(n_chars, self._sent_text)
         return out

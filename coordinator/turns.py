@@ -20,7 +20,7 @@ from coordinator.replicas import CacheRef
 from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable, TurnState, is_session_id
 from coordinator.tree_choice import TreeAcceptance
 from specdec.grammar import GrammarCompiler, ResponseFormat, compiler_for
-from specdec.sampling_params import Sampling, check_penalties
+from specdec.sampling_params import Sampling, TokenLogprob, check_penalties
 from specdec.token_lists import common_prefix_len
 from specdec.trees import depths
 from specdec.vocab import ModelFacts
@@ -92,6 +92,8 @@ class GenerationRequest:
     # Structured output: ``specdec.grammar.ResponseFormat.key()`` of the format the output must match
     # ("" for none); the services mask the draft's q and the target's p by its grammar.
     response_format: str = ""
+    # Set: report each generated token's logprob under the target with this many alternatives.
+    top_logprobs: int | None = None
 
     def sampling(self, seed: int, coupled: bool, output_start: int) -> Sampling:
         """The turn's sampling settings; ``output_start``: the committed length where its output begins
@@ -208,6 +210,9 @@ class Chunk:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stats: Stats | None = None
+    # With ``GenerationRequest.top_logprobs``: one per token of ``token_ids``; None when not asked for,
+    # or for tokens committed before a resume on another coordinator.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -231,6 +236,8 @@ class Turn:
     hidden: HiddenBacklog = field(default_factory=HiddenBacklog)
     # The round before which the session drafts no more, after a draft replica refused its call.
     draft_refused_until: int = 0
+    # With logprobs asked for: each output token's, by its index in the turn's output.
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
 
     @property
     def committed(self) -> list[int]:

@@ -26,7 +26,9 @@ import grpc
 from specdec.channels import aio_channel, channel_credentials, channel_options
 from specdec.config import TlsClientConfig
 from specdec.metadata import CLIENT_METADATA, RETRY_AFTER_METADATA
+from specdec.sampling_params import TokenLogprob
 from specdec.v1 import coordinator_pb2, coordinator_pb2_grpc
+from specdec.wire import logprobs_from_pb
 
 # None: the prompt is build_request's prompt_token_ids.
 Prompt = str | list[dict[str, str]] | None
@@ -139,6 +141,8 @@ class Chunk:
     session_id: str
     finish_reason: str | None = None
     stats: Stats | None = None
+    # With ``top_logprobs``: one per token of ``token_ids`` (the target's, see ``build_request``).
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,8 @@ class Completion:
     finish_reason: str
     session_id: str
     stats: Stats = field(repr=False)
+    # With ``top_logprobs``: one per generated token.
+    logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
 
 
 def _stats(msg: coordinator_pb2.GenerationStats) -> Stats:
@@ -178,6 +184,7 @@ def build_request(
     repetition_penalty: float | None = None,
     logit_bias: Mapping[int, float] | None = None,
     response_format: Mapping[str, Any] | None = None,
+    top_logprobs: int | None = None,
 ) -> coordinator_pb2.GenerateRequest:
     """The wire request for a prompt: a ``str`` is plain text, a list of dicts is chat. With ``prompt``
     None, ``prompt_token_ids`` are the prompt, token ids taken as given (no template, no special tokens).
@@ -192,6 +199,10 @@ def build_request(
     ``response_format`` is OpenAI's object: ``{"type": "json_object"}``, ``{"type": "json_schema",
     "json_schema": {"schema": {...}, "strict": True}}`` or the extension ``{"type": "regex", "regex":
     "..."}``; the output then matches it, exactly as the constrained target alone would write it.
+
+    ``top_logprobs`` (0 to 20) asks for each generated token's log probability under the target, from
+    its own verify pass (before penalties, bias and sampling settings; never the draft's), with that
+    many likeliest alternatives: ``Chunk.logprobs`` and ``Completion.logprobs``.
     """
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if response_format is not None and not isinstance(response_format, Mapping):
@@ -206,6 +217,7 @@ def build_request(
         temperature=temperature,
         top_p=top_p,
         tree_nodes=tree_nodes,
+        top_logprobs=top_logprobs,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
@@ -246,6 +258,8 @@ def build_request(
         request.k = k
     if tree_nodes is not None:
         request.tree_nodes = tree_nodes
+    if top_logprobs is not None:
+        request.top_logprobs = top_logprobs
     return request
 
 
@@ -256,6 +270,7 @@ _WIRE_INTS = {
     "seed": (0, 2**64 - 1),
     "k": (-(2**31), 2**31 - 1),
     "tree_nodes": (0, 2**32 - 1),
+    "top_logprobs": (0, 2**32 - 1),
 }
 
 
@@ -376,11 +391,19 @@ def _chunk(msg: coordinator_pb2.GenerateChunk) -> Chunk:
         session_id=msg.session_id,
         finish_reason=msg.finish_reason or None,
         stats=_stats(msg.stats) if msg.HasField("stats") else None,
+        logprobs=logprobs_from_pb(msg.logprobs) or None,
     )
 
 
 def _completion(msg: coordinator_pb2.CompleteReply) -> Completion:
-    return Completion(msg.text, list(msg.token_ids), msg.finish_reason, msg.session_id, _stats(msg.stats))
+    return Completion(
+        msg.text,
+        list(msg.token_ids),
+        msg.finish_reason,
+        msg.session_id,
+        _stats(msg.stats),
+        logprobs_from_pb(msg.logprobs) or None,
+    )
 
 
 _MAX_BYTES = 8 * 1024 * 1024

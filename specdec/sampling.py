@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling_params import Sampling  # noqa: F401 - the settings come with the math that reads them
+# The settings and the logprob record come with the math that reads and makes them.
+from specdec.sampling_params import MAX_TOP_LOGPROBS, Sampling, TokenLogprob  # noqa: F401
 
 
 def round_generator(seed: int, round_index: int, stream: int) -> torch.Generator:
@@ -218,20 +219,6 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int], ge
         return Verdict(i, [*draft_tokens[:i], int(recovered)])
     bonus = torch.multinomial(p[k], 1, generator=generator).item()
     return Verdict(k, [*draft_tokens, int(bonus)])
-
-
-# Most alternatives a logprobs request may ask for per token (OpenAI's limit for top_logprobs).
-MAX_TOP_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A committed token's log probability under the target and its ``top`` alternatives
-    ((token id, logprob) pairs, likeliest first, ties in index order)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:

@@ -63,6 +63,20 @@ class Sampling:
         return bool(self.response_format)
 
 
+# Most alternatives a logprobs request may ask for per token (OpenAI's limit for top_logprobs).
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log probability under the target and its ``top`` alternatives
+    ((token id, logprob) pairs, likeliest first, ties in index order)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 def check_sampling(temperature: float, top_k: int, top_p: float, prefix: str = "") -> None:
     """Raises a ValueError naming the first setting (``prefix`` + field) that no exact sampling can use.
 

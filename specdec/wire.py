@@ -3,8 +3,10 @@ the coordinator uses them too; hidden states convert in ``specdec.hidden_wire``)
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from specdec.batching import PassLoad
-from specdec.sampling_params import Sampling, check_penalties, check_sampling
+from specdec.sampling_params import Sampling, TokenLogprob, check_penalties, check_sampling
 from specdec.v1 import common_pb2, target_pb2
 from specdec.vocab import ModelFacts
 
@@ -103,3 +105,19 @@ def pass_load_from_pb(msg: target_pb2.PassLoad) -> PassLoad:
         msg.queue_ms,
         msg.fed_rows,
     )
+
+
+def logprobs_to_pb(entries: Iterable[TokenLogprob], field) -> None:
+    """Appends ``entries`` to ``field``, a repeated ``TokenLogprob`` of a message being built."""
+    for entry in entries:
+        field.add(
+            token=entry.token,
+            logprob=entry.logprob,
+            top_ids=[t for t, _ in entry.top],
+            top_logprobs=[lp for _, lp in entry.top],
+        )
+
+
+def logprobs_from_pb(field: Iterable[common_pb2.TokenLogprob]) -> list[TokenLogprob]:
+    """The ``TokenLogprob`` entries of a repeated message field."""
+    return [TokenLogprob(m.token, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for m in field]

@@ -73,8 +73,10 @@ class InProcessTarget:
         remaining_s: float | None,
         with_hidden: bool = False,
         side_layers: tuple[int, ...] = (),
+        top_logprobs: int | None = None,
     ) -> VerifyResult:
-        """Syncs the cache to ``committed``, verifies the draft's tokens and commits accepted + 1."""
+        """Syncs the cache to ``committed``, verifies the draft's tokens and commits accepted + 1 (with
+        each committed token's logprob when ``top_logprobs`` is set)."""
         start = min(ref.committed, len(committed))
         tokens, q = (list(draft.tokens), [SparseQ(ids, probs) for ids, probs in draft.q]) if draft else ([], [])
         call = VerifyCall(
@@ -89,6 +91,7 @@ class InProcessTarget:
             ref.fence,
             side_layers=side_layers,
             draft_parents=tuple(draft.parents) if draft else (),
+            top_logprobs=top_logprobs,
         )
 
         def verify_one():
@@ -100,7 +103,9 @@ class InProcessTarget:
         outcome = self._run(verify_one)
         hidden = hidden_chunk(outcome.hidden) if with_hidden else None
         path = tuple(outcome.path) if outcome.path is not None else None
-        return VerifyResult(outcome.accepted, list(outcome.tokens), outcome.committed, hidden, outcome.load, path)
+        return VerifyResult(
+            outcome.accepted, list(outcome.tokens), outcome.committed, hidden, outcome.load, path, outcome.logprobs
+        )
 
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
         """Drops a cache."""

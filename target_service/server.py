@@ -21,7 +21,7 @@ from specdec.packed_linear import pack_linears
 from specdec.rpc import RunningServer, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
-from specdec.wire import pass_load_to_pb, sampling_from_pb
+from specdec.wire import logprobs_to_pb, pass_load_to_pb, sampling_from_pb
 from target_service.engine import SparseQ, TargetEngine, VerifyCall, VerifyOutcome
 from target_service.scheduler import TargetScheduler
 from target_service.tensor_parallel import (
@@ -111,13 +111,7 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
                 reply.load.CopyFrom(pass_load_to_pb(load))
             if outcome.hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))
-            for entry in outcome.logprobs or ():
-                reply.logprobs.add(
-                    token=entry.token,
-                    logprob=entry.logprob,
-                    top_ids=[t for t, _ in entry.top],
-                    top_logprobs=[lp for _, lp in entry.top],
-                )
+            logprobs_to_pb(outcome.logprobs or (), reply.logprobs)
             return reply
 
 

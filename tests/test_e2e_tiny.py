@@ -18,6 +18,7 @@ from coordinator.sessions import SessionRecord
 from draft_service.engine import ModelDrafter, NgramDrafter
 from specdec import Client, InvalidArgument, SessionNotFound, Unavailable
 from specdec.chat_templates import resolve_chat_template
+from specdec.models import load_model
 from specdec.sampling import Sampling, warp_probs
 from specdec.v1 import common_pb2, draft_pb2_grpc
 from target_service.engine import TargetEngine
@@ -592,3 +593,28 @@ def test_chat_needs_a_template_and_takes_a_named_one(stack, client, tiny_target)
         messages, chat_template=resolve_chat_template("chatml"), add_generation_prompt=True, tokenize=False
     )
     assert result.token_ids == hf_greedy(tiny_target, rendered, 12)
+
+
+def test_logprobs_come_from_the_target_and_ignore_speculation(tiny_dir, redis_url):
+    # Each token's entry is the target's own: its top alternative is the greedy token, and drafting
+    # (any k, chains or trees; a draft equal to the target, so drafts are accepted) changes nothing,
+    # streamed or whole. The packed kernels keep a row's bits whatever the pass's rows.
+    target = load_model(str(tiny_dir / "target"), tiny_dir, pack=True)
+    s = InProcessStack(TargetEngine(target, 8), ModelDrafter(target, 8, 64), tiny_dir / "target", redis_url).start()
+    try:
+        with Client(s.address, timeout=60) as client:
+            alone = client.complete(PROMPTS[1], max_new_tokens=24, k=0, top_logprobs=3)
+            assert alone.logprobs is not None and len(alone.logprobs) == len(alone.token_ids)
+            for token, entry in zip(alone.token_ids, alone.logprobs):
+                assert entry.token == token and entry.top[0][0] == token and len(entry.top) == 3
+                assert entry.logprob == entry.top[0][1] <= 0
+            for options in ({"k": 4}, {"k": 3, "tree_nodes": 6}):
+                drafted = client.complete(PROMPTS[1], max_new_tokens=24, top_logprobs=3, **options)
+                assert drafted.stats.accepted_tokens > 0 and drafted.logprobs == alone.logprobs
+            chunks = client.stream(PROMPTS[1], max_new_tokens=24, k=4, top_logprobs=3)
+            assert [e for c in chunks for e in c.logprobs or ()] == alone.logprobs
+            assert client.complete(PROMPTS[1], max_new_tokens=4).logprobs is None
+            with pytest.raises(InvalidArgument, match="top_logprobs"):
+                client.complete(PROMPTS[1], max_new_tokens=4, top_logprobs=21)
+    finally:
+        s.close()

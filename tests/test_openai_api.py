@@ -457,7 +457,15 @@ def test_conversations_map_is_bounded_and_exact():
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "n": 65}, 400, "n"),
         ("/v1/completions", {"model": "M", "prompt": [PROMPT] * 33, "n": 2}, 400, "prompt"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "max_tokens": 100_000}, 400, "max_tokens"),
-        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", {"model": "M", "messages": CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": "M", "messages": CHAT, "logprobs": True, "top_logprobs": 21},
+            400,
+            "top_logprobs",
+        ),
+        ("/v1/completions", {"model": "M", "prompt": PROMPT, "logprobs": -1}, 400, "logprobs"),
+        ("/v1/completions", {"model": "M", "prompt": PROMPT, "echo": True}, 400, "echo"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "presence_penalty": 2.5}, 400, "presence_penalty"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "frequency_penalty": "x"}, 400, "frequency_penalty"),
         ("/v1/chat/completions", {"model": "M", "messages": CHAT, "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -922,3 +930,32 @@ def test_bench_http_mode_matches_the_grpc_mode(narrow, tiny_target, tokenizer):
     assert results["specdec"].outputs["chat"] == greedy_ids(tiny_target, render_chat(tokenizer, CHAT), 12)
     report = summarize(results, greedy=False)
     assert isinstance(report["specdec-http"]["overhead_ms_per_token_vs_specdec"], float)
+
+
+def test_logprobs_are_the_targets_in_openai_shapes(sync_client, model, tokenizer):
+    # Chat: logprobs.content, one item per generated token (named by its text alone), the top
+    # alternative the greedy token; a stream carries the same items.
+    ids = {"return_token_ids": True}
+    chat = sync_client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, extra_body=ids
+    )
+    content, token_ids = chat.choices[0].logprobs.content, chat.choices[0].model_extra["token_ids"]
+    assert [item.token for item in content] == [tokenizer.decode([t]) for t in token_ids]
+    for item in content:
+        assert len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token
+        assert item.logprob == item.top_logprobs[0].logprob <= 0 and bytes(item.bytes).decode() == item.token
+    streamed = sync_client.chat.completions.create(
+        model=model, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    )
+    pieces = [i for c in streamed if c.choices and c.choices[0].logprobs for i in c.choices[0].logprobs.content]
+    assert [(i.token, i.logprob) for i in pieces] == [(i.token, i.logprob) for i in content]
+    # Completions: OpenAI's legacy parallel lists.
+    done = sync_client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3, extra_body=ids
+    )
+    lp, token_ids = done.choices[0].logprobs, done.choices[0].model_extra["token_ids"]
+    assert lp.tokens == [tokenizer.decode([t]) for t in token_ids] and len(lp.token_logprobs) == len(lp.tokens)
+    assert all(max(top, key=top.get) == token and len(top) == 3 for top, token in zip(lp.top_logprobs, lp.tokens))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    plain = sync_client.chat.completions.create(model=model, messages=CHAT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None

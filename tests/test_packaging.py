@@ -136,6 +136,7 @@ def test_commands_come_from_entry_points_and_need_their_extra(monkeypatch):
         "serve-coordinator",
         "serve-draft",
         "serve-target",
+        "convert",
         "distill",
         "bench",
         "pass-grid",
