@@ -17,6 +17,8 @@ import jsonschema
 import openai
 import pytest
 from harness import InProcessStack
+from langchain_openai import ChatOpenAI
+from pydantic import BaseModel, Field
 from tiny import make_model
 
 from draft_service.engine import ModelDrafter, NgramDrafter
@@ -153,6 +155,13 @@ def test_default_model_constrained_greedy_equals_constrained_target_only(default
             reply = api.chat.completions.create(
                 model=name, messages=messages, max_tokens=40, temperature=0, response_format=fmt
             )
+        # LangChain's with_structured_output sends a Pydantic model's schema the same way.
+        chat = ChatOpenAI(
+            model=name, base_url=f"http://127.0.0.1:{port}/v1", api_key="none", temperature=0, max_tokens=40
+        )
+        parsed = chat.with_structured_output(City, method="json_schema", strict=True).invoke(
+            [(m["role"], m["content"]) for m in messages]
+        )
     finally:
         s.close()
     assert spec.token_ids == alone.token_ids
@@ -161,3 +170,11 @@ def test_default_model_constrained_greedy_equals_constrained_target_only(default
     # The OpenAI API: the same document, which validates against the schema.
     assert reply.choices[0].message.content == spec.text
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    assert isinstance(parsed, City) and parsed == City.model_validate_json(spec.text)
+
+
+class City(BaseModel):
+    """The schema above as a Pydantic model, as LangChain users write it."""
+
+    city: str = Field(max_length=20)
+    population: int
