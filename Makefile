@@ -29,6 +29,8 @@ $(MODEL_STAMP): | $(STAMP)
 .PHONY: redis
 redis:
 	@command -v redis-server >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server; }
+	@# tcmalloc: the model services of a local stack preload it (make bench-allocators measures why).
+	@dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4; }
 
 run: install
 	$(VENV)/bin/specdec generate --local --cache-dir $(CACHE_DIR)

@@ -3,7 +3,7 @@
 An eager pass makes thousands of small tensors, so the allocator behind them and how OpenMP's idle
 threads wait can cost as much as a kernel. This runs ``specdec pass-curve`` (one dtype) in a child
 process per setting, each setting twice in the order A B C D D C B A so a shared machine's drift falls
-on all alike, and reports each setting's median pass by rows beside the default's.
+on all alike (``--rounds`` times), and reports each setting's median pass by rows beside the default's.
 
     python -m bench.allocators --out reports/allocators.json
 """
@@ -55,19 +55,20 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=5, help="timed sweeps of each child's pass-curve")
+    p.add_argument("--rounds", type=int, default=2, help="A B .. B A rounds: each setting runs twice a round")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec")
     p.add_argument("--out", type=Path, default=Path("specdec-allocators.json"))
     args = p.parse_args(argv)
     if not Path(TCMALLOC).is_file():
         raise SystemExit(f"{TCMALLOC} is missing: apt-get install libtcmalloc-minimal4")
-    order = list(VARIANTS) + list(reversed(VARIANTS))
+    order = (list(VARIANTS) + list(reversed(VARIANTS))) * args.rounds
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as scratch:
         for i, name in enumerate(order):
             runs[name].append(run_variant(VARIANTS[name], args, Path(scratch) / f"{i}.json"))
             print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
     report = {
-        "config": {"dtype": args.dtype, "repeats": args.repeats, "order": order, "variants": VARIANTS},
+        "config": {"dtype": args.dtype, "repeats": args.repeats, "rounds": args.rounds, "variants": VARIANTS},
         "runs": runs,
         "settings": summarize(runs),
     }

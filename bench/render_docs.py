@@ -238,6 +238,16 @@ stack target-only (`k = 0`), taking turns. The grammar masks the target's p and 
 so both answer the same tokens (`exact vs k = 0`); where the schema forces the text, the masked draft
 has one legal token to propose."""
 
+ALLOCATORS_METHOD = """\
+## Allocator and OpenMP settings (`make bench-allocators`)
+
+`bench/allocators.py` runs `specdec pass-curve` (bf16) in a child process per setting, each setting
+twice a round in the order A B C D D C B A: the system allocator, tcmalloc preloaded
+(`libtcmalloc-minimal4`), OpenMP threads that spin (`OMP_WAIT_POLICY=ACTIVE`), and both. The median
+pass of 1 row, 8 rows, and 8 one-row sessions, and the default's over it. A local stack's target and
+draft preload tcmalloc where it is installed (`--no-tcmalloc` turns it off); the container image
+preloads it for every service."""
+
 OWN_METHOD = """\
 ## Models the project never shipped (`make bench-own-models`)
 
@@ -601,6 +611,23 @@ def speculation_section(report: dict | None, method: str, name: str, target: str
     return lines + table(headers, rows) + [""]
 
 
+def allocators_section(report: dict | None) -> list[str]:
+    lines = ALLOCATORS_METHOD.splitlines() + [""]
+    settings = (report or {}).get("settings")
+    if not isinstance(settings, dict) or not settings:
+        return lines + missing("reports/allocators.json", "bench-allocators")
+    rows = []
+    for name, setting in settings.items():
+        ms, speedup = setting.get("pass_ms", {}), setting.get("speedup_vs_default", {})
+        rows.append(
+            [name]
+            + [num(ms.get(key), 1) for key in ("1", "8", "8x1")]
+            + [f"{num(speedup.get(key))}×" for key in ("1", "8", "8x1")]
+        )
+    headers = ["setting", "1 row, ms", "8 rows, ms", "8 × 1, ms", "vs default, 1", "8", "8 × 1"]
+    return lines + table(headers, rows) + [""]
+
+
 def own_models_section(files: list[tuple[str, dict]]) -> list[str]:
     lines = OWN_METHOD.splitlines() + [""]
     if not files:
@@ -827,6 +854,7 @@ def gather(root: Path, reports: Path, drafts: Path) -> dict:
         "grid": (label(reports / "pass-grid.json", root), load(reports / "pass-grid.json")),
         "trees": (label(reports / "tree-ceiling.json", root), load(reports / "tree-ceiling.json")),
         "curve": (label(reports / "pass-curve.json", root), load(reports / "pass-curve.json")),
+        "allocators": (label(reports / "allocators.json", root), load(reports / "allocators.json")),
         "peers": (label(reports / "peers.json", root), load(reports / "peers.json")),
         "sampled": (label(reports / "bench-sampled.json", root), load(reports / "bench-sampled.json")),
         "structured": (label(reports / "bench-structured.json", root), load(reports / "bench-structured.json")),
@@ -845,13 +873,15 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines += speculation_section(data["sampled"][1], SAMPLED_METHOD, "bench-sampled.json", "bench-sampled")
     lines += speculation_section(data["structured"][1], STRUCTURED_METHOD, "bench-structured.json", "bench-structured")
     lines += curve_section(data["curve"][1])
+    lines += allocators_section(data["allocators"][1])
     lines += peers_section(data["peers"][1])
     lines += own_models_section(data["own"])
     lines += grid_section(data["grid"][1])
     lines += tree_ceiling_section(data["trees"][1])
     lines += long_section(data["long"])
     lines += drafts_section(data["cards"])
-    named = [data[key] for key in ("bench", "sampled", "structured", "load", "curve", "peers", "grid", "trees")]
+    keys = ("bench", "sampled", "structured", "load", "curve", "allocators", "peers", "grid", "trees")
+    named = [data[key] for key in keys]
     lines += files_section(named + data["long"] + data["own"])
     while lines and not lines[-1]:
         lines.pop()

@@ -74,6 +74,9 @@ class StackConfig:
     dtype: str | None = None
     # The coordinator's --chat-template (a name or a Jinja file); None: the tokenizer's own.
     chat_template: str | None = None
+    # A library the model services preload: tcmalloc where the host has it (``specdec.host.tcmalloc``),
+    # which makes an eager pass's many small allocations cheaper. None: the system allocator.
+    preload: Path | None = None
     # The HTTP API's extra model names and CORS origins (the coordinator's --served-model-name and
     # --allowed-origins, comma-separated values each).
     served_model_names: tuple[str, ...] = ()
@@ -146,10 +149,13 @@ def wait_for_redis(proc: Process, port: int, timeout_s: float = 20.0) -> None:
     raise RuntimeError(f"redis-server did not start:\n{proc.log_tail()}")
 
 
-def child_env(threads: int, passive: bool) -> dict[str, str]:
-    """The environment of a service child process: its thread count, and whether idle threads sleep."""
+def child_env(threads: int, passive: bool, preload: Path | None = None) -> dict[str, str]:
+    """The environment of a service child process: its thread count, whether idle threads sleep, and
+    a library to preload (the allocator, ``StackConfig.preload``)."""
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"})
+    if preload is not None:
+        env["LD_PRELOAD"] = " ".join(filter(None, (str(preload), env.get("LD_PRELOAD"))))
     if passive:
         # The draft waits while the target verifies: its idle OpenMP threads must sleep, not spin.
         # The target keeps the default (brief spinning): sleeping between its ~500 ops per pass
@@ -177,8 +183,12 @@ class LocalStack:
         """The (first) coordinator's address."""
         return self.coordinator_addresses[0]
 
-    def _spawn(self, name: str, argv: list[str], threads: int = 1, passive: bool = True) -> Process:
-        proc = Process(name, argv, self.log_dir, child_env(threads, passive))
+    def _spawn(
+        self, name: str, argv: list[str], threads: int = 1, passive: bool = True, model: bool = False
+    ) -> Process:
+        # Only the model services (``model``) run torch, which the preloaded allocator is for.
+        preload = self.config.preload if model else None
+        proc = Process(name, argv, self.log_dir, child_env(threads, passive, preload))
         self.processes.append(proc)
         return proc
 
@@ -223,6 +233,7 @@ class LocalStack:
                 ],
                 c.target_threads,
                 passive=False,
+                model=True,
             )
             draft = self._spawn(
                 "draft",
@@ -244,6 +255,7 @@ class LocalStack:
                 ],
                 # Auto may take every core: the OpenMP default must not cap what the draft then sets.
                 len(os.sched_getaffinity(0)) if c.draft_threads is None else c.draft_threads,
+                model=True,
             )
             coordinators = []
             http = []

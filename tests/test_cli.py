@@ -13,7 +13,8 @@ import urllib.request
 from pathlib import Path
 
 from specdec import Client
-from specdec.stack import free_port
+from specdec.host import tcmalloc
+from specdec.stack import child_env, free_port
 
 
 def _processes_mentioning(marker: str) -> list[int]:
@@ -70,6 +71,11 @@ def test_up_serves_and_sigterm_stops_everything(tiny_dir, tmp_path):
             assert time.monotonic() < deadline, "stack did not come up"
             time.sleep(0.2)
         assert len(_processes_mentioning(marker)) >= 3  # draft, target, coordinator
+        if tcmalloc() is not None:  # the Makefile installs it: the model services run on it
+            for pid in _processes_mentioning(marker):
+                cmdline, environ = (Path(f"/proc/{pid}/{f}").read_bytes() for f in ("cmdline", "environ"))
+                preloaded = f"LD_PRELOAD={tcmalloc()}".encode() in environ.split(b"\0")
+                assert preloaded == (b"serve-target" in cmdline or b"serve-draft" in cmdline), cmdline
         with Client(f"127.0.0.1:{port}") as client:
             assert client.complete("w1 w2 w3", max_new_tokens=5).token_ids
         # The HTTP API's options reach the coordinator: the alias is listed, the origin answered.
@@ -112,3 +118,19 @@ def test_the_coordinator_needs_no_torch(tiny_dir):
         cwd=Path(__file__).parent.parent,
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_tcmalloc_is_preloaded_where_installed_unless_refused(tmp_path, monkeypatch):
+    from specdec import cli
+
+    library = tmp_path / "libtcmalloc_minimal.so.4"
+    library.touch()
+    assert tcmalloc((tmp_path / "missing.so", library)) == library
+    assert tcmalloc((tmp_path / "missing.so",)) is None
+    monkeypatch.setenv("LD_PRELOAD", "libother.so")
+    assert child_env(2, False, library)["LD_PRELOAD"] == f"{library} libother.so"
+    assert child_env(2, False)["LD_PRELOAD"] == "libother.so"
+    monkeypatch.setattr(cli, "tcmalloc", lambda: library)
+    parse = cli._parser().parse_args
+    assert cli.stack_config(parse(["up"]), 0).preload == library
+    assert cli.stack_config(parse(["up", "--no-tcmalloc"]), 0).preload is None
