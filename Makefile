@@ -102,7 +102,7 @@ bench-own-models: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(OWN_ARGS) --target-model $(MODELS_DIR)/gemma-3-270m-q4_k_m.gguf \
 		--draft-kind ngram --chat-template gemma --out reports/own-gemma3.json
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(OWN_ARGS) --target-model $(MODELS_DIR)/qwen2.5-coder-1.5b-instruct.gguf \
-		--draft-kind model --draft-model $(MODELS_DIR)/qwen2.5-coder-0.5b-instruct.gguf --draft-threads 2 \
+		--draft-kind model --draft-model $(MODELS_DIR)/qwen2.5-coder-0.5b-instruct.gguf \
 		--out reports/own-qwen-pair.json
 
 # The running sessions' worst wait while a ~1,500-token prompt arrives, its prompt fed in chunks or at once.
