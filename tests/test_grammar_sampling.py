@@ -17,10 +17,10 @@ A draft that does not mask at all stays exact (q is what it drew from) and only 
 from __future__ import annotations
 
 import math
-from functools import cache
 
 import pytest
 import torch
+from synthetic_rounds import chi_square, engine_verdict, exact_joint, prefix_logits
 
 import target_service.engine as target_engine
 from draft_service.picking import TokenPicker
@@ -29,7 +29,7 @@ from specdec.constrain import mask_logits
 from specdec.grammar import GrammarCompiler, GrammarMatcher, ResponseFormat
 from specdec.sampling import Sampling, dense_to_sparse, penalize_logits, warp_probs
 from specdec.trees import TreeShape, node_paths
-from target_service.engine import SparseQ, TargetEngine, VerifyCall
+from target_service.engine import SparseQ, VerifyCall
 
 TOKENS = [b"<eos>", b"a", b"b", b"c"]
 VOCAB = len(TOKENS)
@@ -51,19 +51,12 @@ def compiler() -> GrammarCompiler:
     return GrammarCompiler.from_token_bytes(TOKENS, [0])
 
 
-@cache
-def _logits(prefix: tuple[int, ...], salt: int) -> torch.Tensor:
-    """Fixed logits ``[V]`` after ``prefix`` (of the generated tokens): a different function per salt."""
-    g = torch.Generator().manual_seed(salt * 100_003 + sum((t + 1) * 7**i for i, t in enumerate(prefix)))
-    return torch.randn(VOCAB, generator=g) * 1.2
-
-
 def _target(prefix: tuple[int, ...]) -> torch.Tensor:
-    return _logits(prefix, 1)
+    return prefix_logits(prefix, 1, VOCAB)
 
 
 def _draft(prefix: tuple[int, ...]) -> torch.Tensor:
-    return _logits(prefix, 2)
+    return prefix_logits(prefix, 2, VOCAB)
 
 
 def _reference_probs(logits: list[float], generated: tuple[int, ...], s: Sampling) -> list[float]:
@@ -81,19 +74,7 @@ def _reference_probs(logits: list[float], generated: tuple[int, ...], s: Samplin
 
 def _expected_joint(s: Sampling) -> torch.Tensor:
     """``[V] * POSITIONS``: the constrained target's joint distribution of its first tokens."""
-    joint = torch.zeros((VOCAB,) * POSITIONS, dtype=torch.float64)
-    for index in torch.cartesian_prod(*[torch.arange(VOCAB)] * POSITIONS).tolist():
-        mass = 1.0
-        for i in range(POSITIONS):
-            prefix = tuple(index[:i])
-            mass *= _reference_probs(_target(prefix).tolist(), prefix, s)[index[i]]
-        joint[tuple(index)] = mass
-    return joint
-
-
-def _verdict(call: VerifyCall, logits: torch.Tensor, grammar: GrammarMatcher):
-    """The target engine's own acceptance decision under the grammar (it reads no engine state)."""
-    return TargetEngine._verdict(TargetEngine.__new__(TargetEngine), call, logits, list(COMMITTED), grammar)
+    return exact_joint(lambda prefix: _reference_probs(_target(prefix).tolist(), prefix, s), VOCAB, POSITIONS)
 
 
 class _ReportsUnmaskedQ(TokenPicker):
@@ -120,7 +101,7 @@ def _chain_round(s: Sampling, trial: int, grammar: GrammarMatcher, picker=TokenP
         qs.append(SparseQ(*q))
     logits = torch.stack([_target(tuple(tokens[:i])) for i in range(3)])  # [k + 1, V]
     call = VerifyCall("s", len(committed), [], tokens, qs, s, trial)
-    return _verdict(call, logits, grammar).tokens
+    return engine_verdict(call, logits, list(COMMITTED), grammar).tokens
 
 
 def _tree_round(s: Sampling, trial: int, grammar: GrammarMatcher) -> list[int]:
@@ -133,7 +114,7 @@ def _tree_round(s: Sampling, trial: int, grammar: GrammarMatcher) -> list[int]:
     tokens, parents, qs = grower.result()
     logits = torch.stack([_target(tuple(path)) for path in node_paths(tokens, parents)])  # [n + 1, V]
     call = VerifyCall("s", len(committed), [], tokens, [SparseQ(*q) for q in qs], s, trial, draft_parents=parents)
-    return _verdict(call, logits, grammar).tokens
+    return engine_verdict(call, logits, list(COMMITTED), grammar).tokens
 
 
 def _committed_joint(s: Sampling, compiler: GrammarCompiler, round_fn) -> tuple[torch.Tensor, float]:
@@ -160,18 +141,8 @@ def _committed_joint(s: Sampling, compiler: GrammarCompiler, round_fn) -> tuple[
 
 
 def _chi2(counts: torch.Tensor, s: Sampling) -> tuple[float, float, float]:
-    """Pearson's chi-square of ``counts`` against the constrained target's joint (cells expecting
-    under 5 pooled), its 0.999 quantile (Wilson-Hilferty), and the count in cells the grammar forbids."""
-    expected = (_expected_joint(s) * counts.sum()).flatten()
-    observed = counts.flatten().double()
-    illegal = float(observed[expected == 0].sum())
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big & (expected > 0)].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = exp > 0
-    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return chi2, dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3, illegal
+    """Chi-square of ``counts`` against the expected joint, its bound, and the count of impossible cells."""
+    return chi_square(counts, _expected_joint(s))
 
 
 def _unmasked(logits, _masks):

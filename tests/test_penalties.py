@@ -18,10 +18,10 @@ before it on its path.
 from __future__ import annotations
 
 import math
-from functools import cache
 
 import pytest
 import torch
+from synthetic_rounds import chi_square, engine_verdict, exact_joint, prefix_logits
 
 import draft_service.picking as picking
 import target_service.engine as target_engine
@@ -29,7 +29,7 @@ from draft_service.picking import TokenPicker
 from draft_service.tree_draft import TreeGrower
 from specdec.sampling import Sampling, chain_paths, penalize_logits, warp_probs
 from specdec.trees import TreeShape, node_paths
-from target_service.engine import SparseQ, TargetEngine, VerifyCall
+from target_service.engine import SparseQ, VerifyCall
 
 VOCAB = 4
 POSITIONS = 2
@@ -44,19 +44,12 @@ PENALISED = Sampling(
 BIASED = Sampling(temperature=1.0, seed=12, logit_bias=((1, 2.0), (3, -1.5)), output_start=2)
 
 
-@cache
-def _logits(prefix: tuple[int, ...], salt: int) -> torch.Tensor:
-    """Fixed logits ``[V]`` after ``prefix`` (of the generated tokens): a different function per salt."""
-    g = torch.Generator().manual_seed(salt * 100_003 + sum((t + 1) * 7**i for i, t in enumerate(prefix)))
-    return torch.randn(VOCAB, generator=g) * 1.2
-
-
 def _target(prefix: tuple[int, ...]) -> torch.Tensor:
-    return _logits(prefix, 1)
+    return prefix_logits(prefix, 1, VOCAB)
 
 
 def _draft(prefix: tuple[int, ...]) -> torch.Tensor:
-    return _logits(prefix, 2)
+    return prefix_logits(prefix, 2, VOCAB)
 
 
 def _reference_probs(logits: list[float], generated: tuple[int, ...], s: Sampling) -> list[float]:
@@ -75,20 +68,8 @@ def _reference_probs(logits: list[float], generated: tuple[int, ...], s: Samplin
 
 
 def _expected_joint(s: Sampling) -> torch.Tensor:
-    """``[V] * POSITIONS``: the penalised target's joint distribution of its next three tokens."""
-    joint = torch.zeros((VOCAB,) * POSITIONS, dtype=torch.float64)
-    for index in torch.cartesian_prod(*[torch.arange(VOCAB)] * POSITIONS).tolist():
-        mass = 1.0
-        for i in range(POSITIONS):
-            prefix = tuple(index[:i])
-            mass *= _reference_probs(_target(prefix).tolist(), prefix, s)[index[i]]
-        joint[tuple(index)] = mass
-    return joint
-
-
-def _verdict(call: VerifyCall, logits: torch.Tensor, committed: list[int]):
-    """The target engine's own acceptance decision (it reads no engine state)."""
-    return TargetEngine._verdict(TargetEngine.__new__(TargetEngine), call, logits, committed)
+    """``[V] * POSITIONS``: the penalised target's joint distribution of its first tokens."""
+    return exact_joint(lambda prefix: _reference_probs(_target(prefix).tolist(), prefix, s), VOCAB, POSITIONS)
 
 
 def _chain_round(s: Sampling, trial: int, k: int = 2, draft=_draft) -> list[int]:
@@ -104,7 +85,7 @@ def _chain_round(s: Sampling, trial: int, k: int = 2, draft=_draft) -> list[int]
         qs.append(SparseQ(*q))
     logits = torch.stack([_target(tuple(tokens[:i])) for i in range(k + 1)])  # [k + 1, V]
     call = VerifyCall("s", len(committed), [], tokens, qs, s, trial)
-    return _verdict(call, logits, committed).tokens
+    return engine_verdict(call, logits, committed).tokens
 
 
 def _tree_round(s: Sampling, trial: int) -> list[int]:
@@ -118,7 +99,7 @@ def _tree_round(s: Sampling, trial: int) -> list[int]:
     tokens, parents, qs = grower.result()
     logits = torch.stack([_target(tuple(path)) for path in node_paths(tokens, parents)])  # [n + 1, V]
     call = VerifyCall("s", len(committed), [], tokens, [SparseQ(*q) for q in qs], s, trial, draft_parents=parents)
-    return _verdict(call, logits, committed).tokens
+    return engine_verdict(call, logits, committed).tokens
 
 
 def _committed_joint(s: Sampling, round_fn) -> tuple[torch.Tensor, float]:
@@ -138,18 +119,9 @@ def _committed_joint(s: Sampling, round_fn) -> tuple[torch.Tensor, float]:
     return counts, committed_per_round / TRIALS
 
 
-def _chi2(counts: torch.Tensor, s: Sampling) -> tuple[float, float]:
-    """Pearson's chi-square of ``counts`` against the penalised target's joint (cells expecting under
-    5 pooled), and its 0.999 quantile (Wilson-Hilferty)."""
-    expected = (_expected_joint(s) * counts.sum()).flatten()
-    observed = counts.flatten().double()
-    big = expected >= 5
-    obs = torch.cat([observed[big], observed[~big].sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = exp > 0
-    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return chi2, dof * (1 - 2 / (9 * dof) + 3.09 * (2 / (9 * dof)) ** 0.5) ** 3
+def _chi2(counts: torch.Tensor, s: Sampling) -> tuple[float, float, float]:
+    """Chi-square of ``counts`` against the expected joint, its bound, and the count of impossible cells."""
+    return chi_square(counts, _expected_joint(s))
 
 
 def _identity(logits, *_args, **_kwargs):
@@ -182,7 +154,7 @@ def test_penalize_logits_matches_the_plain_reference():
 @pytest.mark.parametrize("s", [PENALISED, BIASED], ids=["penalties", "logit_bias"])
 def test_speculation_follows_the_penalised_target(s, round_fn):
     counts, per_round = _committed_joint(s, round_fn)
-    chi2, bound = _chi2(counts, s)
+    chi2, bound, _ = _chi2(counts, s)
     assert chi2 < bound, f"chi2={chi2:.1f} > {bound:.1f}"
     assert per_round > 1.2  # draft tokens were accepted: the rule's both branches ran
 
@@ -201,7 +173,7 @@ def test_a_target_that_is_not_penalised_per_path_fails_the_same_test(monkeypatch
     patch = _identity if broken == "only q" else _counts_committed_only
     monkeypatch.setattr(target_engine, "penalize_logits", patch)
     counts, _ = _committed_joint(s, round_fn)
-    chi2, bound = _chi2(counts, s)
+    chi2, bound, _ = _chi2(counts, s)
     assert chi2 > 3 * bound, f"chi2={chi2:.1f} passes {bound:.1f}: the test cannot see this bug"
 
 
@@ -219,6 +191,6 @@ def test_a_draft_that_ignores_penalties_costs_acceptance_not_exactness(monkeypat
     assert both == 3  # q == p: both draft tokens and the bonus, every round
     monkeypatch.setattr(picking, "penalize_logits", _identity)
     counts, only_p = _committed_joint(s, _self_draft_round)
-    chi2, bound = _chi2(counts, s)
+    chi2, bound, _ = _chi2(counts, s)
     assert chi2 < bound, f"chi2={chi2:.1f} > {bound:.1f}"
     assert only_p < both - 0.3, (only_p, both)
