@@ -12,8 +12,8 @@ bit while the layers never stay in memory.
 
 The names come from the model built on the meta device (no memory), which also says which entries
 are tied (an LM head tied to the embedding is hashed under both names, as the state dict lists it).
-Where the files cannot give every entry by name (a GGUF file, pickled weights, a renamed checkpoint,
-a buffer no file holds), the whole target is loaded as before.
+Where the files cannot give every entry by name (pickled weights, a renamed checkpoint, a buffer no
+file holds), the whole target is loaded as before. A GGUF file is read from its converted folder.
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ def read_target(
 
     path = resolve_model_path(spec, cache_dir)
     config = load_config(path)
-    layout = None if path.suffix == ".gguf" else _layout(path, config)
+    layout = _layout(path, config)  # a folder: resolve_model_path converts GGUF files
     read = None if layout is None else _read(layout, dtype, device)
     if layout is None or read is None:
         log.info("target %s: its files cannot say what the loaded model holds; loading it whole", spec)

@@ -147,9 +147,7 @@ def _convert(gguf: Path, folder: Path) -> Path:
 
 
 def load_config(path: Path):
-    """The model config of a folder or GGUF file, without loading weights."""
-    if path.suffix == ".gguf":
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    """The model config of a model folder (``resolve_model_path``'s), without loading weights."""
     return AutoConfig.from_pretrained(path)
 
 
