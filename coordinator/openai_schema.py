@@ -20,6 +20,7 @@ prompt past the context is a 400 with ``code: "context_length_exceeded"``.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import secrets
 import time
@@ -476,7 +477,7 @@ class Shaper:
             content = [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
             return {"content": content, "refusal": None}
         tokens = [text_of(e.token) for e in entries]
-        offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+        offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
         return {
             "tokens": tokens,
             "token_logprobs": [e.logprob for e in entries],
