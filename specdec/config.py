@@ -148,6 +148,11 @@ class TensorParallelConfig:
             raise ValueError(f"tensor parallel: rank {self.rank} is outside a group of {self.world_size}")
 
 
+COMPILE_MODES = ("off", "background", "wait")
+"""How the target service compiles its pass (``specdec.compiled``): not at all; on a thread of its own
+while it serves eager passes, switching when the graphs are built; or before it reports ready."""
+
+
 @dataclass(frozen=True)
 class TargetConfig:
     """The target service."""
@@ -164,8 +169,13 @@ class TargetConfig:
     # up to max_batch_rows - 1 of its tokens.
     prefill_chunk: int = 128
     tp: TensorParallelConfig = TensorParallelConfig()
+    # One of COMPILE_MODES. A cold compile takes minutes on a small CPU, a restart's seconds (inductor's
+    # cache under the cache directory); a target the compiled pass cannot run stays eager.
+    compile: str = "off"
 
     def __post_init__(self) -> None:
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile: must be one of {', '.join(COMPILE_MODES)}")
         if self.tp.world_size > 1 and self.model.device != "cpu":
             raise ValueError(
                 "device: tensor-parallel ranks compute on CPU tensors (gloo); a sharded target takes --device cpu"

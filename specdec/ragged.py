@@ -241,13 +241,21 @@ def rotary_of(attn: nn.Module) -> Callable:
     return sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
 
-def project_qkv(attn: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(
+    attn: nn.Module, h: torch.Tensor, qkv: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries ``[..., Hq, hd]``, keys and values ``[..., Hkv, hd]`` of normed rows ``h [..., D]``, before
-    RoPE, as the attention module's own forward computes them."""
+    RoPE, as the attention module's own forward computes them.
+
+    ``qkv`` computes the three projections as one product ``[..., (Hq + 2 Hkv) hd]`` (a compiled pass
+    calls the packed kernel that way); by default the module's own layers do.
+    """
     hd = attn.head_dim
-    if hasattr(attn, "qkv_proj"):  # Phi-3: one fused product, split as its own forward splits it
-        qkv = attn.qkv_proj(h)  # [N, (Hq + 2 Hkv) hd]
-        kv_width = attn.num_key_value_heads * hd
+    if qkv is None and hasattr(attn, "qkv_proj"):  # Phi-3: one fused product, split as its own forward splits it
+        qkv = attn.qkv_proj
+    if qkv is not None:
+        qkv = qkv(h)  # [N, (Hq + 2 Hkv) hd]
+        kv_width = attn.config.num_key_value_heads * hd
         q, k, v = qkv.split([qkv.shape[-1] - 2 * kv_width, kv_width, kv_width], dim=-1)
     else:
         q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
@@ -275,6 +283,22 @@ def ragged_decoder_layer(
     h = layer.input_layernorm(x)
     q, k, v = (t.transpose(0, 1)[None] for t in project_qkv(attn, h))  # [1, H, N, hd] each
     q, k = rotary_of(attn)(q, k, *rope)
+    return finish_layer(layer, x, attn.o_proj(attend_rows(attn, q, k, v, caches, layout, layer_idx, window)))
+
+
+def attend_rows(
+    attn: nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: list[Cache],
+    layout: RaggedLayout,
+    layer_idx: int,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The attention of a ragged block's rows, before the output projection: queries ``q [1, Hq, N, hd]``,
+    keys and values ``[1, Hkv, N, hd]`` (rotated), each session's appended to its own cache, which it
+    then attends to (within ``window``). Returns ``[N, Hq hd]``."""
     masks = layout.masks_for(window)
     bounds = list(itertools.pairwise(layout.bounds))
     grown = [cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx) for cache, (lo, hi) in zip(caches, bounds)]
@@ -298,24 +322,27 @@ def ragged_decoder_layer(
         if outs[i] is None:
             lo, hi = bounds[i]
             outs[i] = invariant_attention(q[:, :, lo:hi], *grown[i], masks[i], attn.scaling, True)
-    rows = [out[0].transpose(0, 1).reshape(hi - lo, -1) for out, (lo, hi) in zip(outs, bounds)]  # [n_i, Hq hd]
-    return finish_layer(layer, x, attn.o_proj(torch.cat(rows)))
+    return torch.cat([out[0].transpose(0, 1).reshape(hi - lo, -1) for out, (lo, hi) in zip(outs, bounds)])
 
 
-def finish_layer(layer: nn.Module, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+def finish_layer(
+    layer: nn.Module, x: torch.Tensor, attended: torch.Tensor, mlp: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """The rest of a decoder layer once its attention is done: rows ``x [..., D]`` in, the attention's
-    projected output ``attended [..., D]``; returns the layer's output ``[..., D]``.
+    projected output ``attended [..., D]``; returns the layer's output ``[..., D]``. ``mlp`` stands in
+    for the layer's own MLP module (a compiled pass calls its packed kernels directly).
 
     Gemma 3 (any layer with a ``pre_feedforward_layernorm``) norms the attention output before the
     residual add and norms the MLP's input and output; the other families add the attention output as
     it is and norm only the MLP's input, with the layer's ``post_attention_layernorm``. The ops run in
     the order of the family's own forward, so the rows keep its bits.
     """
+    mlp = mlp or layer.mlp
     if getattr(layer, "pre_feedforward_layernorm", None) is not None:
         x = x + layer.post_attention_layernorm(attended)
-        return x + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(x)))
+        return x + layer.post_feedforward_layernorm(mlp(layer.pre_feedforward_layernorm(x)))
     x = x + attended
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + mlp(layer.post_attention_layernorm(x))
 
 
 @torch.inference_mode()
@@ -356,8 +383,22 @@ def ragged_forward(
             sides[layer_idx] = x  # [N, D]
     hidden = decoder.norm(x)  # [N, D]
 
-    bounds = layout.bounds
-    keep = torch.cat([torch.arange(hi - item.logits_to_keep, hi, device=device) for item, hi in zip(items, bounds[1:])])
+    return item_outputs(model, items, layout.bounds, hidden, sides)
+
+
+def item_outputs(
+    model: PreTrainedModel,
+    items: list[RaggedItem],
+    bounds: list[int],
+    hidden: torch.Tensor,
+    sides: dict[int, torch.Tensor],
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``ragged_forward``'s result from a pass's final-norm rows ``hidden [N, D]`` and the outputs
+    ``sides`` of the layers some item asked for, rows of item i at ``bounds[i] .. bounds[i + 1]``: per
+    item its last ``logits_to_keep`` logits (float32) and its rows with their side layers."""
+    keep = torch.cat(
+        [torch.arange(hi - item.logits_to_keep, hi, device=hidden.device) for item, hi in zip(items, bounds[1:])]
+    )
     logits = model.get_output_embeddings()(hidden[keep]).float()  # [sum keep, V]
     per_item_logits = list(torch.split(logits, [item.logits_to_keep for item in items]))
     per_item_hidden = [

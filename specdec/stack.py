@@ -72,6 +72,9 @@ class StackConfig:
     # What target and draft compute in (``specdec.config.MODEL_DTYPES``); None: each service's own
     # default (its --dtype default, env SPECDEC_DTYPE / SPECDEC_DRAFT_DTYPE, else auto).
     dtype: str | None = None
+    # The target's --compile (``specdec.config.COMPILE_MODES``); None: its default (env SPECDEC_COMPILE,
+    # else background).
+    compile: str | None = None
     # The coordinator's --chat-template (a name or a Jinja file); None: the tokenizer's own.
     chat_template: str | None = None
     # A library the model services preload: tcmalloc where the host has it (``specdec.host.tcmalloc``),
@@ -206,6 +209,7 @@ class LocalStack:
         exe = [sys.executable, "-m", "specdec.cli"]
         common = ["--cache-dir", str(c.cache_dir)] + (["--otlp-endpoint", c.otlp_endpoint] if c.otlp_endpoint else [])
         dtype = ["--dtype", c.dtype] if c.dtype else []
+        compile_mode = ["--compile", c.compile] if c.compile else []
         try:
             self._start_redis()
             # Ports are chosen here so that the coordinators can start beside the services: each waits
@@ -229,6 +233,7 @@ class LocalStack:
                     str(c.prefill_chunk),
                     *([] if c.fold_prefills else ["--no-fold-prefills"]),
                     *dtype,
+                    *compile_mode,
                     *common,
                 ],
                 c.target_threads,

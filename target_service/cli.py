@@ -21,7 +21,7 @@ from specdec.cli import (
     model_config,
     server_config,
 )
-from specdec.config import TargetConfig, TensorParallelConfig
+from specdec.config import COMPILE_MODES, TargetConfig, TensorParallelConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -67,6 +67,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="feed a longer prompt this many tokens a pass, in passes shared with running sessions "
         "(0: in one pass of its own, which they all wait for); with none running, up to "
         "--max-batch-rows - 1 a pass",
+    )
+    p.add_argument(
+        "--compile",
+        choices=COMPILE_MODES,
+        default=env("COMPILE", "background"),
+        help="compile the pass (torch.compile): background serves at once and switches when the graphs are "
+        "built, minutes cold and seconds from the cache; wait builds them before reporting ready (env "
+        "SPECDEC_COMPILE)",
     )
     p.add_argument(
         "--tp",
@@ -135,6 +143,7 @@ def serve(args: argparse.Namespace) -> None:
             fold_prefills=args.fold_prefills,
             prefill_chunk=args.prefill_chunk,
             tp=tensor_parallel(args),
+            compile=args.compile,
         )
     except ValueError as exc:  # --device, alone or with --tp
         raise SystemExit(f"specdec: {exc}") from None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specdec.batching import PassLoad, waves
+from specdec.compiled import CompiledPass
 from specdec.config import MAX_K
 from specdec.constrain import grammar_at, mask_logits
 from specdec.errors import CacheBudgetExceeded
@@ -177,6 +178,11 @@ class TargetEngine:
 
     Calls that arrive together are verified in one ragged pass (``specdec.ragged``) when the model
     supports it, so a batch costs about one weight read instead of one per session.
+
+    With a ``compiled`` pass (``specdec.compiled``), every pass runs through it once its graphs are
+    built, prompts included. The compiled pass's bits are not the eager one's, so a session must not
+    mix them: at the switch the engine drops every cache (their sessions are prefilled again, from
+    their committed tokens, by the compiled pass) and measures its pass costs again.
     """
 
     def __init__(
@@ -187,8 +193,10 @@ class TargetEngine:
         *,
         budget_bytes: int = 0,
         idle_s: float = 0.0,
+        compiled: CompiledPass | None = None,
     ) -> None:
-        """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches (see CacheTable)."""
+        """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches (see CacheTable);
+        ``compiled`` takes over the passes once ready (see the class docstring)."""
         self._loaded = loaded
         self._caches = CacheTable(max_sessions, budget_bytes=budget_bytes, idle_s=idle_s)
         unsupported = ragged_unsupported(loaded.model.config)
@@ -200,6 +208,8 @@ class TargetEngine:
                 loaded.name,
                 unsupported,
             )
+        self._compiled = compiled if self._ragged else None
+        self._switched = False  # passes run through the compiled graphs
         self._costs = PassCosts()
         self._warming = False  # passes now are warm-up's (PassCosts.record)
         self._curve_rows = curve_rows
@@ -241,6 +251,38 @@ class TargetEngine:
             self._grammars = compiler_for(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids)
         return self._grammars
 
+    @property
+    def compiled(self) -> bool:
+        """Whether passes run through the compiled graphs now."""
+        return self._switched
+
+    def _switch_when_compiled(self) -> None:
+        """Moves every later pass to the compiled graphs once they are built (on the model's thread,
+        between passes); see the class docstring."""
+        if self._switched or self._compiled is None or not self._compiled.ready:
+            return
+        dropped = self._caches.ids()
+        for cache_id in dropped:
+            self._caches.release(cache_id)
+        self._switched = True
+        log.info(
+            "target %s: passes now run compiled (built in %.0f s); dropped %d session caches, which their "
+            "coordinators prefill again",
+            self._loaded.name,
+            self._compiled.compile_s or 0.0,
+            len(dropped),
+        )
+        self._costs = PassCosts()
+        if not self._warming:  # a switch inside warm-up: that warm-up measures the compiled passes
+            self.warmup()
+
+    def _forward(self, items: list[RaggedItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One ragged pass over ``items``, compiled once switched."""
+        if self._switched:
+            assert self._compiled is not None
+            return self._compiled.forward(items)
+        return ragged_forward(self._loaded.model, items)
+
     def _check_tokens(self, tokens: list[int], what: str) -> None:
         vocab = self._loaded.vocab_size
         if any(t < 0 or t >= vocab for t in tokens):
@@ -263,6 +305,7 @@ class TargetEngine:
         other sessions' rows (and returns its hidden states), instead of a pass of its own that every
         other session waits for. The reply then carries no hidden states.
         """
+        self._switch_when_compiled()
         if not tokens:
             raise ValueError("tokens: prefill needs at least one token")
         if len(tokens) >= self._loaded.max_context:
@@ -272,12 +315,22 @@ class TargetEngine:
         cache_id, cache = self._caches.create(tokens, fence, cache_id)
         if defer:
             return cache_id, len(cache.committed), None
-        hidden = cache.prefill(self._loaded.model, with_hidden, side_layers)
+        hidden = self._feed_prompt(cache, with_hidden, side_layers)
         if hidden is not None:
             hidden = HiddenRows(hidden.start, wire_ready(hidden.rows))
         self._caches.fit_budget(cache_id)
         # A long prompt's rows would outgrow a message; the draft attends to the newest ones only.
         return cache_id, len(cache.committed), newest_hidden([hidden] if hidden is not None else [])
+
+    def _feed_prompt(self, cache: SessionCache, with_hidden: bool, side_layers: tuple[int, ...]) -> HiddenRows | None:
+        """Caches a new session's committed tokens but the last (``SessionCache.prefill``), through the
+        compiled pass once switched."""
+        if not self._switched or len(cache.committed) <= 1:
+            return cache.prefill(self._loaded.model, with_hidden, side_layers)
+        start, fed = len(cache.kv_tokens), cache.committed[:-1]
+        _, hidden = self._forward([RaggedItem(cache.kv, fed, 0, side_layers if with_hidden else ())])
+        cache.kv_tokens.extend(fed)
+        return HiddenRows(start, hidden[0]) if with_hidden else None
 
     def verify(
         self,
@@ -310,6 +363,7 @@ class TargetEngine:
         Each call gets its outcome, or the error that call alone caused (a bad field, a lost cache);
         one session's bad request never fails the others.
         """
+        self._switch_when_compiled()
         results: list[VerifyOutcome | Exception | None] = [None] * len(calls)
         for wave in waves(calls):
             prepared = []
@@ -402,8 +456,7 @@ class TargetEngine:
         # per-call work (mask building, cache objects, output classes) for bit-identical logits, and
         # measured 85 against 95 ms for a one-token pass of the default target on 2 cores.
         if self._ragged:
-            logits, hidden = ragged_forward(
-                model,
+            logits, hidden = self._forward(
                 [
                     RaggedItem(
                         p.cache.kv,

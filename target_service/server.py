@@ -6,12 +6,16 @@ Which passes feed a prompt or a round is ``target_service.scheduler``'s to decid
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from opentelemetry import trace
 
 from specdec.cache_servicer import CacheServicer
+from specdec.compiled import CompiledPass, compile_unsupported
 from specdec.config import TargetConfig
 from specdec.hidden_wire import hidden_to_pb
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
@@ -32,6 +36,8 @@ from target_service.tensor_parallel import (
     join_group,
     shard_llama,
 )
+
+log = logging.getLogger("specdec.target")
 
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
@@ -147,6 +153,33 @@ def load_shard(config: TargetConfig) -> LoadedModel:
     return loaded
 
 
+def compiled_pass(config: TargetConfig, loaded: LoadedModel) -> CompiledPass | None:
+    """The target's compiled pass as ``config.compile`` asks (None: off, or a model it cannot run),
+    built now (``wait``) or on a thread of its own (``background``), its artifacts cached under the
+    cache directory."""
+    if config.compile == "off":
+        return None
+    reason = compile_unsupported(loaded.model)
+    if reason is not None:
+        log.warning("target %s: not compiling the pass: %s", loaded.name, reason)
+        return None
+    # Inductor reads its cache's place from the environment when it first compiles.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(config.model.cache_dir / "inductor"))
+    compiled = CompiledPass(loaded.model)
+    if config.compile == "wait":
+        compiled.compile()
+    else:
+        threading.Thread(target=_compile_logged, args=(compiled,), name="compile", daemon=True).start()
+    return compiled
+
+
+def _compile_logged(compiled: CompiledPass) -> None:
+    try:
+        compiled.compile()
+    except Exception:  # the eager pass keeps serving: say why the compiled one never came
+        log.exception("compiling the target's pass failed; passes stay eager")
+
+
 def main(config: TargetConfig) -> None:
     """Entry point of ``specdec serve-target``: load, warm, serve until SIGTERM.
 
@@ -165,7 +198,9 @@ def main(config: TargetConfig) -> None:
     executor = model_executor("TargetService")
 
     def build() -> tuple[TargetEngine, TargetEngine | LeaderEngine]:
-        core = TargetEngine(load_shard(config), config.model.max_sessions, **config.model.cache_limits())
+        loaded = load_shard(config)
+        compiled = compiled_pass(config, loaded) if tp.world_size == 1 else None
+        core = TargetEngine(loaded, config.model.max_sessions, **config.model.cache_limits(), compiled=compiled)
         engine = LeaderEngine(core) if tp.world_size > 1 else core
         try:
             engine.warmup()

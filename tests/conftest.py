@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -19,6 +20,10 @@ from tiny import make_model  # noqa: E402
 from specdec.models import load_model  # noqa: E402
 
 CACHE_DIR = Path.home() / ".cache" / "specdec"
+
+# Target services the tests start serve eager passes: a background compile would take their two cores
+# for minutes. tests/test_compiled.py builds the compiled pass itself.
+os.environ.setdefault("SPECDEC_COMPILE", "off")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -4,6 +4,8 @@ sessions, in bf16 and fp32; and the check fails on kernels that lack it (SDPA, a
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,30 +22,34 @@ from specdec.ragged import RaggedItem, ragged_forward
 TOKEN, OTHER = 7, 9
 
 
-def _cache(model, prompt: list[int]) -> GrowableCache:
+Forward = Callable[[list[RaggedItem]], tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+def _cache(model, prompt: list[int], forward: Forward | None = None) -> GrowableCache:
     cache = GrowableCache()
-    ragged_forward(model, [RaggedItem(cache, prompt, 1)])
+    (forward or functools.partial(ragged_forward, model))([RaggedItem(cache, prompt, 1)])
     return cache
 
 
-def _first_row(model, cache: GrowableCache, item_of) -> tuple[torch.Tensor, torch.Tensor]:
+def _first_row(forward: Forward, cache: GrowableCache, item_of) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and hidden state of the first fed row of ``cache``'s item in a pass built by ``item_of``;
     the cache is cropped back afterwards."""
     before = cache.get_seq_length()
     items, index = item_of(cache)
-    logits, hidden = ragged_forward(model, items)
+    logits, hidden = forward(items)
     fed = len(items[index].tokens)
     cache.crop(-(cache.get_seq_length() - before))
     return logits[index][-fed], hidden[index][0]
 
 
-def invariance_failures(model, past: int) -> list[str]:
+def invariance_failures(model, past: int, forward: Forward | None = None) -> list[str]:
     """Which ways of feeding TOKEN after ``past`` prompt tokens change its logits or hidden state
-    from those of TOKEN fed alone."""
+    from those of TOKEN fed alone, in ``model``'s ragged pass (or through ``forward``, a compiled one)."""
+    forward = forward or functools.partial(ragged_forward, model)
     vocab = model.config.vocab_size
     prompt = [(3 + 5 * i) % vocab for i in range(past)]
-    cache = _cache(model, prompt)
-    others = [_cache(model, prompt[: 5 + 37 * i]) for i in range(3)]
+    cache = _cache(model, prompt, forward)
+    others = [_cache(model, prompt[: 5 + 37 * i], forward) for i in range(3)]
 
     def alone(c):
         return [RaggedItem(c, [TOKEN], 1)], 0
@@ -59,11 +65,11 @@ def invariance_failures(model, past: int) -> list[str]:
         items = [RaggedItem(o, r, len(r)) for o, r in zip(others, rows)]
         return items[:1] + [RaggedItem(c, [TOKEN, OTHER, OTHER], 3)] + items[1:], 1
 
-    want_logits, want_hidden = _first_row(model, cache, alone)
+    want_logits, want_hidden = _first_row(forward, cache, alone)
     ways = {f"chain of {k + 1}": chain(k) for k in (1, 2, 4, 7, 15, 32)} | {"tree": tree, "beside 3 sessions": beside}
     failures = []
     for name, way in ways.items():
-        logits, hidden = _first_row(model, cache, way)
+        logits, hidden = _first_row(forward, cache, way)
         if not (torch.equal(logits, want_logits) and torch.equal(hidden, want_hidden)):
             failures.append(name)
     return failures

@@ -1,0 +1,307 @@
+"""The target's ragged pass compiled with ``torch.compile``, over a fixed set of row buckets.
+
+The eager pass (``specdec.ragged``) spends about as long dispatching ~40 small ops a layer (norms,
+rotary embeddings, activations, residual adds: each a Python call and a kernel launch) as it spends
+in the layer's four weight products. Inductor fuses the small ops into a few generated loops per
+layer and runs the whole stack from one Python call.
+
+What stays outside the generated code, as opaque custom ops the graph calls, is what must keep its
+bits and its state:
+
+- **the weight products** (``specdec::packed_linear``): the same row-invariant oneDNN kernels the
+  eager pass calls (``specdec.packed_linear``), so no weight is copied or re-packed, and the FX graph
+  holds no weights: the compiled artifact depends only on the model's shapes, and inductor's on-disk
+  cache serves a restart (compiling every bucket cold takes minutes on two cores; from the cache,
+  seconds);
+- **attention with the cache update** (``specdec::ragged_attention``): ``specdec.ragged.attend_rows``,
+  so each session appends to its own growable cache and attends batch-invariantly, chains and trees
+  alike, whatever the sessions' lengths.
+
+Shapes are static per graph: a pass's rows are padded to the next bucket of ``ROW_BUCKETS`` (as
+vLLM's capture sizes do), the padding rows attend to nothing and are dropped, and a pass over more
+rows than the largest bucket is fed in pieces (a session's rows split only between chain rows, a
+token tree stays whole). The smallest bucket is two rows: oneDNN runs a lone row with a kernel of its
+own, and two rows keep every row's bits at every count (``specdec.packed_linear.PairedPackedLinear``).
+
+Batch invariance holds as in the eager pass: every generated loop works row by row, the products are
+row-invariant and the attention is the same code, so a position gets the same bits alone, in a chain,
+in a tree or beside other sessions, in any bucket (``tests/test_compiled.py``). The compiled pass's
+bits are not the eager pass's (inductor fuses the norms' and rotary's arithmetic differently), which
+is why an engine runs every pass of a session through one of them (``TargetEngine``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from specdec.packed_linear import ProjectionSlice
+from specdec.ragged import (
+    RaggedItem,
+    RaggedLayout,
+    attend_rows,
+    finish_layer,
+    item_outputs,
+    layer_ropes,
+    layer_windows,
+    project_qkv,
+    ragged_unsupported,
+    rotary_of,
+)
+
+log = logging.getLogger(__name__)
+
+ROW_BUCKETS = (2, 4, 8, 16, 32, 64)
+"""Rows a compiled graph takes; a pass pads to the next (see the module docstring)."""
+
+# Custom ops take tensors and numbers only, so a graph names its runner by its index here. Runners
+# are created once per served model and live as long as the process.
+_RUNNERS: list[CompiledPass] = []
+
+
+@torch.library.custom_op("specdec::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, runner: int, index: int) -> torch.Tensor:
+    """Product ``index`` of runner ``runner`` over rows ``x [N, in]``; returns ``[N, out]``."""
+    return _RUNNERS[runner].products[index](x)
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, runner: int, index: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _RUNNERS[runner].products[index].out_features)
+
+
+@torch.library.custom_op("specdec::ragged_attention", mutates_args=())
+def _ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runner: int, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s attention of the pass runner ``runner`` is running (``CompiledPass.attend``)."""
+    return _RUNNERS[runner].attend(q, k, v, layer)
+
+
+@_ragged_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runner: int, layer: int) -> torch.Tensor:
+    return q.new_empty(q.shape[2], q.shape[1] * q.shape[3])
+
+
+def compile_unsupported(model: PreTrainedModel) -> str | None:
+    """Why ``model`` cannot run the compiled pass, or None when it can: it must run the ragged pass, on
+    a CPU, with its projections packed and fused (``specdec.packed_linear.pack_linears``)."""
+    reason = ragged_unsupported(model.config)
+    if reason is not None:
+        return reason
+    if model.device.type != "cpu":
+        return f"the compiled pass runs on CPU (packed kernels); this model is on {model.device}"
+    layer = model.get_decoder().layers[0]
+    if _fused(layer.self_attn, "qkv_proj", "q_proj") is None or _fused(layer.mlp, "gate_up_proj", "gate_proj") is None:
+        return "the compiled pass needs packed, fused projections (load the model with pack=True)"
+    return None
+
+
+def _fused(module: nn.Module, own: str, first: str) -> nn.Module | None:
+    """The one product computing a group of sibling projections: the family's own fused layer (``own``,
+    Phi-3's), or the packed product behind the first projection's slice."""
+    if hasattr(module, own):
+        return getattr(module, own)
+    slice_ = getattr(module, first)
+    return slice_.fused.product if isinstance(slice_, ProjectionSlice) else None
+
+
+@dataclass
+class _Pass:
+    """What the attention op of the pass in progress reads: the sessions' caches and layout."""
+
+    caches: list
+    layout: RaggedLayout
+    rows: int
+
+
+class CompiledPass:
+    """``ragged_forward`` for one model through graphs compiled per row bucket.
+
+    ``compile`` builds every bucket's graph (minutes cold, seconds from inductor's cache); until it
+    has, ``ready`` is False. A model runs one pass at a time (its service's worker thread), and the
+    compile may run on another thread meanwhile: its passes use caches of their own.
+    """
+
+    def __init__(self, model: PreTrainedModel, buckets: tuple[int, ...] = ROW_BUCKETS) -> None:
+        reason = compile_unsupported(model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.model = model
+        self.buckets = tuple(sorted(buckets))
+        decoder = model.get_decoder()
+        self._layers = list(decoder.layers[: model.config.num_hidden_layers])
+        self._windows = layer_windows(model.config)
+        # Per layer: qkv, o, gate_up, down, at 4 i .. 4 i + 3.
+        self.products: list[nn.Module] = []
+        for layer in self._layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fused = (_fused(attn, "qkv_proj", "q_proj"), attn.o_proj, _fused(mlp, "gate_up_proj", "gate_proj"))
+            self.products.extend([*fused, mlp.down_proj])
+        # Each layer's rotary table among the distinct ones (Gemma 3: one per layer type, else one).
+        types = getattr(decoder.rotary_emb, "layer_types", None) and list(model.config.layer_types)
+        types = types[: len(self._layers)] if types else [None] * len(self._layers)
+        kinds = sorted(set(types), key=str)
+        self._table_of = tuple(kinds.index(t) for t in types)
+        self._context: _Pass | None = None
+        self._ready = threading.Event()
+        self.compile_s: float | None = None
+        self._index = len(_RUNNERS)
+        _RUNNERS.append(self)
+        self._graph = torch.compile(self._stack, dynamic=False, fullgraph=True)
+
+    @property
+    def ready(self) -> bool:
+        """Whether every bucket's graph is built."""
+        return self._ready.is_set()
+
+    def compile(self) -> None:
+        """Builds every bucket's graph by running it once over a scratch cache; then ``ready``."""
+        from specdec.kvcache import GrowableCache  # kvcache imports the ragged pass's neighbours
+
+        started = time.perf_counter()
+        for rows in self.buckets:
+            self.forward([RaggedItem(GrowableCache(), [0] * rows, 1)], compiling=True)
+            log.info("compiled the %d-row pass (%.0f s so far)", rows, time.perf_counter() - started)
+        self.compile_s = time.perf_counter() - started
+        self._ready.set()
+
+    def _product(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: torch.ops.specdec.packed_linear(x, self._index, index)
+
+    def _stack(self, ids: torch.Tensor, tables: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The graph: token ids ``[P]`` and the rotary tables (cos, sin per distinct table, ``[1, P, rd]``)
+        in; the final-norm rows ``[P, D]`` and every layer's output ``[P, D]`` out."""
+        decoder = self.model.get_decoder()
+        x = decoder.embed_tokens(ids)  # [P, D]
+        outs = []
+        for i, layer in enumerate(self._layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            h = layer.input_layernorm(x)
+            q, k, v = (t.transpose(0, 1)[None] for t in project_qkv(attn, h, self._product(4 * i)))  # [1, H, P, hd]
+            table = self._table_of[i]
+            q, k = rotary_of(attn)(q, k, tables[2 * table], tables[2 * table + 1])
+            attended = self._product(4 * i + 1)(torch.ops.specdec.ragged_attention(q, k, v, self._index, i))
+            gate_up = self._product(4 * i + 2)
+            down = self._product(4 * i + 3)
+
+            def gated(h: torch.Tensor, gate_up=gate_up, down=down, act=mlp.act_fn) -> torch.Tensor:
+                gate, up = gate_up(h).chunk(2, dim=-1)
+                return down(act(gate) * up)
+
+            x = finish_layer(layer, x, attended, gated)
+            outs.append(x)
+        return [decoder.norm(x), *outs]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        """The attention op's body: the pass's real rows attend (``attend_rows``), the padding gets zeros.
+        ``q [1, Hq, P, hd]``, ``k``, ``v`` ``[1, Hkv, P, hd]``; returns ``[P, Hq hd]``."""
+        ctx = self._context
+        assert ctx is not None, "the attention op runs only inside CompiledPass.forward"
+        n = ctx.rows
+        rows = attend_rows(
+            self._layers[layer].self_attn,
+            q[:, :, :n],
+            k[:, :, :n],
+            v[:, :, :n],
+            ctx.caches,
+            ctx.layout,
+            layer,
+            self._windows[layer],
+        )
+        return F.pad(rows, (0, 0, 0, q.shape[2] - n))
+
+    @torch.inference_mode()
+    def forward(
+        self, items: list[RaggedItem], compiling: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """What ``specdec.ragged.ragged_forward`` returns for ``items``, computed by the compiled graphs
+        (``compiling``: while ``compile`` builds them)."""
+        if not (compiling or self.ready):
+            raise RuntimeError("the compiled pass is not built yet (CompiledPass.compile)")
+        wanted = sorted({j for item in items for j in item.side_layers})
+        hidden: list[list[torch.Tensor]] = [[] for _ in items]
+        sides: list[dict[int, list[torch.Tensor]]] = [{j: [] for j in wanted} for _ in items]
+        for group in pieces(items, self.buckets[-1]):
+            outs = self._run_group(items, group)
+            offset = 0
+            for index, lo, hi in group:
+                hidden[index].append(outs[0][offset : offset + hi - lo])
+                for j in wanted:
+                    sides[index][j].append(outs[1 + j][offset : offset + hi - lo])
+                offset += hi - lo
+        bounds = [0, *itertools.accumulate(len(item.tokens) for item in items)]
+        rows = torch.cat([torch.cat(h) for h in hidden])  # [N, D]
+        side_rows = {j: torch.cat([torch.cat(s[j]) for s in sides]) for j in wanted}
+        return item_outputs(self.model, items, bounds, rows, side_rows)
+
+    def _run_group(self, items: list[RaggedItem], group: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """One graph call over pieces ``(item, lo, hi)``: rows ``lo .. hi`` of each item's tokens."""
+        device = self.model.device
+        caches = [items[i].cache for i, _, _ in group]
+        trees = [items[i].parents if hi == len(items[i].tokens) else None for i, _, hi in group]
+        layout = RaggedLayout.of(
+            [hi - lo for _, lo, hi in group],
+            [cache.get_seq_length() for cache in caches],
+            device=device,
+            windows=self._windows,
+            trees=trees,
+        )
+        rows = layout.bounds[-1]
+        padded = next(b for b in self.buckets if b >= rows)
+        ids = torch.tensor(
+            [t for i, lo, hi in group for t in items[i].tokens[lo:hi]] + [0] * (padded - rows),
+            dtype=torch.long,
+            device=device,
+        )  # [P]
+        positions = F.pad(layout.positions[None], (0, padded - rows), mode="replicate")  # [1, P]
+        decoder = self.model.get_decoder()
+        embedded = decoder.embed_tokens.weight[:1]  # the rotary tables take the activations' dtype from it
+        per_layer = layer_ropes(decoder.rotary_emb, self.model.config, embedded, positions)
+        tables: list[torch.Tensor] = []
+        for table in range(max(self._table_of) + 1):
+            tables.extend(per_layer[self._table_of.index(table)])
+        self._context = _Pass(caches, layout, rows)
+        try:
+            return self._graph(ids, tables)
+        finally:
+            self._context = None
+
+
+def pieces(items: list[RaggedItem], limit: int) -> list[list[tuple[int, int, int]]]:
+    """The items' rows in groups of at most ``limit``: each group a list of ``(item, lo, hi)``, an item's
+    rows ``lo .. hi``, in item order, each item's pieces in row order. A token tree's rows stay in one
+    piece (the rows before it may be split anywhere)."""
+    groups: list[list[tuple[int, int, int]]] = []
+    current: list[tuple[int, int, int]] = []
+    room = limit
+    for index, item in enumerate(items):
+        n = len(item.tokens)
+        whole_from = n - len(item.parents) if item.parents else n  # rows from here on go in one piece
+        if n - whole_from > limit:
+            raise ValueError(f"a token tree of {n - whole_from} nodes exceeds the largest compiled pass ({limit} rows)")
+        lo = 0
+        while lo < n:
+            cut = lo + room if lo + room < n else n
+            if whole_from < cut < n:
+                cut = whole_from
+            if cut <= lo:  # nothing fits in what is left of this group
+                groups.append(current)
+                current, room = [], limit
+                continue
+            current.append((index, lo, cut))
+            room -= cut - lo
+            lo = cut
+            if room == 0:
+                groups.append(current)
+                current, room = [], limit
+    if current:
+        groups.append(current)
+    return groups

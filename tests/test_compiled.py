@@ -1,0 +1,112 @@
+"""The compiled pass (``specdec.compiled``): batch-invariant in every bucket and across pieces, close to
+the eager pass, and an engine that switches to it drops its caches and stays exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from opentelemetry import trace
+from test_invariance import invariance_failures
+from test_round_loop import request, run
+
+from coordinator.policy import SpeculationConfig, SpeculationPolicy
+from coordinator.rounds import RoundLoop
+from coordinator.routing import Router
+from coordinator.sessions import MemorySessionStore
+from coordinator.turns import Turns
+from draft_service.engine import ModelDrafter
+from draft_service.inprocess import InProcessDraft
+from specdec.compiled import CompiledPass, compile_unsupported, pieces
+from specdec.errors import CacheNotFound
+from specdec.kvcache import GrowableCache
+from specdec.models import load_model
+from specdec.ragged import RaggedItem, ragged_forward
+from specdec.sampling import Sampling
+from target_service.engine import TargetEngine
+from target_service.inprocess import InProcessTarget
+
+# Small buckets, so that the tests' longer passes (33 rows) run in pieces.
+BUCKETS = (2, 8)
+
+
+@pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def compiled(request, tiny_dir):
+    """The tiny target, packed, with its compiled pass built."""
+    loaded = load_model(str(tiny_dir / "target"), tiny_dir, dtype=request.param, pack=True)
+    compiled = CompiledPass(loaded.model, BUCKETS)
+    compiled.compile()
+    return loaded, compiled
+
+
+def test_pieces_fill_groups_in_order_and_keep_a_tree_whole():
+    items = [
+        RaggedItem(None, [0] * 5, 1),
+        RaggedItem(None, [0] * 6, 1, parents=(-1, 0, 0)),  # rows 3 .. 5 are a tree
+        RaggedItem(None, [0] * 2, 1),
+    ]
+    groups = pieces(items, 4)
+    assert groups == [[(0, 0, 4)], [(0, 4, 5), (1, 0, 3)], [(1, 3, 6), (2, 0, 1)], [(2, 1, 2)]]
+    assert all(sum(hi - lo for _, lo, hi in g) <= 4 for g in groups)
+    with pytest.raises(ValueError, match="token tree of 5 nodes"):
+        pieces([RaggedItem(None, [0] * 6, 1, parents=(-1, 0, 1, 2, 3))], 4)
+
+
+def test_a_model_the_compiled_pass_cannot_run_is_refused(tiny_target):
+    assert "packed" in compile_unsupported(tiny_target.model)  # loaded without pack=True
+    with pytest.raises(ValueError, match="packed"):
+        CompiledPass(tiny_target.model)
+
+
+@pytest.mark.parametrize("past", [20, 70])
+def test_the_compiled_pass_is_batch_invariant(compiled, past):
+    """Alone, in chains up to 33 rows (pieces of 8), in a tree and beside other sessions: same bits."""
+    loaded, runner = compiled
+    assert invariance_failures(loaded.model, past, runner.forward) == []
+
+
+def test_fed_at_once_or_a_token_a_pass_every_row_scores_the_same(compiled):
+    loaded, runner = compiled
+    tokens = [(3 + 7 * i) % loaded.vocab_size for i in range(19)]
+    whole, stepwise = GrowableCache(), GrowableCache()
+    logits, hidden = runner.forward([RaggedItem(whole, tokens, len(tokens), (0,))])
+    for i, token in enumerate(tokens):
+        row_logits, row_hidden = runner.forward([RaggedItem(stepwise, [token], 1, (0,))])
+        assert torch.equal(row_logits[0][0], logits[0][i]) and torch.equal(row_hidden[0][0], hidden[0][i])
+
+
+def test_the_compiled_pass_computes_what_the_eager_pass_does(compiled):
+    """Not the same bits (inductor fuses the norms' arithmetic), but the same numbers to rounding."""
+    loaded, runner = compiled
+    tokens = [(3 + 7 * i) % loaded.vocab_size for i in range(30)]
+    got, _ = runner.forward([RaggedItem(GrowableCache(), tokens, len(tokens))])
+    want, _ = ragged_forward(loaded.model, [RaggedItem(GrowableCache(), tokens, len(tokens))])
+    tolerance = 0.1 if loaded.dtype == torch.bfloat16 else 1e-3
+    assert (got[0] - want[0]).abs().max() < tolerance * want[0].abs().max()
+    assert torch.equal(got[0].argmax(-1), want[0].argmax(-1))
+
+
+def _loop(target: TargetEngine, target_model, draft_model) -> RoundLoop:
+    router = Router([InProcessDraft(ModelDrafter(draft_model, 8, 64))], [InProcessTarget(target)])
+    policy = SpeculationPolicy(SpeculationConfig(), live_targets=lambda: 1)
+    facts = target_model.facts("target")
+    turns = Turns(target_model.tokenizer, facts, MemorySessionStore(3600))
+    return RoundLoop(target_model.tokenizer, facts, router, policy, turns, trace.NoOpTracer())
+
+
+def test_an_engine_switches_between_passes_and_speculation_stays_exact(tiny_dir, tiny_draft):
+    loaded = load_model(str(tiny_dir / "target"), tiny_dir, dtype=torch.bfloat16, pack=True)
+    runner = CompiledPass(loaded.model, BUCKETS)
+    engine = TargetEngine(loaded, 8, compiled=runner)
+    before, committed, _ = engine.prefill([2, 3, 4, 5])
+    assert not engine.compiled
+    runner.compile()
+    with pytest.raises(CacheNotFound):  # dropped at the switch: its KV came from the eager pass
+        engine.verify(before, committed, [], [6], [], Sampling(), 0)
+    assert engine.compiled and engine.caches.ids() == set()
+    loop = _loop(engine, loaded, tiny_draft)
+    k0, _ = run(loop, request(k=0, max_new_tokens=24))
+    for k in (1, 3, None):
+        tokens, last = run(loop, request(k=k, max_new_tokens=24))
+        assert tokens == k0
+        if k:
+            assert last.stats.drafted_tokens > 0
