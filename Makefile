@@ -115,7 +115,7 @@ pass-grid: install
 
 # One pass's cost by rows in float32 and bfloat16, in process, and whether each kept a row's bits.
 pass-curve: install
-	$(VENV)/bin/specdec pass-curve --cache-dir $(CACHE_DIR) --out reports/pass-curve.json
+	$(VENV)/bin/specdec pass-curve --cache-dir $(CACHE_DIR) --compiled --out reports/pass-curve.json
 
 # The target's pass under each allocator / OpenMP setting (tcmalloc, OMP_WAIT_POLICY), A B .. B A.
 bench-allocators: install

@@ -97,7 +97,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_out(p, "bench")
     p.add_argument("--plot", type=Path, help="write a PNG of the report")
     add_stack(p)
-    p.set_defaults(run=run_bench)
+    # Steady figures: the stack's target builds its compiled pass before the first request is timed.
+    p.set_defaults(run=run_bench, compile=env("COMPILE", "wait"))
 
     p = subparsers.add_parser(
         "pass-grid",
@@ -123,6 +124,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     add_target(p)
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to compare")
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="also time each dtype's compiled pass (specdec.compiled), built first: minutes cold",
+    )
     p.add_argument("--context", type=int, default=200, help="tokens in the session's cache")
     p.add_argument("--repeats", type=int, default=9, help="timed sweeps (median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the target")
@@ -424,16 +430,24 @@ def run_pass_curve(args: argparse.Namespace) -> None:
 
     from bench.pass_curve import measure_pass_curve
     from bench.single import load_prompts
+    from specdec.compiled import CompiledPass, keep_artifacts_in
     from specdec.models import load_model
     from specdec.packed_linear import pack_linears
     from target_service.engine import TargetEngine
 
     torch.set_num_threads(args.threads)
     engines = {}
+    compile_s = {}
     for dtype in args.dtypes.split(","):
         loaded = load_model(args.target_model, args.cache_dir, dtype=dtype)
         pack_linears(loaded.model)  # as the target service runs it
         engines[dtype] = TargetEngine(loaded, 16)
+        if args.compiled:
+            keep_artifacts_in(args.cache_dir)
+            runner = CompiledPass(loaded.model)
+            runner.compile()
+            compile_s[f"{dtype}-compiled"] = round(runner.compile_s or 0.0, 1)
+            engines[f"{dtype}-compiled"] = TargetEngine(loaded, 16, compiled=runner)
     # The bench prompts' tokens one after another, cut to the context: real text, a fixed length.
     prompt = [t for p in load_prompts(PROMPTS, None) for t in p.token_ids(loaded.tokenizer)][: args.context]
     curves = measure_pass_curve(engines, prompt, args.repeats)
@@ -450,12 +464,17 @@ def run_pass_curve(args: argparse.Namespace) -> None:
         },
         "engines": curves,
     }
-    if len(names) > 1:
-        first, last = (curves[n]["pass_ms"] for n in (names[0], names[-1]))
-        report["ratios"] = {
-            f"{names[0]}_over_{names[-1]}_1row": round(first["1"] / last["1"], 3),  # type: ignore[index]
-            f"{names[0]}_over_{names[-1]}_8rows": round(first["8"] / last["8"], 3),  # type: ignore[index]
-        }
+    if compile_s:
+        report["compile_s"] = compile_s
+    pairs = [(names[0], names[-1])] if len(names) > 1 else []
+    pairs += [(name.removesuffix("-compiled"), name) for name in compile_s]
+    ratios = {}
+    for slow, fast in dict.fromkeys(pairs):
+        for rows in ("1", "8"):
+            ms_slow, ms_fast = curves[slow]["pass_ms"][rows], curves[fast]["pass_ms"][rows]  # type: ignore[index]
+            ratios[f"{slow}_over_{fast}_{rows}row{'s' if rows != '1' else ''}"] = round(ms_slow / ms_fast, 3)
+    if ratios:
+        report["ratios"] = ratios
     _write(report, args.out, "pass-curve")
 
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from specdec.ragged import RaggedItem, ragged_forward
+from specdec.ragged import RaggedItem
 from specdec.sampling import Sampling
 from target_service.engine import TargetEngine, VerifyCall
 
@@ -90,7 +90,7 @@ def _invariant(engine: TargetEngine, cache_id: str, start: int, rows: int) -> bo
     pending = [engine.caches.get(cache_id).committed[start - 1]]
 
     def first_row(extra: int) -> torch.Tensor:
-        logits, _ = ragged_forward(engine.model, [RaggedItem(kv, pending + [0] * extra, extra + 1)])
+        logits, _ = engine.forward([RaggedItem(kv, pending + [0] * extra, extra + 1)])
         kv.crop(-(extra + 1))
         return logits[0][0]
 

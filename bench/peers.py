@@ -277,16 +277,19 @@ def vllm_spec(python: Path, model_dir: Path, dtype: str, kv_gib: int, omp_bind: 
 def specdec_spec(cache_dir: Path, dtype: str | None, extra: list[str]) -> ServerSpec:
     """``specdec up`` on free ports (its defaults, 50050 and 8000, may belong to a stack someone else
     runs). ``dtype`` goes to ``--dtype`` where ``specdec up`` has that flag, else to the
-    ``SPECDEC_DTYPE`` environment variable the services read."""
+    ``SPECDEC_DTYPE`` environment variable the services read. The target builds its compiled pass
+    before it reports ready (``--compile wait``) unless ``extra`` says otherwise."""
     grpc_port, http_port = free_port(), free_port()
     env: dict[str, str] = {}
     argv = [str(SPECDEC), "up", "--cache-dir", str(cache_dir), "--port", str(grpc_port), "--http-port", str(http_port)]
+    help_text = subprocess.run([str(SPECDEC), "up", "--help"], capture_output=True, text=True).stdout
     if dtype:
-        help_text = subprocess.run([str(SPECDEC), "up", "--help"], capture_output=True, text=True).stdout
         if has_flag(help_text, "--dtype"):
             argv += ["--dtype", dtype]
         else:
             env["SPECDEC_DTYPE"] = dtype
+    if "--compile" not in extra and has_flag(help_text, "--compile"):
+        argv += ["--compile", "wait"]  # time the compiled pass, not a switch to it mid-turn
     return ServerSpec(SPECDEC_NAME, [*argv, *extra], env, http_port, ready_line=SPECDEC_READY)
 
 

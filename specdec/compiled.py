@@ -34,10 +34,12 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +90,13 @@ def _ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runner:
 @_ragged_attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runner: int, layer: int) -> torch.Tensor:
     return q.new_empty(q.shape[2], q.shape[1] * q.shape[3])
+
+
+def keep_artifacts_in(cache_dir: Path) -> None:
+    """Has inductor keep its compiled artifacts under ``cache_dir / "inductor"`` (unless the environment
+    names a place), so that a restart on this machine finds them. Inductor reads the place from the
+    environment when it first compiles, so this runs before."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
 
 
 def compile_unsupported(model: PreTrainedModel) -> str | None:
@@ -167,9 +176,13 @@ class CompiledPass:
         from specdec.kvcache import GrowableCache  # kvcache imports the ragged pass's neighbours
 
         started = time.perf_counter()
-        for rows in self.buckets:
-            self.forward([RaggedItem(GrowableCache(), [0] * rows, 1)], compiling=True)
-            log.info("compiled the %d-row pass (%.0f s so far)", rows, time.perf_counter() - started)
+        # Every runner's graphs hang off the one code object of ``_stack``, a graph per runner and bucket;
+        # dynamo's default limit of 8 is for code that recompiles unexpectedly.
+        limit = len(_RUNNERS) * len(ROW_BUCKETS + self.buckets)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            for rows in self.buckets:
+                self.forward([RaggedItem(GrowableCache(), [0] * rows, 1)], compiling=True)
+                log.info("compiled the %d-row pass (%.0f s so far)", rows, time.perf_counter() - started)
         self.compile_s = time.perf_counter() - started
         self._ready.set()
 

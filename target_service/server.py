@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +14,7 @@ import torch
 from opentelemetry import trace
 
 from specdec.cache_servicer import CacheServicer
-from specdec.compiled import CompiledPass, compile_unsupported
+from specdec.compiled import CompiledPass, compile_unsupported, keep_artifacts_in
 from specdec.config import TargetConfig
 from specdec.hidden_wire import hidden_to_pb
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
@@ -163,8 +162,7 @@ def compiled_pass(config: TargetConfig, loaded: LoadedModel) -> CompiledPass | N
     if reason is not None:
         log.warning("target %s: not compiling the pass: %s", loaded.name, reason)
         return None
-    # Inductor reads its cache's place from the environment when it first compiles.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(config.model.cache_dir / "inductor"))
+    keep_artifacts_in(config.model.cache_dir)
     compiled = CompiledPass(loaded.model)
     if config.compile == "wait":
         compiled.compile()

@@ -1,5 +1,5 @@
-"""The chart's ``dtype`` of target and draft, and the draft's ``device``: they reach the services'
-flags, and the values schema and templates refuse what the services would."""
+"""The chart's ``dtype`` of target and draft, the draft's ``device`` and the target's ``compile``: they
+reach the services' flags, and the values schema and templates refuse what the services would."""
 
 from __future__ import annotations
 
@@ -38,9 +38,17 @@ def test_half_precision_on_gpus_reaches_both_services(chart):
     assert _flags(objects, "draft") == {"device": "cuda", "dtype": "float16"}
 
 
+@pytest.mark.parametrize("mode", [None, "wait", "off"])
+def test_the_targets_compile_mode_reaches_its_flags(chart, mode):
+    _, objects = render(chart, {"target": {"compile": mode}} if mode else {})
+    args = _parser().parse_args(container(role_workload(objects, "target"))["args"])
+    assert args.compile == (mode or "background")
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [
+        ({"target": {"compile": "fast"}}, "compile"),
         ({"draft": {"device": "cuda"}}, "draft.gpus"),
         ({"draft": {"dtype": "int8"}}, "dtype"),
         ({"target": {"dtype": "half"}}, "dtype"),
