@@ -17,8 +17,11 @@ until every choice has its first chunk, so that a refusal of any of them is the 
 
 Chat requests are stateless, but a request whose messages extend a conversation this coordinator
 served continues that conversation's session (``coordinator.openai_sessions``), so its caches
-keep the shared prefix. docs/openai.md documents the endpoints, the statuses and the ``specdec``
-field.
+keep the shared prefix. The whole conversation is rendered afresh, exactly as for a new session:
+the session's record holds the answer as generated, which can differ from the message a client
+sends back (tool calls). With tools, each choice's output is split into content and tool calls
+(``coordinator.tools``), streamed or whole. docs/openai.md documents the endpoints, the statuses
+and the ``specdec`` field.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from coordinator.openai_schema import (
 from coordinator.openai_sessions import Conversations
 from coordinator.rounds import RoundLoop
 from coordinator.server import _BACKEND_RETRY_MS, _status
+from coordinator.tools import ToolCall, assistant_message, split_tool_calls
 from coordinator.turns import Chunk, ContextOverflow, GenerationRequest, SessionNotFound
 from specdec.config import CoordinatorConfig, ServerConfig
 from specdec.rpc import RunningServer
@@ -97,7 +101,7 @@ def api_error(exc: Exception) -> ApiError:
     status, kind, name = _HTTP_OF.get(code, (500, "server_error", "internal_error"))
     retry = _BACKEND_RETRY_MS / 1000 if status == 429 else None
     # A format the grammar engine refused when the turn opened (``Turns.check_format``) names its parameter.
-    param = "response_format" if status == 400 and detail.startswith("response_format:") else None
+    param = next((p for p in ("response_format", "tools") if status == 400 and detail.startswith(p + ":")), None)
     return ApiError(status, detail, kind, param=param, code=name, retry_after_s=retry)
 
 
@@ -316,10 +320,14 @@ class OpenAiApi:
         finally:
             await runs.close()
         answers = []
-        for core, text, token_ids, last, entries in zip(cores, texts, ids, lasts, logprobs, strict=True):
+        for core, pieces, token_ids, last, entries in zip(cores, texts, ids, lasts, logprobs, strict=True):
             assert last is not None and last.stats is not None and last.finish_reason is not None
-            self._remember(core, caller, "".join(text), last)
-            answers.append(Answer("".join(text), token_ids, last.finish_reason, last.stats, entries))
+            text, calls = "".join(pieces), list[ToolCall]()
+            if api.tools is not None and api.parses_tools:
+                text, calls = split_tool_calls(text, api.tools)
+            self._remember(core, caller, text, calls, last)
+            finish = "tool_calls" if calls else last.finish_reason
+            answers.append(Answer(text, token_ids, finish, last.stats, entries, calls))
         return web.json_response(self._shaper(api).response(answers))
 
     def _shaper(self, api: ApiRequest) -> Shaper:
@@ -346,8 +354,8 @@ class OpenAiApi:
         firsts: list[tuple[int, Chunk]],
         runs: _Runs,
     ) -> web.StreamResponse:
-        """Server-sent events: one chunk per release of text of a choice, each choice's finish chunk
-        with its ``specdec`` stats, the usage chunk when asked for, then ``[DONE]``."""
+        """Server-sent events: one chunk per release of text (and tool calls) of a choice, each choice's
+        finish chunk with its ``specdec`` stats, the usage chunk when asked for, then ``[DONE]``."""
         shaper = self._shaper(api)
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
@@ -356,20 +364,25 @@ class OpenAiApi:
                 await response.write(_sse(shaper.role_chunk(index)))
         texts: list[list[str]] = [[] for _ in cores]
         lasts: list[Chunk | None] = [None] * len(cores)
+        # With tools: text that may open a call is held back; calls go out whole as they close.
+        splits = [api.tools.splitter() if api.tools is not None and api.parses_tools else None for _ in cores]
         queued = iter(firsts)
         try:
             while any(last is None for last in lasts):
                 index, chunk = next(queued, None) or await runs.next()
-                texts[index].append(chunk.text)
-                if chunk.finish_reason is not None:
+                split, finish = splits[index], chunk.finish_reason
+                text, calls = chunk.text, list[ToolCall]()
+                if split is not None:
+                    text, calls = split.feed(chunk.text, end=finish is not None)
+                    finish = "tool_calls" if finish is not None and split.calls else finish
+                texts[index].append(text)
+                if finish is not None:
                     assert chunk.stats is not None
                     lasts[index] = chunk
-                    finished = shaper.chunk(
-                        index, chunk.text, chunk.token_ids, chunk.finish_reason, chunk.stats, chunk.logprobs
-                    )
+                    finished = shaper.chunk(index, text, chunk.token_ids, finish, chunk.stats, chunk.logprobs, calls)
                     await response.write(_sse(finished))
-                elif chunk.text or chunk.logprobs or (api.return_token_ids and chunk.token_ids):
-                    piece = shaper.chunk(index, chunk.text, chunk.token_ids, logprobs=chunk.logprobs)
+                elif text or calls or chunk.logprobs or (api.return_token_ids and chunk.token_ids):
+                    piece = shaper.chunk(index, text, chunk.token_ids, logprobs=chunk.logprobs, tool_calls=calls)
                     await response.write(_sse(piece))
             if api.include_usage:
                 await response.write(_sse(shaper.usage_chunk([last.stats for last in lasts if last and last.stats])))
@@ -378,9 +391,9 @@ class OpenAiApi:
             trace.get_current_span().set_status(trace.StatusCode.ERROR, error.message)
             await response.write(_sse(error.body()))
         else:
-            for core, text, last in zip(cores, texts, lasts, strict=True):
+            for core, text, last, split in zip(cores, texts, lasts, splits, strict=True):
                 assert last is not None
-                self._remember(core, caller, "".join(text), last)
+                self._remember(core, caller, "".join(text), [] if split is None else split.calls, last)
         await response.write(_sse("[DONE]"))
         await response.write_eof()
         return response
@@ -397,8 +410,7 @@ class OpenAiApi:
             if core.messages is not None:
                 found = self.conversations.take(caller.client, core.messages)
                 if found is not None:
-                    session_id, shared = found
-                    request = replace(core, messages=core.messages[shared:], session_id=session_id)
+                    request = replace(core, session_id=found[0], whole_conversation=True)
             streamed = False
             try:
                 async with aclosing(self._run(request)) as chunks:
@@ -414,10 +426,11 @@ class OpenAiApi:
                 async for chunk in chunks:
                     yield chunk
 
-    def _remember(self, core: GenerationRequest, caller: Caller, text: str, last: Chunk) -> None:
-        """Notes which session now holds a served chat conversation, answer included."""
+    def _remember(self, core: GenerationRequest, caller: Caller, text: str, calls: list[ToolCall], last: Chunk) -> None:
+        """Notes which session now holds a served chat conversation, answer included, as the client
+        sends it back: its content and its tool calls."""
         if core.messages is not None:
-            conversation = [*core.messages, {"role": "assistant", "content": text}]
+            conversation = [*core.messages, assistant_message(text, calls)]
             self.conversations.put(caller.client, conversation, last.session_id)
 
 

@@ -4,9 +4,10 @@ shaping chunks and stats into completions, chat completions and their stream chu
 Pure functions over JSON values, with no HTTP in them: ``coordinator.openai_api`` serves them. A
 request that no exact generation can serve is refused with an ``ApiError`` naming the parameter,
 never silently approximated: an unsupported parameter set to anything but its neutral value (for
-example ``logprobs``, ``tools``) is a 400. Penalties and ``logit_bias`` are served exactly: they
+example ``echo``, ``functions``) is a 400. Penalties and ``logit_bias`` are served exactly: they
 transform the draft's and the target's logits alike (``specdec.sampling.penalize_logits``), and so
-does ``response_format``'s grammar mask (``specdec.constrain``).
+does ``response_format``'s grammar mask (``specdec.constrain``). Chat's ``tools`` are read, rendered,
+enforced and parsed by ``coordinator.tools``.
 
 A request asks for one choice per prompt times ``n``: chat has one prompt, completions a string, an
 array of strings, token ids or an array of token-id arrays. Each choice is a ``GenerationRequest`` of
@@ -29,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from coordinator.server import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from coordinator.tools import ToolCall, ToolSpec, assistant_tool_calls, check_tool_grammar, parse_tools, tool_format_key
 from coordinator.turns import GenerationRequest, Stats
 from specdec.grammar import response_format_key
 from specdec.sampling_params import MAX_TOP_LOGPROBS, TokenLogprob, check_penalties, check_sampling
@@ -40,9 +42,11 @@ Prompt = str | tuple[int, ...] | list[dict[str, str]]
 # Most choices (n times the prompts) one request may ask for: each runs as a session of its own, so
 # one request must not fan out without bound.
 MAX_CHOICES = 64
-# Message roles the chat template knows; OpenAI's newer "developer" role is its system prompt.
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-# Parameters specdec does not implement, with the value that asks for nothing (absent is fine too).
+# Message roles the chat template knows; OpenAI's newer "developer" role is its system prompt. A
+# "tool" message (a call's result) is rendered by the template or ``coordinator.tools``' fallback.
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+# Parameters specdec does not implement, with the value that asks for nothing (absent is fine too);
+# chat implements ``tools``.
 _NEUTRAL = {
     "echo": (None, False),
     "best_of": (None, 1),
@@ -51,7 +55,8 @@ _NEUTRAL = {
     "functions": (None, []),
 }
 # The finish reasons of the round loop, as OpenAI names them: the context's end is a length limit too.
-FINISH_REASON = {"stop": "stop", "length": "length", "context": "length"}
+# "tool_calls" is the API's own: an answer that made a call (``coordinator.tools``).
+FINISH_REASON = {"stop": "stop", "length": "length", "context": "length", "tool_calls": "tool_calls"}
 
 
 class ApiError(Exception):
@@ -106,6 +111,13 @@ class ApiRequest:
     return_token_ids: bool = False
     # Choices per prompt.
     n: int = 1
+    # Chat's tools; None: none were given.
+    tools: ToolSpec | None = None
+
+    @property
+    def parses_tools(self) -> bool:
+        """Whether each choice's output is split into content and tool calls."""
+        return self.tools is not None and self.tools.active
 
 
 def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context: int, vocab_size: int) -> ApiRequest:
@@ -128,9 +140,12 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
             code="model_not_found",
         )
     for name, neutral in _NEUTRAL.items():
+        if name == "tools" and chat:
+            continue
         if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):
             raise invalid(name, "not supported by this server", "unsupported_parameter")
-    if body.get("tool_choice") is not None and not body.get("tools"):
+    tools = _tools(body) if chat else None
+    if not chat and body.get("tool_choice") is not None:
         # OpenAI refuses it too; accepting it would promise a tool call that can never come.
         raise invalid("tool_choice", "only allowed when tools are given")
     n = _typed(body, "n", int)
@@ -175,6 +190,11 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         response_format = response_format_key(body.get("response_format"))
     except ValueError as exc:
         raise ApiError(400, str(exc), param="response_format") from None
+    if tools is not None and tools.active and tools.enforced:
+        if response_format:
+            forced = tools.name or tools.choice
+            raise invalid("response_format", f"cannot be combined with a forced tool call (tool_choice {forced!r})")
+        response_format = tool_format_key(tools)
     try:
         check_sampling(temperature, top_k, top_p)
         check_penalties(presence, frequency, repetition, logit_bias, vocab_size)
@@ -196,6 +216,7 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         logit_bias=logit_bias,
         response_format=response_format,
         top_logprobs=top_logprobs,
+        tools="" if tools is None else tools.rendered(),
         fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32],
     )
     choices = tuple(
@@ -204,7 +225,20 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         for i in range(n)
     )
     return_token_ids = bool(_typed(body, "return_token_ids", bool))
-    return ApiRequest(choices, chat, stream, include_usage, model_ids[0], return_token_ids, n)
+    return ApiRequest(choices, chat, stream, include_usage, model_ids[0], return_token_ids, n, tools)
+
+
+def _tools(body: dict) -> ToolSpec | None:
+    """Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked (``coordinator.tools``),
+    including that a forced call's schemas are ones the grammar engine enforces."""
+    try:
+        spec = parse_tools(body)
+        if spec is not None:
+            check_tool_grammar(spec)
+    except ValueError as exc:
+        param, _, message = str(exc).partition(": ")
+        raise invalid(param, message) from None
+    return spec
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -248,7 +282,8 @@ def _seed(seed: int | None) -> int | None:
 
 def parse_messages(value: Any) -> list[dict[str, str]]:
     """Chat messages as the template takes them: role and text content. A content given as parts
-    must be text parts, joined."""
+    must be text parts, joined. An assistant's ``tool_calls`` (its content then may be null) and a
+    tool result's ``tool_call_id`` are kept as string fields (``coordinator.tools``)."""
     if not isinstance(value, list) or not value:
         raise invalid("messages", "must be a non-empty array of messages")
     messages = []
@@ -260,6 +295,9 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
         if role not in ROLES:
             raise invalid(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
         content = m.get("content")
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
@@ -268,7 +306,19 @@ def parse_messages(value: Any) -> list[dict[str, str]]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise invalid(f"{where}.content", "must be a string or an array of text parts")
-        messages.append({"role": ROLES[role], "content": content})
+        message = {"role": ROLES[role], "content": content}
+        try:
+            if calls:
+                message["tool_calls"] = assistant_tool_calls(calls, f"{where}.tool_calls")
+        except ValueError as exc:
+            param, _, detail = str(exc).partition(": ")
+            raise invalid(param, detail) from None
+        call_id = m.get("tool_call_id") if role == "tool" else None
+        if call_id is not None:
+            if not isinstance(call_id, str):
+                raise invalid(f"{where}.tool_call_id", "must be a string")
+            message["tool_call_id"] = call_id
+        messages.append(message)
     return messages
 
 
@@ -366,6 +416,8 @@ class Answer:
     stats: Stats
     # With logprobs asked for: one per token of ``token_ids``.
     logprobs: list[TokenLogprob] | None = None
+    # The calls parsed out of the output (``text`` is then the content around them).
+    tool_calls: Sequence[ToolCall] = ()
 
 
 def total(stats: Sequence[Stats], n: int) -> Stats:
@@ -427,7 +479,11 @@ class Shaper:
         choices = []
         for index, answer in enumerate(answers):
             if self._request.chat:
-                choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": answer.text}}
+                message: dict[str, Any] = {"role": "assistant", "content": answer.text}
+                if answer.tool_calls:
+                    # OpenAI's content is null beside calls when the model wrote nothing else.
+                    message.update(content=answer.text or None, tool_calls=[c.openai() for c in answer.tool_calls])
+                choice: dict[str, Any] = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": answer.text}
             choice.update(logprobs=self._logprobs(answer.logprobs), finish_reason=FINISH_REASON[answer.finish])
@@ -452,11 +508,17 @@ class Shaper:
         finish: str | None = None,
         stats: Stats | None = None,
         logprobs: list[TokenLogprob] | None = None,
+        tool_calls: Sequence[ToolCall] = (),
     ) -> dict:
-        """One stream chunk of choice ``index``: new text (with its tokens' logprobs when asked for),
-        and on its last one the finish reason and that choice's ``specdec`` stats."""
+        """One stream chunk of choice ``index``: new text (with its tokens' logprobs when asked for)
+        and tool calls (each whole, with its index), and on its last one the finish reason and that
+        choice's ``specdec`` stats."""
         if self._request.chat:
-            delta: dict[str, str] = {} if finish is not None and not text else {"content": text}
+            delta: dict[str, Any] = {}
+            if text or (finish is None and not tool_calls):
+                delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [c.openai(delta=True) for c in tool_calls]
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text}

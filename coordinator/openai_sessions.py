@@ -22,11 +22,13 @@ MAX_CONVERSATIONS = 4096
 
 def prefix_digests(client: str, messages: list[dict[str, str]]) -> list[str]:
     """Digest of each prefix of ``messages`` (entry j: the first j), salted by ``client`` so that one
-    client's conversations are never continued (or timed) by another."""
+    client's conversations are never continued (or timed) by another. A message's fields beyond role
+    and content (an assistant's ``tool_calls``, a result's ``tool_call_id``) are part of it."""
     digest = hashlib.sha256(client.encode()).hexdigest()
     chain = [digest]
     for m in messages:
-        digest = hashlib.sha256((digest + json.dumps([m["role"], m["content"]])).encode()).hexdigest()
+        extra = sorted((k, v) for k, v in m.items() if k not in ("role", "content"))
+        digest = hashlib.sha256((digest + json.dumps([m["role"], m["content"], *extra])).encode()).hexdigest()
         chain.append(digest)
     return chain
 

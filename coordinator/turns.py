@@ -94,6 +94,12 @@ class GenerationRequest:
     response_format: str = ""
     # Set: report each generated token's logprob under the target with this many alternatives.
     top_logprobs: int | None = None
+    # Chat: OpenAI tool definitions (JSON text, "" for none) rendered into the prompt
+    # (``coordinator.tools``); a forced call is enforced through ``response_format``.
+    tools: str = ""
+    # Chat with a session: ``messages`` are the whole conversation, rendered afresh, rather than
+    # messages to append to the session's (the OpenAI API's stateless clients resend everything).
+    whole_conversation: bool = False
 
     def sampling(self, seed: int, coupled: bool, output_start: int) -> Sampling:
         """The turn's sampling settings; ``output_start``: the committed length where its output begins
@@ -273,16 +279,18 @@ class Turns:
 
     def check_format(self, fmt: ResponseFormat) -> None:
         """Compiles ``fmt`` for the served tokenizer (cached), so that a format the services could not
-        enforce is refused before a session opens: ValueError ``response_format: <the engine's reason>``,
-        which names the schema keyword. The compiler is built at the first format (about a second for a
-        49k vocabulary, once per coordinator); a compile takes about a millisecond."""
+        enforce is refused before a session opens: ValueError ``response_format: <the engine's reason>``
+        (``tools:`` for a ``lark`` format, which only tool calls build), naming the schema keyword. The
+        compiler is built at the first format (about a second for a 49k vocabulary, once per
+        coordinator); a compile takes about a millisecond."""
         if self._grammars is None:
             facts = self._facts
             self._grammars = compiler_for(self._tokenizer, facts.vocab_size, facts.eos_token_ids)
         try:
             self._grammars.compile(fmt)
         except ValueError as error:
-            raise ValueError(f"response_format: {error}") from None
+            param = "tools" if fmt.kind == "lark" else "response_format"
+            raise ValueError(f"{param}: {error}") from None
 
     async def open(self, request: GenerationRequest, new_id: str) -> tuple[SessionRecord, bool]:
         """The session's record with this request's turn in ``record.turn``, and whether the turn is
@@ -310,13 +318,22 @@ class Turns:
                 )
             # Nothing was received and the turn never started: start it now.
         limit = self._facts.max_context
-        chars = len(request.text or "") + sum(len(m["content"]) for m in request.messages or ())
+        chars = len(request.text or "") + len(request.tools)
+        chars += sum(len(value) for m in request.messages or () for value in m.values())
         if chars > limit * MAX_PROMPT_CHARS_PER_TOKEN:
             raise ContextOverflow(f"prompt: {chars} characters cannot fit in the context of {limit} tokens")
         if request.prompt_token_ids is not None:
             tokens, messages = [*record.tokens, *self._checked_ids(request.prompt_token_ids)], record.messages
         else:
-            turn = build_turn(self._tokenizer, record.tokens, record.messages, request.text, request.messages)
+            turn = build_turn(
+                self._tokenizer,
+                record.tokens,
+                record.messages,
+                request.text,
+                request.messages,
+                request.tools,
+                request.whole_conversation,
+            )
             tokens, messages = turn.tokens, turn.messages
         if len(tokens) >= limit:
             raise ContextOverflow(f"prompt: {len(tokens)} tokens leave no room in the context of {limit}")

@@ -5,6 +5,8 @@ The engine is llguidance (chosen by measurement: ``bench/grammar_engines.py``, d
 
 - ``ResponseFormat`` is what a request asks for: ``json_object``, ``json_schema`` (``strict`` or not)
   or ``regex`` (an extension); ``parse_response_format`` reads OpenAI's ``response_format`` object.
+  A fourth kind, ``lark`` (a grammar in llguidance's Lark syntax), is the server's own: the OpenAI
+  API builds one to enforce ``tool_choice`` (``coordinator.tools``); no request names it directly.
 - ``GrammarCompiler`` holds one tokenizer's view for the engine and compiles formats, cached by
   (format text, tokenizer fingerprint): agents send the same schema on every call.
 - ``GrammarMatcher`` is one session's grammar state: ``allowed()`` (the mask), ``advance``,
@@ -40,7 +42,7 @@ import numpy as np
 
 from specdec.vocab import tokenizer_fingerprint
 
-FormatKind = Literal["json_object", "json_schema", "regex"]
+FormatKind = Literal["json_object", "json_schema", "regex", "lark"]
 
 # JSON is written with the separators json.dumps uses and no other whitespace: a small model under
 # "any whitespace" can spend its whole budget on newlines inside a document, and one fixed layout keeps
@@ -66,7 +68,8 @@ class ResponseFormat:
 
     ``kind`` is ``json_object`` (any JSON object), ``json_schema`` (a document that ``schema``, a JSON
     text, accepts) or ``regex`` (text that ``pattern`` matches in full; an extension, as vLLM's
-    ``guided_regex``). ``strict`` (json_schema) closes every object that does not say
+    ``guided_regex``) or ``lark`` (text the Lark grammar ``pattern`` derives; built by the server, never
+    read from a request's ``response_format``). ``strict`` (json_schema) closes every object that does not say
     ``additionalProperties``, as OpenAI's strict mode requires them closed; without it such objects
     take extra properties, as JSON Schema says.
     """
@@ -88,8 +91,8 @@ class ResponseFormat:
             kind, schema, pattern, strict = json.loads(key)
         except (ValueError, TypeError):
             raise ValueError("sampling.response_format: not a [kind, schema, pattern, strict] JSON list") from None
-        if kind not in ("json_object", "json_schema", "regex") or not isinstance(strict, bool):
-            raise ValueError(f"sampling.response_format: kind {kind!r} is not json_object, json_schema or regex")
+        if kind not in ("json_object", "json_schema", "regex", "lark") or not isinstance(strict, bool):
+            raise ValueError(f"sampling.response_format: kind {kind!r} is not json_object, json_schema, regex or lark")
         if not isinstance(schema, str) or not isinstance(pattern, str):
             raise ValueError("sampling.response_format: schema and pattern must be strings")
         return cls(kind, schema, pattern, strict)
@@ -161,6 +164,8 @@ def grammar_text(fmt: ResponseFormat) -> str:
     """The engine's grammar for ``fmt`` (not yet checked: ``GrammarCompiler.compile`` checks it)."""
     if fmt.kind == "regex":
         return llguidance.LLMatcher.grammar_from_regex(fmt.pattern)
+    if fmt.kind == "lark":
+        return llguidance.LLMatcher.grammar_from_lark(fmt.pattern)
     if fmt.kind == "json_object":
         schema: Any = {"type": "object"}
     else:
@@ -305,7 +310,7 @@ class GrammarCompiler:
         grammar = grammar_text(fmt)
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self._tokenizer)
         if failed:
-            what = "JSON schema" if fmt.kind != "regex" else "regex"
+            what = {"regex": "regex", "lark": "grammar"}.get(fmt.kind, "JSON schema")
             raise ValueError(f"unsupported {what}: {messages[0].strip()}")
         prototype = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if prototype.is_error():

@@ -498,9 +498,9 @@ def test_conversations_map_is_bounded_and_exact():
         ),
         (
             "/v1/chat/completions",
-            {"model": "M", "messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            {"model": "M", "messages": CHAT, "tools": [{"type": "retrieval"}]},
             400,
-            "tools",
+            "tools[0].type",
         ),
     ],
 )
