@@ -127,8 +127,10 @@ unless a report's configuration says otherwise.
 Compare the ratios within one report (modes in one report take turns, so a slow spell of the machine
 falls on all of them); absolute tokens/s move with the machine from one run to the next. Every mode
 whose output can be compared is checked token for token against target-only decoding: `exact`
-against transformers `generate` on the target service's dtype and kernels, `exact vs k = 0` against
-the stack's own target-only answers.
+against transformers `generate` on the target service's dtype and eager kernels, `exact vs k = 0`
+against the stack's own target-only answers. A stack on the compiled pass (`make bench` builds it
+first) is exact against the latter; in bf16 its fused arithmetic picks another token than eager
+`generate` where two logits nearly tie, which `exact` then counts.
 
 Terms:
 - **k**: tokens the draft proposes in a round. **mean k** averages the rounds, target-only ones (k = 0)

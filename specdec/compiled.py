@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from specdec.kvcache import GrowableCache
 from specdec.packed_linear import ProjectionSlice
 from specdec.ragged import (
     RaggedItem,
@@ -173,8 +174,6 @@ class CompiledPass:
 
     def compile(self) -> None:
         """Builds every bucket's graph by running it once over a scratch cache; then ``ready``."""
-        from specdec.kvcache import GrowableCache  # kvcache imports the ragged pass's neighbours
-
         started = time.perf_counter()
         # Every runner's graphs hang off the one code object of ``_stack``, a graph per runner and bucket;
         # dynamo's default limit of 8 is for code that recompiles unexpectedly.
@@ -205,7 +204,9 @@ class CompiledPass:
             gate_up = self._product(4 * i + 2)
             down = self._product(4 * i + 3)
 
-            def gated(h: torch.Tensor, gate_up=gate_up, down=down, act=mlp.act_fn) -> torch.Tensor:
+            act = getattr(mlp, "act_fn", None) or mlp.activation_fn  # Phi-3 names it activation_fn
+
+            def gated(h: torch.Tensor, gate_up=gate_up, down=down, act=act) -> torch.Tensor:
                 gate, up = gate_up(h).chunk(2, dim=-1)
                 return down(act(gate) * up)
 

@@ -14,7 +14,7 @@ import torch
 from opentelemetry import trace
 
 from specdec.cache_servicer import CacheServicer
-from specdec.compiled import CompiledPass, compile_unsupported, keep_artifacts_in
+from specdec.compiled import ROW_BUCKETS, CompiledPass, compile_unsupported, keep_artifacts_in
 from specdec.config import TargetConfig
 from specdec.hidden_wire import hidden_to_pb
 from specdec.metrics import CacheServiceMetrics, start_metrics_server
@@ -152,10 +152,12 @@ def load_shard(config: TargetConfig) -> LoadedModel:
     return loaded
 
 
-def compiled_pass(config: TargetConfig, loaded: LoadedModel) -> CompiledPass | None:
-    """The target's compiled pass as ``config.compile`` asks (None: off, or a model it cannot run),
-    built now (``wait``) or on a thread of its own (``background``), its artifacts cached under the
-    cache directory."""
+def compiled_pass(
+    config: TargetConfig, loaded: LoadedModel, buckets: tuple[int, ...] = ROW_BUCKETS
+) -> CompiledPass | None:
+    """The target's compiled pass over row ``buckets`` as ``config.compile`` asks (None: off, or a model
+    it cannot run), built now (``wait``) or on a thread of its own (``background``), its artifacts
+    cached under the cache directory."""
     if config.compile == "off":
         return None
     reason = compile_unsupported(loaded.model)
@@ -163,7 +165,7 @@ def compiled_pass(config: TargetConfig, loaded: LoadedModel) -> CompiledPass | N
         log.warning("target %s: not compiling the pass: %s", loaded.name, reason)
         return None
     keep_artifacts_in(config.model.cache_dir)
-    compiled = CompiledPass(loaded.model)
+    compiled = CompiledPass(loaded.model, buckets)
     if config.compile == "wait":
         compiled.compile()
     else:

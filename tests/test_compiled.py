@@ -3,6 +3,8 @@ the eager pass, and an engine that switches to it drops its caches and stays exa
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from opentelemetry import trace
@@ -17,6 +19,7 @@ from coordinator.turns import Turns
 from draft_service.engine import ModelDrafter
 from draft_service.inprocess import InProcessDraft
 from specdec.compiled import CompiledPass, compile_unsupported, pieces
+from specdec.config import ModelConfig, TargetConfig
 from specdec.errors import CacheNotFound
 from specdec.kvcache import GrowableCache
 from specdec.models import load_model
@@ -24,6 +27,7 @@ from specdec.ragged import RaggedItem, ragged_forward
 from specdec.sampling import Sampling
 from target_service.engine import TargetEngine
 from target_service.inprocess import InProcessTarget
+from target_service.server import compiled_pass
 
 # Small buckets, so that the tests' longer passes (33 rows) run in pieces.
 BUCKETS = (2, 8)
@@ -110,3 +114,22 @@ def test_an_engine_switches_between_passes_and_speculation_stays_exact(tiny_dir,
         assert tokens == k0
         if k:
             assert last.stats.drafted_tokens > 0
+
+
+def test_the_service_compiles_as_its_mode_says(tiny_dir, tiny_target, monkeypatch, tmp_path, caplog):
+    """off: nothing; a model the pass cannot run: nothing, and the log says why; wait: built and ready;
+    the artifacts go under the cache directory unless the environment names a place."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    packed = load_model(str(tiny_dir / "target"), tiny_dir, dtype=torch.bfloat16, pack=True)
+
+    def config(mode: str) -> TargetConfig:
+        return TargetConfig(model=ModelConfig(cache_dir=tmp_path), compile=mode)
+
+    assert compiled_pass(config("off"), packed) is None
+    assert compiled_pass(config("wait"), tiny_target, BUCKETS) is None  # loaded unpacked
+    assert "not compiling the pass" in caplog.text and "packed" in caplog.text
+    runner = compiled_pass(config("wait"), packed, BUCKETS)
+    assert runner is not None and runner.ready and runner.compile_s is not None
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    with pytest.raises(ValueError, match="compile: must be one of"):
+        config("fast")

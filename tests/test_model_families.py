@@ -28,6 +28,7 @@ from draft_service.feature_draft import KIND as FEATURE_KIND
 from draft_service.server import build_drafter
 from draft_service.token_draft import CARD_FILE
 from specdec import Client
+from specdec.compiled import CompiledPass
 from specdec.config import DraftConfig, ModelConfig
 from specdec.kvcache import SessionCache
 from specdec.models import LoadedModel, load_model
@@ -184,6 +185,26 @@ def test_prepacked_linears_keep_the_ragged_pass(family, family_models, family_di
         logits.append(ragged_forward(model, [RaggedItem(cache.kv, cache.pending() + [3, 4], 3)])[0][0])
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
     assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "phi3"])
+def test_the_compiled_pass_computes_the_familys_layers(family, family_models, family_dir):
+    """The families whose layers differ most from Llama's (Gemma 3's four norms, q/k norms, windows and
+    RoPE per layer type; Phi-3's fused products): the compiled pass's logits are the eager
+    pass's up to float rounding, batch-invariantly (row 0 alone and in a chain of 8)."""
+    family_models(family)  # writes the family's tiny target
+    packed = load_model(str(family_dir / f"{family}-target"), family_dir, pack=True).model
+    runner = CompiledPass(packed, buckets=(2, 8))
+    runner.compile()
+    cache = _sessions(packed, [30], 2)[0]
+    fed = cache.pending() + [3, 4, 5, 6, 7, 8, 9]
+    want = ragged_forward(packed, [RaggedItem(cache.kv, fed, 8)])[0][0]
+    cache.kv.crop(-8)
+    got = runner.forward([RaggedItem(cache.kv, fed, 8)])[0][0]
+    cache.kv.crop(-8)
+    alone = runner.forward([RaggedItem(cache.kv, fed[:1], 1)])[0][0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1)) and torch.equal(alone[0], got[0])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
