@@ -15,7 +15,8 @@ kernels, so it is designed in here and checked, not hoped for:
   only appends exact zeros. Its products run batched over the query rows where a probe found that
   row-invariant for the dtype (``batched_products_invariant``), else one query row at a time. A
   token tree's row attends to its own keys gathered in position order, as the same position does in
-  a chain.
+  a chain; all of a tree's rows in one batched product where a probe finds that each entry of it
+  keeps the bits it gets alone (``batched_entries_invariant``).
 - **Linear layers** (``row_invariant``). ``specdec.packed_linear.pack_linears`` probes each kernel it
   might use for a weight (oneDNN-packed, packed fed two rows at least, packed with the reduction
   split into fixed chunks, plain)
@@ -148,16 +149,59 @@ def _gathered_products(
 
     A shared prefix with a per-row tail would copy less, but splits each row's products differently
     from a chain's, and a reordered float32 sum then shows in a bf16 result now and then. Trees are a
-    few dozen rows at most, so each row pays one copy of its keys instead.
+    few dozen rows at most, so each row pays one copy of its keys instead. Where the products of many
+    (group, row) pairs in one batched call give each pair the bits it gets alone
+    (``batched_entries_invariant``), every row's gathered keys go through one call, their key axes
+    padded to the longest row's (whole masked blocks: exact zeros); else one call per row.
     """
-    outs = []
-    for r in range(q.shape[2]):
-        slots = visible[r].nonzero().squeeze(-1)  # [C], ascending: the row's keys in position order
-        padded = round_up(max(len(slots), 1))
-        order = F.pad(slots, (0, padded - len(slots)))  # [Tp]; the padding repeats slot 0, masked below
-        seen = torch.arange(padded, device=visible.device)[None, :] < len(slots)  # [1, Tp]
-        outs.append(_products(q[:, :, r : r + 1], k[:, order], v[:, order], seen, scale, True))
-    return torch.cat(outs, dim=2)
+    groups, per_group, rows, dim = q.shape
+    counts = visible.sum(-1)  # [n] keys each row sees
+    padded = round_up(max(int(counts.max()), 1))
+    # Each row's visible slots in position order, then slot 0 as padding (masked by ``seen``).
+    slots = torch.arange(visible.shape[-1], device=visible.device).expand_as(visible)
+    order = torch.where(visible, slots, visible.shape[-1]).sort(-1).values[:, :padded]  # [n, Tp]
+    seen = order < visible.shape[-1]  # [n, Tp]
+    order = order.masked_fill(~seen, 0)
+    if not (batched and batched_entries_invariant(q.dtype, str(q.device))):
+        return torch.cat(
+            [
+                _products(q[:, :, r : r + 1], k[:, order[r]], v[:, order[r]], seen[r : r + 1], scale, True)
+                for r in range(rows)
+            ],
+            dim=2,
+        )
+    # One entry per (group, row): queries [G n, P, hd] over that row's keys [G n, Tp, hd].
+    rows_q = q.permute(0, 2, 1, 3).reshape(groups * rows, per_group, 1, dim)
+    rows_k = k[:, order].reshape(groups * rows, padded, dim)
+    rows_v = v[:, order].reshape(groups * rows, padded, dim)
+    rows_seen = seen[None].expand(groups, -1, -1).reshape(groups * rows, 1, padded)
+    out = _products(rows_q, rows_k, rows_v, rows_seen, scale, True)  # [G n, P, 1, hd]
+    return out.reshape(groups, rows, per_group, dim).permute(0, 2, 1, 3)
+
+
+@functools.cache
+def batched_entries_invariant(dtype: torch.dtype, device: str = "cpu") -> bool:
+    """Whether a batched product gives each of its entries the bits that entry gets in a call of its
+    own, at the entry counts a token tree's rows make (``_gathered_products``), probed once per dtype
+    and device on the default target's head shape."""
+    if device == "meta":
+        return True
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    groups, per_group, dim = 3, 3, 64
+    entries = groups * max(PROBE_ROWS)
+    # The two shapes an entry's products take: scores [P, hd] x [hd, T], a value block [P, K] x [K, hd].
+    for length in (KEY_BLOCK, 2 * KEY_BLOCK):
+        q = torch.randn(entries, per_group, dim, generator=gen).to(device, dtype)
+        k = torch.randn(entries, dim, length, generator=gen).to(device, dtype)
+        p = torch.rand(entries, per_group, KEY_BLOCK, generator=gen).to(device, dtype)
+        v = torch.randn(entries, KEY_BLOCK, dim, generator=gen).to(device, dtype)
+        for a, b in ((q, k), (p, v)):
+            alone = torch.cat([torch.bmm(a[i : i + 1], b[i : i + 1]) for i in range(entries)])
+            for rows in PROBE_ROWS[1:]:
+                n = groups * rows
+                if not torch.equal(torch.bmm(a[:n], b[:n]), alone[:n]):
+                    return False
+    return True
 
 
 def has_gaps(mask: torch.Tensor | None) -> bool:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import specdec.invariance as invariance
 import specdec.ragged
 from specdec.invariance import KEY_BLOCK, has_gaps, invariant_attention, row_invariant
 from specdec.kvcache import GrowableCache
@@ -200,3 +201,22 @@ def test_has_gaps_tells_a_tree_row_from_a_chain_or_a_window():
     assert not has_gaps(rows([[True, True, True, False, False], [True, True, True, True, False]]))  # causal
     assert not has_gaps(rows([[False, True, True, True, False]]))  # a sliding window
     assert not has_gaps(None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_tree_rows_attend_alike_in_one_batched_call_and_one_call_each(tiny_dir, dtype, monkeypatch):
+    """A tree's rows attend to their gathered keys in one batched product where the probe allows it;
+    the bits are those of one product per row (the path taken where it does not)."""
+    model = load_model(str(tiny_dir / "target"), tiny_dir, dtype=dtype, pack=True).model
+    cache = _cache(model, [(3 + 5 * i) % model.config.vocab_size for i in range(KEY_BLOCK - 2)])
+    parents = (-1, -1, 0, 0, 1, 2, 4)  # crosses a key block: rows see different numbers of blocks
+
+    def tree_logits() -> torch.Tensor:
+        logits, _ = ragged_forward(model, [RaggedItem(cache, [TOKEN, 3, 4, 5, 6, 7, 8, 9], 8, parents=parents)])
+        cache.crop(-8)
+        return logits[0]
+
+    assert invariance.batched_entries_invariant(dtype)
+    batched = tree_logits()
+    monkeypatch.setattr(invariance, "batched_entries_invariant", lambda *args: False)
+    assert torch.equal(tree_logits(), batched)
