@@ -22,7 +22,7 @@ from coordinator.replicas import (
     VerifyResult,
 )
 from specdec.rpc import aio_channel, channel_options
-from specdec.sampling_params import Sampling
+from specdec.sampling_params import Sampling, TokenLogprob
 from specdec.tracing import outgoing_metadata
 from specdec.trees import TreeShape, is_chain
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -206,6 +206,30 @@ class TargetReplica(_Replica):
         return CacheRef(self.address, reply.cache_id, reply.committed, fence), (
             hidden_from_message(reply.hidden) if with_hidden else None
         )
+
+    async def prefill_scored(
+        self,
+        tokens: list[int],
+        remaining_s: float | None,
+        top: int,
+        with_hidden: bool,
+        fence: int = 0,
+        side_layers: tuple[int, ...] = (),
+    ) -> tuple[CacheRef, HiddenChunk | None, list[TokenLogprob]]:
+        """``prefill_with_hidden`` fed now into a fresh cache, also returning the logprob of each of
+        ``tokens[1:]`` under the target with ``top`` alternatives (``PrefillRequest.prompt_logprobs``)."""
+        request = common_pb2.PrefillRequest(
+            tokens=tokens,
+            return_hidden=with_hidden,
+            fence=fence,
+            feed_now=True,
+            hidden_side_layers=side_layers if with_hidden else (),
+            prompt_logprobs=top,
+        )
+        reply = await self._call(self._stub.Prefill, request, remaining_s)
+        ref = CacheRef(self.address, reply.cache_id, reply.committed, fence)
+        hidden = hidden_from_message(reply.hidden) if with_hidden else None
+        return ref, hidden, logprobs_from_pb(reply.prompt_logprobs)
 
     async def verify(
         self,

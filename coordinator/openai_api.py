@@ -20,7 +20,9 @@ served continues that conversation's session (``coordinator.openai_sessions``), 
 keep the shared prefix. The whole conversation is rendered afresh, exactly as for a new session:
 the session's record holds the answer as generated, which can differ from the message a client
 sends back (tool calls). With tools, each choice's output is split into content and tool calls
-(``coordinator.tools``), streamed or whole. docs/openai.md documents the endpoints, the statuses
+(``coordinator.tools``), streamed or whole. With completions' ``echo`` each choice's prompt leads its
+text (a stream's first chunk), with the prompt logprobs the round loop's first chunk brings from the
+target's prefill when logprobs are asked for. docs/openai.md documents the endpoints, the statuses
 and the ``specdec`` field.
 """
 
@@ -46,6 +48,7 @@ from coordinator.openai_schema import (
     Answer,
     ApiError,
     ApiRequest,
+    Echo,
     Shaper,
     context_length_exceeded,
     parse_request,
@@ -308,9 +311,13 @@ class OpenAiApi:
             ids: list[list[int]] = [[] for _ in cores]
             logprobs: list[list[TokenLogprob] | None] = [[] for _ in cores]
             lasts: list[Chunk | None] = [None] * len(cores)
+            echoes = [self._echo(core) if api.echo else None for core in cores]
             queued = iter(firsts)
             while any(last is None for last in lasts):
                 index, chunk = next(queued, None) or await runs.next()
+                if chunk.prompt_token_ids is not None:
+                    echoes[index] = scored_echo(echoes[index], chunk)
+                    continue
                 texts[index].append(chunk.text)
                 ids[index] += chunk.token_ids
                 held = logprobs[index]
@@ -320,20 +327,28 @@ class OpenAiApi:
         finally:
             await runs.close()
         answers = []
-        for core, pieces, token_ids, last, entries in zip(cores, texts, ids, lasts, logprobs, strict=True):
+        for core, pieces, token_ids, last, entries, echo in zip(
+            cores, texts, ids, lasts, logprobs, echoes, strict=True
+        ):
             assert last is not None and last.stats is not None and last.finish_reason is not None
             text, calls = "".join(pieces), list[ToolCall]()
             if api.tools is not None and api.parses_tools:
                 text, calls = split_tool_calls(text, api.tools)
             self._remember(core, caller, text, calls, last)
             finish = "tool_calls" if calls else last.finish_reason
-            answers.append(Answer(text, token_ids, finish, last.stats, entries, calls))
+            answers.append(Answer(text, token_ids, finish, last.stats, entries, calls, echo))
         return web.json_response(self._shaper(api).response(answers))
 
     def _shaper(self, api: ApiRequest) -> Shaper:
         """The request's response builder; it names tokens by their text when logprobs are asked for."""
         wants_logprobs = any(core.top_logprobs is not None for core in api.choices)
         return Shaper(api, self._loop.token_text if wants_logprobs else None)
+
+    def _echo(self, core: GenerationRequest) -> Echo:
+        """A completions choice's echoed prompt, as given: its text, or its token ids decoded."""
+        if core.text is not None:
+            return Echo(core.text)
+        return Echo(self._loop.decode(core.prompt_token_ids or ()))
 
     def _refusal(self, error: ApiError, chat: bool) -> ApiError:
         """A choice's failure before its first chunk, as the request's error. The core measures the
@@ -364,12 +379,23 @@ class OpenAiApi:
                 await response.write(_sse(shaper.role_chunk(index)))
         texts: list[list[str]] = [[] for _ in cores]
         lasts: list[Chunk | None] = [None] * len(cores)
+        # With echo: each choice's prompt goes out first, alone (with its logprobs when asked for).
+        echoes = [self._echo(core) if api.echo else None for core in cores]
         # With tools: text that may open a call is held back; calls go out whole as they close.
         splits = [api.tools.splitter() if api.tools is not None and api.parses_tools else None for _ in cores]
         queued = iter(firsts)
         try:
             while any(last is None for last in lasts):
                 index, chunk = next(queued, None) or await runs.next()
+                echo = echoes[index]
+                if echo is not None:
+                    echoes[index] = None
+                    if chunk.prompt_token_ids is not None:
+                        await response.write(_sse(shaper.echo_chunk(index, scored_echo(echo, chunk))))
+                        continue
+                    await response.write(_sse(shaper.echo_chunk(index, echo)))
+                if chunk.prompt_token_ids is not None:
+                    continue  # prompt logprobs nobody echoes
                 split, finish = splits[index], chunk.finish_reason
                 text, calls = chunk.text, list[ToolCall]()
                 if split is not None:
@@ -432,6 +458,13 @@ class OpenAiApi:
         if core.messages is not None:
             conversation = [*core.messages, assistant_message(text, calls)]
             self.conversations.put(caller.client, conversation, last.session_id)
+
+
+def scored_echo(echo: Echo | None, chunk: Chunk) -> Echo | None:
+    """``echo`` with the prompt tokens and logprobs a prompt chunk (``Chunk.prompt_token_ids``) carries."""
+    if echo is None:
+        return None
+    return replace(echo, token_ids=chunk.prompt_token_ids or (), logprobs=chunk.prompt_logprobs)
 
 
 class _Runs:

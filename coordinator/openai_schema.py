@@ -4,7 +4,7 @@ shaping chunks and stats into completions, chat completions and their stream chu
 Pure functions over JSON values, with no HTTP in them: ``coordinator.openai_api`` serves them. A
 request that no exact generation can serve is refused with an ``ApiError`` naming the parameter,
 never silently approximated: an unsupported parameter set to anything but its neutral value (for
-example ``echo``, ``functions``) is a 400. Penalties and ``logit_bias`` are served exactly: they
+example ``best_of``, ``functions``) is a 400. Penalties and ``logit_bias`` are served exactly: they
 transform the draft's and the target's logits alike (``specdec.sampling.penalize_logits``), and so
 does ``response_format``'s grammar mask (``specdec.constrain``). Chat's ``tools`` are read, rendered,
 enforced and parsed by ``coordinator.tools``.
@@ -12,6 +12,10 @@ enforced and parsed by ``coordinator.tools``.
 A request asks for one choice per prompt times ``n``: chat has one prompt, completions a string, an
 array of strings, token ids or an array of token-id arrays. Each choice is a ``GenerationRequest`` of
 its own, in OpenAI's order (prompt-major); choice ``i`` of a prompt samples with ``seed + i``.
+
+Completions' ``echo`` prepends each choice's prompt to its text; with ``logprobs`` the prompt's
+tokens lead the logprobs too, each scored by the target's prefill pass (the first has none: null),
+and ``max_tokens: 0`` asks for the prompt alone (scoring a text, as evaluation harnesses do).
 
 Where OpenAI's conventions and exactness do not clash, the parsing is as lenient as OpenAI's own
 clients expect: ``model`` may be omitted or name an alias, ``seed`` is any int64 (-1: none), and a
@@ -46,7 +50,7 @@ MAX_CHOICES = 64
 # "tool" message (a call's result) is rendered by the template or ``coordinator.tools``' fallback.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 # Parameters specdec does not implement, with the value that asks for nothing (absent is fine too);
-# chat implements ``tools``.
+# chat implements ``tools``, completions ``echo``.
 _NEUTRAL = {
     "echo": (None, False),
     "best_of": (None, 1),
@@ -113,6 +117,8 @@ class ApiRequest:
     n: int = 1
     # Chat's tools; None: none were given.
     tools: ToolSpec | None = None
+    # Completions: each choice's text (and its logprobs, when asked for) starts with its prompt.
+    echo: bool = False
 
     @property
     def parses_tools(self) -> bool:
@@ -140,7 +146,7 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
             code="model_not_found",
         )
     for name, neutral in _NEUTRAL.items():
-        if name == "tools" and chat:
+        if (name == "tools" and chat) or (name == "echo" and not chat):
             continue
         if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):
             raise invalid(name, "not supported by this server", "unsupported_parameter")
@@ -165,8 +171,9 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
     if max_tokens is None:
         max_tokens = max_context if chat else COMPLETION_DEFAULT_MAX_TOKENS
     param = "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
-    if max_tokens < 1:
-        raise invalid(param, "must be at least 1")
+    echo = not chat and bool(_typed(body, "echo", bool))
+    if max_tokens < (0 if echo else 1):
+        raise invalid(param, "must be at least 1 (0, the prompt alone, only with echo: true)")
     if max_tokens > max_context:
         raise context_length_exceeded(max_context, param, f"{param} asks for {max_tokens} tokens")
     temperature = _number(body, "temperature", 1.0)
@@ -216,6 +223,7 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         logit_bias=logit_bias,
         response_format=response_format,
         top_logprobs=top_logprobs,
+        prompt_logprobs=top_logprobs if echo else None,
         tools="" if tools is None else tools.rendered(),
         fingerprint=hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()[:32],
     )
@@ -225,7 +233,7 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
         for i in range(n)
     )
     return_token_ids = bool(_typed(body, "return_token_ids", bool))
-    return ApiRequest(choices, chat, stream, include_usage, model_ids[0], return_token_ids, n, tools)
+    return ApiRequest(choices, chat, stream, include_usage, model_ids[0], return_token_ids, n, tools, echo)
 
 
 def _tools(body: dict) -> ToolSpec | None:
@@ -407,6 +415,16 @@ def _number(body: dict, name: str, default: float) -> float:
 
 
 @dataclass(frozen=True)
+class Echo:
+    """A choice's echoed prompt: its text and, with logprobs asked for, its tokens and the logprob of
+    each from the second on (``logprobs[i]`` is ``token_ids[i + 1]``'s; the first has none)."""
+
+    text: str
+    token_ids: Sequence[int] = ()
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
 class Answer:
     """One choice's whole output."""
 
@@ -418,6 +436,8 @@ class Answer:
     logprobs: list[TokenLogprob] | None = None
     # The calls parsed out of the output (``text`` is then the content around them).
     tool_calls: Sequence[ToolCall] = ()
+    # Completions with ``echo``: the prompt, which leads the text and the logprobs.
+    echo: Echo | None = None
 
 
 def total(stats: Sequence[Stats], n: int) -> Stats:
@@ -485,8 +505,10 @@ class Shaper:
                     message.update(content=answer.text or None, tool_calls=[c.openai() for c in answer.tool_calls])
                 choice: dict[str, Any] = {"index": index, "message": message}
             else:
-                choice = {"index": index, "text": answer.text}
-            choice.update(logprobs=self._logprobs(answer.logprobs), finish_reason=FINISH_REASON[answer.finish])
+                echoed = "" if answer.echo is None else answer.echo.text
+                choice = {"index": index, "text": echoed + answer.text}
+            logprobs = self._logprobs(answer.logprobs, answer.echo)
+            choice.update(logprobs=logprobs, finish_reason=FINISH_REASON[answer.finish])
             if self._request.return_token_ids:
                 choice["token_ids"] = answer.token_ids
             choices.append(choice)
@@ -524,11 +546,21 @@ class Shaper:
             choice = {"index": index, "text": text}
         return self._chunk_of(choice, token_ids, finish, stats, self._logprobs(logprobs))
 
-    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+    def echo_chunk(self, index: int, echo: Echo) -> dict:
+        """A completions stream's first chunk of a choice with ``echo``: the prompt's text, and its
+        tokens' logprobs when asked for (as vLLM streams it)."""
+        logprobs = self._logprobs(None if echo.logprobs is None else [], echo)
+        return self._chunk_of({"index": index, "text": echo.text}, [], None, None, logprobs)
+
+    def _logprobs(self, entries: list[TokenLogprob] | None, echo: Echo | None = None) -> dict | None:
         """OpenAI's ``logprobs`` of a choice or chunk: chat's ``content`` list, or the completions'
-        parallel lists (``text_offset`` counts from the text this object covers)."""
+        parallel lists (``text_offset`` counts from the text this object covers). An ``echo`` with
+        logprobs leads the completions' lists with the prompt's tokens, the first of them with null
+        for its logprob and its alternatives (it follows nothing)."""
         if entries is None or self._token_text is None:
             return None
+        if echo is not None and echo.logprobs is not None and echo.token_ids:
+            return _with_prompt(self._completion_logprobs(echo.logprobs + entries), echo.token_ids[0], self._token_text)
         text_of = self._token_text
         if self._request.chat:
 
@@ -538,6 +570,12 @@ class Shaper:
 
             content = [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
             return {"content": content, "refusal": None}
+        return self._completion_logprobs(entries)
+
+    def _completion_logprobs(self, entries: list[TokenLogprob]) -> dict:
+        """The completions' parallel lists of ``entries``; ``text_offset`` counts from the first."""
+        assert self._token_text is not None
+        text_of = self._token_text
         tokens = [text_of(e.token) for e in entries]
         offsets = list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0)) if tokens else []
         return {
@@ -571,3 +609,15 @@ class Shaper:
         body = self._envelope("chat.completion.chunk" if self._request.chat else "text_completion", [])
         body["usage"] = usage(total(stats, self._request.n))
         return body
+
+
+def _with_prompt(lists: dict, first: int, text_of: Callable[[int], str]) -> dict:
+    """The completions' parallel ``lists`` led by an echoed prompt's ``first`` token, which has no
+    logprob and no alternatives (null in both), its text shifting every offset."""
+    text = text_of(first)
+    return {
+        "tokens": [text, *lists["tokens"]],
+        "token_logprobs": [None, *lists["token_logprobs"]],
+        "top_logprobs": [None, *lists["top_logprobs"]],
+        "text_offset": [0, *(offset + len(text) for offset in lists["text_offset"])],
+    }

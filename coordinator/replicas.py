@@ -11,7 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from specdec.batching import PassLoad
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
@@ -330,6 +330,24 @@ class TargetBackend(Replica, Protocol):
     ) -> VerifyResult:
         """Syncs the cache to ``committed``, verifies the draft's tokens and commits accepted + 1 (with
         each committed token's logprob and ``top_logprobs`` alternatives, when set)."""
+
+
+@runtime_checkable
+class PromptScorer(Protocol):
+    """A target replica that also reports a prompt's logprobs from its prefill pass (the gRPC one);
+    one that does not cannot serve a request for them."""
+
+    async def prefill_scored(
+        self,
+        tokens: list[int],
+        remaining_s: float | None,
+        top: int,
+        with_hidden: bool,
+        fence: int = 0,
+        side_layers: tuple[int, ...] = (),
+    ) -> tuple[CacheRef, HiddenChunk | None, list[TokenLogprob]]:
+        """``prefill_with_hidden`` into a fresh cache fed now, also returning the logprob of each of
+        ``tokens[1:]`` under the target (with ``top`` alternatives)."""
 
 
 def core_error(service: str, address: str, exc: Exception) -> Exception:

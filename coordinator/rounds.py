@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing, nullcontext
 from dataclasses import replace
 
@@ -103,6 +103,10 @@ class RoundLoop:
         """A token id's text, decoded alone (logprobs name their tokens by it)."""
         return self._tokenizer.decode([token])
 
+    def decode(self, tokens: Sequence[int]) -> str:
+        """Token ids' text, decoded together (an echoed token-id prompt)."""
+        return self._tokenizer.decode(list(tokens))
+
     async def probe(self, timeout_s: float, rounds: int = PROBE_ROUNDS) -> int:
         """Measures the draft and target this coordinator serves with, before any request, and
         returns the rounds that ran: greedy rounds of a throwaway session (never stored, not in the
@@ -187,6 +191,10 @@ class RoundLoop:
                 text.skip(turn.committed[turn.state.prompt_len :], request.resume.tokens, request.resume.text_chars)
             finish = turn.state.finish
             finished_before = finish is not None
+            if request.prompt_logprobs is not None:
+                yield prompt_chunk(turn)
+            if finish is None and request.max_new_tokens <= 0:
+                finish = "length"  # the prompt alone was asked for (scored)
             while finish is None:
                 room = self._room(turn)
                 plan = self.policy.plan(turn, room)
@@ -391,6 +399,13 @@ class RoundLoop:
             }
         )
         return Chunk(turn.record.session_id, tail.text, tail.token_ids, finish, stats, _logprobs(turn, tail))
+
+
+def prompt_chunk(turn: Turn) -> Chunk:
+    """The chunk that carries a turn's prompt tokens and their logprobs, before any output."""
+    prompt = turn.committed[: turn.state.prompt_len]
+    scored = (turn.prompt_logprobs or [])[: max(0, len(prompt) - 1)]
+    return Chunk(turn.record.session_id, prompt_token_ids=prompt, prompt_logprobs=scored)
 
 
 def _logprobs(turn: Turn, released: Release) -> list[TokenLogprob] | None:

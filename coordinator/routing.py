@@ -28,12 +28,14 @@ from coordinator.replicas import (
     DraftBackend,
     DraftResult,
     HiddenChunk,
+    PromptScorer,
     ReplicaSet,
     TargetBackend,
     VerifyResult,
 )
 from coordinator.turns import Turn, deadline_passed
 from specdec.config import FEATURE_KIND
+from specdec.sampling_params import TokenLogprob
 from specdec.vocab import ModelFacts
 
 log = logging.getLogger(__name__)
@@ -105,12 +107,24 @@ class Router:
 
     async def place(self, turn: Turn, span: trace.Span, feed_now: bool = False) -> bool:
         """Gives the turn a target cache over its committed tokens unless its cache stays where it is;
-        whether it placed one. ``feed_now`` forbids a busy target to defer the prompt."""
-        if turn.target is not None and self.targets.stays(turn.target.address):
+        whether it placed one. ``feed_now`` forbids a busy target to defer the prompt.
+
+        A turn that asks for prompt logprobs (``GenerationRequest.prompt_logprobs``) and has none yet
+        is always placed afresh, by a prefill that computes every position (a cache it kept would
+        skip the shared prefix); ``turn.prompt_logprobs`` then holds them."""
+        top = turn.request.prompt_logprobs
+        scoring = top is not None and turn.prompt_logprobs is None
+        if not scoring and turn.target is not None and self.targets.stays(turn.target.address):
             return False
         left = turn.target
-        turn.target, fed = await self.place_target(turn.committed, turn.remaining_s, span, turn.fence, feed_now)
+        turn.target, fed, scored = await self._place(
+            turn.committed, turn.remaining_s, span, turn.fence, feed_now, top if scoring else None
+        )
         turn.hidden.add(fed)
+        if scoring:
+            turn.prompt_logprobs = scored
+            if left is not None and left.address == turn.target.address:
+                self._release_left(self.targets, left, None)  # the cache the fresh one replaces
         self._release_left(self.targets, left, turn.target)
         return True
 
@@ -124,6 +138,21 @@ class Router:
     ) -> tuple[CacheRef, HiddenChunk | None]:
         """Builds a target cache over ``committed`` on a healthy replica, trying the others when one is
         unreachable; also returns the fed hidden states (when the draft wants them)."""
+        ref, fed, _ = await self._place(committed, remaining_s, span, fence, feed_now)
+        return ref, fed
+
+    async def _place(
+        self,
+        committed: list[int],
+        remaining_s: Callable[[], float | None],
+        span: trace.Span,
+        fence: int,
+        feed_now: bool = False,
+        prompt_top: int | None = None,
+    ) -> tuple[CacheRef, HiddenChunk | None, list[TokenLogprob] | None]:
+        """``place_target``; with ``prompt_top`` set, by a prefill that also returns the logprob of each
+        committed token from the second on, with that many alternatives (a target that cannot is a
+        ValueError: the request asks for what this deployment does not serve)."""
         self._probe_due(self.targets)
         error: BackendUnavailable | None = None
         for _ in range(len(self.targets)):
@@ -131,7 +160,15 @@ class Router:
             if target is None:
                 break
             try:
-                placed = await target.prefill_with_hidden(
+                if prompt_top is not None:
+                    if not isinstance(target, PromptScorer):
+                        raise ValueError(f"prompt_logprobs: target {target.address} does not report prompt logprobs")
+                    ref, fed, scored = await target.prefill_scored(
+                        committed, remaining_s(), prompt_top, self.want_hidden, fence, self.side_layers
+                    )
+                    self.targets.succeeded(target.address)
+                    return ref, fed, scored
+                ref, fed = await target.prefill_with_hidden(
                     committed,
                     remaining_s(),
                     self.want_hidden,
@@ -140,7 +177,7 @@ class Router:
                     self.side_layers,
                 )
                 self.targets.succeeded(target.address)
-                return placed
+                return ref, fed, None
             except BackendUnavailable as exc:
                 if deadline_passed(remaining_s):
                     raise
@@ -264,8 +301,9 @@ class Router:
 
     def _release_left(self, replicas: ReplicaSet, left: CacheRef | None, now: CacheRef | None) -> None:
         """Releases, in the background and best effort, the cache a session left on another replica:
-        otherwise it would hold memory there until it idled out."""
-        if left is None or now is None or left.address == now.address:
+        otherwise it would hold memory there until it idled out. ``now`` None: ``left`` is released
+        wherever it is (a fresh cache replaced it on its own replica)."""
+        if left is None or (now is not None and left.address == now.address):
             return
         replica = replicas.find(left.address)
         if replica is not None:

@@ -94,6 +94,11 @@ class GenerationRequest:
     response_format: str = ""
     # Set: report each generated token's logprob under the target with this many alternatives.
     top_logprobs: int | None = None
+    # Set: also report the prompt's logprobs (each prompt token's from the second on, given the ones
+    # before it, under the target) with this many alternatives, in a chunk before any output. The
+    # target's cache is then built afresh by a prefill that computes them. 0 ``max_new_tokens`` asks
+    # for them alone (scoring a text).
+    prompt_logprobs: int | None = None
     # Chat: OpenAI tool definitions (JSON text, "" for none) rendered into the prompt
     # (``coordinator.tools``); a forced call is enforced through ``response_format``.
     tools: str = ""
@@ -219,6 +224,10 @@ class Chunk:
     # With ``GenerationRequest.top_logprobs``: one per token of ``token_ids``; None when not asked for,
     # or for tokens committed before a resume on another coordinator.
     logprobs: list[TokenLogprob] | None = None
+    # With ``GenerationRequest.prompt_logprobs``, on a chunk of its own before any output: the prompt's
+    # tokens, and the logprob of each from the second on (``prompt_logprobs[i]`` is token i + 1's).
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -244,6 +253,9 @@ class Turn:
     draft_refused_until: int = 0
     # With logprobs asked for: each output token's, by its index in the turn's output.
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    # With prompt logprobs asked for, once the target's cache is placed: the logprob of each committed
+    # token from the second on, as that placement's prefill computed them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def committed(self) -> list[int]:

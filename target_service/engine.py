@@ -53,6 +53,9 @@ WARMUP_ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 # layers are wider: fewer of them fit the byte budget, well inside the default 8 MiB message limit.
 PREFILL_HIDDEN_ROWS = 2048
 PREFILL_HIDDEN_BYTES = 6 * 1024 * 1024
+# Rows whose prompt logprobs one LM-head call computes (``prompt_logprobs``): 256 rows of a 49k
+# vocabulary are 50 MB of float32 logits.
+PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,25 @@ def wire_ready(rows: torch.Tensor) -> torch.Tensor:
     """Hidden rows ``[n, W]`` in a dtype the wire's numpy conversion has: a bfloat16 target's upcast (on
     its device, before they leave it), float32 and float16 ones as they are."""
     return rows.float() if rows.dtype == torch.bfloat16 else rows
+
+
+def prompt_logprobs(model: torch.nn.Module, rows: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """The logprob of each of ``tokens[1:]`` (and ``top`` alternatives) from the prefill pass's rows
+    ``[n - 1, W]`` (row i: the final-norm hidden state at position i, side layers after it), through the
+    model's LM head (and its final logit soft-capping, where it has one) in blocks of
+    PROMPT_LOGPROB_ROWS rows."""
+    width = model.config.hidden_size
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    head = model.get_output_embeddings()
+    out: list[TokenLogprob] = []
+    with torch.inference_mode():
+        for lo in range(0, len(tokens) - 1, PROMPT_LOGPROB_ROWS):
+            block = rows[lo : lo + PROMPT_LOGPROB_ROWS, :width]  # [b, D]
+            logits = head(block).float()  # [b, V]
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            out += token_logprobs(logits, tokens[lo + 1 : lo + 1 + len(block)], top)
+    return out
 
 
 def newest_hidden(rows: list[HiddenRows]) -> HiddenRows | None:
@@ -306,12 +328,7 @@ class TargetEngine:
         other session waits for. The reply then carries no hidden states.
         """
         self._switch_when_compiled()
-        if not tokens:
-            raise ValueError("tokens: prefill needs at least one token")
-        if len(tokens) >= self._loaded.max_context:
-            raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._loaded.max_context}")
-        self._check_tokens(tokens, "tokens")
-        side_layers = check_side_layers(side_layers, self._loaded.model.config.num_hidden_layers)
+        side_layers = self._check_prefill(tokens, side_layers)
         cache_id, cache = self._caches.create(tokens, fence, cache_id)
         if defer:
             return cache_id, len(cache.committed), None
@@ -321,6 +338,59 @@ class TargetEngine:
         self._caches.fit_budget(cache_id)
         # A long prompt's rows would outgrow a message; the draft attends to the newest ones only.
         return cache_id, len(cache.committed), newest_hidden([hidden] if hidden is not None else [])
+
+    def prefill_scored(
+        self,
+        tokens: list[int],
+        top: int,
+        with_hidden: bool = False,
+        fence: int = 0,
+        side_layers: tuple[int, ...] = (),
+    ) -> tuple[str, int, HiddenRows | None, list[TokenLogprob]]:
+        """``prefill`` (fed now, into a fresh cache), also returning the prompt logprobs: for each token
+        from position 1 on, its log probability under the target given the tokens before it, with the
+        ``top`` likeliest alternatives (``token_logprobs`` on the pass's raw logits).
+
+        The pass is today's prefill pass (the same kernels fill the cache, so the session's later
+        rounds are unchanged); only the LM head also runs over every fed row, in blocks of
+        PROMPT_LOGPROB_ROWS, so a long prompt never holds all its ``[n, V]`` logits at once.
+        """
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"prompt_logprobs: must lie in [0, {MAX_TOP_LOGPROBS}]")
+        self._switch_when_compiled()
+        side_layers = self._check_prefill(tokens, side_layers)
+        cache_id, cache = self._caches.create(tokens, fence)
+        try:
+            rows = self._feed_prompt_rows(cache, side_layers if with_hidden else ())
+            scored = prompt_logprobs(self._loaded.model, rows.rows, tokens, top)
+        except BaseException:
+            self._caches.release(cache_id)  # a half-fed cache serves no one
+            raise
+        hidden = HiddenRows(rows.start, wire_ready(rows.rows)) if with_hidden else None
+        self._caches.fit_budget(cache_id)
+        return cache_id, len(cache.committed), newest_hidden([hidden] if hidden is not None else []), scored
+
+    def _check_prefill(self, tokens: list[int], side_layers: tuple[int, ...]) -> tuple[int, ...]:
+        """Refuses a prompt that is empty, fills the context or names a token outside the vocabulary;
+        returns the checked side layers."""
+        if not tokens:
+            raise ValueError("tokens: prefill needs at least one token")
+        if len(tokens) >= self._loaded.max_context:
+            raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._loaded.max_context}")
+        self._check_tokens(tokens, "tokens")
+        return check_side_layers(side_layers, self._loaded.model.config.num_hidden_layers)
+
+    def _feed_prompt_rows(self, cache: SessionCache, side_layers: tuple[int, ...]) -> HiddenRows:
+        """``_feed_prompt`` that always returns the fed rows: final-norm hidden states ``[n - 1, D]``,
+        then the outputs of ``side_layers``."""
+        if not self._switched or len(cache.committed) <= 1:
+            rows = cache.prefill(self._loaded.model, True, side_layers)
+            assert rows is not None
+            return rows
+        start, fed = len(cache.kv_tokens), cache.committed[:-1]
+        _, hidden = self.forward([RaggedItem(cache.kv, fed, 0, side_layers)])
+        cache.kv_tokens.extend(fed)
+        return HiddenRows(start, hidden[0])
 
     def _feed_prompt(self, cache: SessionCache, with_hidden: bool, side_layers: tuple[int, ...]) -> HiddenRows | None:
         """Caches a new session's committed tokens but the last (``SessionCache.prefill``), through the

@@ -21,7 +21,7 @@ from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.model_thread import model_executor, on_model_thread
 from specdec.models import LoadedModel, load_model
 from specdec.packed_linear import pack_linears
-from specdec.rpc import RunningServer, guarded, lenient_service, serve_forever, start_server
+from specdec.rpc import RunningServer, call_core, guarded, lenient_service, serve_forever, start_server
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import logprobs_to_pb, pass_load_to_pb, sampling_from_pb
@@ -59,6 +59,14 @@ def verify_call_from_pb(request: target_pb2.VerifyRequest) -> VerifyCall:
     )
 
 
+def _scoring(engine: object) -> TargetEngine:
+    """The engine that computes prompt logprobs: a single-rank target's (a tensor-parallel leader has
+    no such pass for its followers to mirror)."""
+    if not isinstance(engine, TargetEngine):
+        raise ValueError("prompt_logprobs: not served by a tensor-parallel target")
+    return engine
+
+
 class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
     """Thin servicer over a TargetScheduler (which passes feed what) and its TargetEngine."""
 
@@ -76,6 +84,8 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         """Creates a session cache over a prompt, fed now or in shared passes as the scheduler plans."""
+        if request.HasField("prompt_logprobs"):
+            return await self._prefill_scored(request, context)
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
             tokens = list(request.tokens)
             plan = self._scheduler.plan_prefill(len(tokens), request.feed_now)
@@ -92,6 +102,28 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
             if hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(hidden))
+            return reply
+
+    async def _prefill_scored(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
+        """A Prefill that asks for prompt logprobs: fed now, in a pass of its own, past the scheduler
+        (which would defer, chunk or fold it); refused by a tensor-parallel target."""
+        with server_span(self._tracer, "TargetService/Prefill", context) as span:
+            span.set_attributes({"specdec.tokens": len(request.tokens), "specdec.prompt_logprobs": True})
+            cache_id, committed, hidden, scored = await call_core(
+                context,
+                self._executor,
+                lambda: _scoring(self._engine).prefill_scored(
+                    list(request.tokens),
+                    request.prompt_logprobs,
+                    request.return_hidden,
+                    request.fence,
+                    tuple(request.hidden_side_layers),
+                ),
+            )
+            reply = common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
+            if hidden is not None:
+                reply.hidden.CopyFrom(hidden_to_pb(hidden))
+            logprobs_to_pb(scored, reply.prompt_logprobs)
             return reply
 
     async def _verify(self, request: target_pb2.VerifyRequest) -> VerifyOutcome:
