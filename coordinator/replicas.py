@@ -334,7 +334,7 @@ class TargetBackend(Replica, Protocol):
 
 @runtime_checkable
 class PromptScorer(Protocol):
-    """A target replica that also reports a prompt's logprobs from its prefill pass (the gRPC one);
+    """A target replica that also reports a prompt's logprobs from its prefill pass (gRPC and in process);
     one that does not cannot serve a request for them."""
 
     async def prefill_scored(

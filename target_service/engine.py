@@ -361,7 +361,8 @@ class TargetEngine:
         side_layers = self._check_prefill(tokens, side_layers)
         cache_id, cache = self._caches.create(tokens, fence)
         try:
-            rows = self._feed_prompt_rows(cache, side_layers if with_hidden else ())
+            rows = self._feed_prompt(cache, True, side_layers if with_hidden else ())
+            assert rows is not None  # asked for
             scored = prompt_logprobs(self._loaded.model, rows.rows, tokens, top)
         except BaseException:
             self._caches.release(cache_id)  # a half-fed cache serves no one
@@ -379,18 +380,6 @@ class TargetEngine:
             raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._loaded.max_context}")
         self._check_tokens(tokens, "tokens")
         return check_side_layers(side_layers, self._loaded.model.config.num_hidden_layers)
-
-    def _feed_prompt_rows(self, cache: SessionCache, side_layers: tuple[int, ...]) -> HiddenRows:
-        """``_feed_prompt`` that always returns the fed rows: final-norm hidden states ``[n - 1, D]``,
-        then the outputs of ``side_layers``."""
-        if not self._switched or len(cache.committed) <= 1:
-            rows = cache.prefill(self._loaded.model, True, side_layers)
-            assert rows is not None
-            return rows
-        start, fed = len(cache.kv_tokens), cache.committed[:-1]
-        _, hidden = self.forward([RaggedItem(cache.kv, fed, 0, side_layers)])
-        cache.kv_tokens.extend(fed)
-        return HiddenRows(start, hidden[0])
 
     def _feed_prompt(self, cache: SessionCache, with_hidden: bool, side_layers: tuple[int, ...]) -> HiddenRows | None:
         """Caches a new session's committed tokens but the last (``SessionCache.prefill``), through the

@@ -14,7 +14,7 @@ from typing import TypeVar
 from coordinator.replicas import CacheRef, DraftResult, HiddenChunk, VerifyResult, core_error
 from specdec.hidden_wire import hidden_to_fp16
 from specdec.kvcache import HiddenRows
-from specdec.sampling_params import Sampling
+from specdec.sampling_params import Sampling, TokenLogprob
 from specdec.vocab import ModelFacts
 from target_service.engine import SparseQ, TargetEngine, VerifyCall
 
@@ -62,6 +62,23 @@ class InProcessTarget:
             lambda: self._engine.prefill(list(tokens), with_hidden, fence, side_layers=side_layers)
         )
         return CacheRef(self.address, cache_id, committed, fence), hidden_chunk(hidden) if with_hidden else None
+
+    async def prefill_scored(
+        self,
+        tokens: list[int],
+        remaining_s: float | None,
+        top: int,
+        with_hidden: bool,
+        fence: int = 0,
+        side_layers: tuple[int, ...] = (),
+    ) -> tuple[CacheRef, HiddenChunk | None, list[TokenLogprob]]:
+        """``prefill_with_hidden`` into a fresh cache, also returning the prompt's logprobs with ``top``
+        alternatives (``TargetEngine.prefill_scored``)."""
+        cache_id, committed, hidden, scored = self._run(
+            lambda: self._engine.prefill_scored(list(tokens), top, with_hidden, fence, side_layers)
+        )
+        ref = CacheRef(self.address, cache_id, committed, fence)
+        return ref, hidden_chunk(hidden) if with_hidden else None, scored
 
     async def verify(
         self,

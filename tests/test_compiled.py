@@ -107,6 +107,12 @@ def test_an_engine_switches_between_passes_and_speculation_stays_exact(tiny_dir,
     with pytest.raises(CacheNotFound):  # dropped at the switch: its KV came from the eager pass
         engine.verify(before, committed, [], [6], [], Sampling(), 0)
     assert engine.compiled and engine.caches.ids() == set()
+    # A scored prompt (echo's logprobs) is fed by the compiled pass too: the eager engine's figures to rounding.
+    prompt = [2, 3, 4, 5, 6, 7, 8, 9]
+    got = engine.prefill_scored(prompt, 2)[3]
+    want = TargetEngine(loaded, 2).prefill_scored(prompt, 2)[3]
+    assert [g.token for g in got] == prompt[1:] and [g.top[0][0] for g in got] == [w.top[0][0] for w in want]
+    assert max(abs(g.logprob - w.logprob) for g, w in zip(got, want)) < 0.1
     loop = _loop(engine, loaded, tiny_draft)
     k0, _ = run(loop, request(k=0, max_new_tokens=24))
     for k in (1, 3, None):

@@ -8,6 +8,7 @@ a served stack of tiny models (real gRPC, real redis-server) through raw HTTP an
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
@@ -25,6 +26,7 @@ from specdec.stack import free_port
 from specdec.vocab import load_tokenizer
 from target_service import engine as engine_module
 from target_service.engine import TargetEngine, VerifyCall
+from target_service.inprocess import InProcessTarget
 
 IDS = [3, 7, 7, 8, 9, 12, 4]
 PROMPT = "w11 w12 w13 w11 w12 w9"
@@ -79,6 +81,13 @@ def test_scored_prefill_equals_a_plain_forward_and_leaves_the_cache_as_prefill(p
     assert none == [] and rows is not None and len(rows.rows) == 0
     with pytest.raises(ValueError, match="prompt_logprobs"):
         engine.prefill_scored(IDS, 21)
+
+
+def test_an_in_process_target_scores_a_prompt_as_its_engine_does(packed):
+    engine = TargetEngine(packed, 8)
+    ref, hidden, scored = asyncio.run(InProcessTarget(engine).prefill_scored(IDS, None, TOP, False))
+    assert ref.committed == len(IDS) and hidden is None and ref.cache_id in engine.caches.ids()
+    assert scored == engine.prefill_scored(IDS, TOP)[3]
 
 
 # --- the response assembly --------------------------------------------------------------------------
