@@ -53,6 +53,7 @@ BENCH = {
             "measured_speedup_vs_k0": 1.25,
             "efficiency": 0.962,
             "exact": "2/2",
+            "exact_vs_k0": "2/2",
         },
     },
     "created": "2030-01-02T03:04:05Z",
@@ -203,7 +204,7 @@ def test_tables_come_from_the_reports(tmp_path):
     assert "old table" not in readme
     assert readme.startswith("# demo\n\nintro\n\n<!-- results:begin -->\nFrom `reports/bench.json`")
     assert readme.endswith("<!-- results:end -->\n\nafter\n")
-    assert "| `specdec` | 20.00 | 2.00× | 1.25× | 2.00 | 2/2 |" in readme
+    assert "| `specdec` | 20.00 | 2.00× | 1.25× | 2.00 | 2/2 | 2/2 |" in readme
 
 
 def test_the_tree_ceiling_says_when_no_tree_reaches_the_goal():
