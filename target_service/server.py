@@ -25,6 +25,7 @@ from specdec.rpc import RunningServer, call_core, guarded, lenient_service, serv
 from specdec.tracing import server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import logprobs_to_pb, pass_load_to_pb, sampling_from_pb
+from target_service.compile_ahead import build_ahead
 from target_service.engine import SparseQ, TargetEngine, VerifyCall, VerifyOutcome
 from target_service.scheduler import TargetScheduler
 from target_service.tensor_parallel import (
@@ -188,8 +189,8 @@ def compiled_pass(
     config: TargetConfig, loaded: LoadedModel, buckets: tuple[int, ...] = ROW_BUCKETS
 ) -> CompiledPass | None:
     """The target's compiled pass over row ``buckets`` as ``config.compile`` asks (None: off, or a model
-    it cannot run), built now (``wait``) or on a thread of its own (``background``), its artifacts
-    cached under the cache directory."""
+    it cannot run), built now (``wait``) or beside serving (``background``, ``_compile_beside``), its
+    artifacts cached under the cache directory."""
     if config.compile == "off":
         return None
     reason = compile_unsupported(loaded.model)
@@ -201,12 +202,16 @@ def compiled_pass(
     if config.compile == "wait":
         compiled.compile()
     else:
-        threading.Thread(target=_compile_logged, args=(compiled,), name="compile", daemon=True).start()
+        thread = threading.Thread(target=_compile_beside, args=(compiled, config, buckets), name="compile", daemon=True)
+        thread.start()
     return compiled
 
 
-def _compile_logged(compiled: CompiledPass) -> None:
+def _compile_beside(compiled: CompiledPass, config: TargetConfig, buckets: tuple[int, ...]) -> None:
+    """The background build: a low-priority child process fills inductor's cache
+    (``target_service.compile_ahead``), then this process loads every graph from it."""
     try:
+        build_ahead(config.model, buckets)
         compiled.compile()
     except Exception:  # the eager pass keeps serving: say why the compiled one never came
         log.exception("compiling the target's pass failed; passes stay eager")

@@ -4,6 +4,7 @@ the eager pass, and an engine that switches to it drops its caches and stays exa
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -139,3 +140,21 @@ def test_the_service_compiles_as_its_mode_says(tiny_dir, tiny_target, monkeypatc
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     with pytest.raises(ValueError, match="compile: must be one of"):
         config("fast")
+
+
+def test_a_background_build_runs_ahead_in_a_child_and_then_loads_from_its_cache(tiny_dir, tmp_path, monkeypatch):
+    """background: a child process builds the graphs into the cache directory, then the service's own
+    build finds them there; the service serves eager passes meanwhile."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    packed = load_model(str(tiny_dir / "target"), tiny_dir, dtype=torch.bfloat16, pack=True)
+    model = ModelConfig(model=str(tiny_dir / "target"), cache_dir=tmp_path, dtype="bfloat16")
+    runner = compiled_pass(TargetConfig(model=model, compile="background"), packed, BUCKETS[:1])
+    assert runner is not None
+    engine = TargetEngine(packed, 4, compiled=runner)
+    engine.prefill([2, 3, 4])  # eager meanwhile
+    deadline = time.monotonic() + 240
+    while not runner.ready and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert runner.ready and any((tmp_path / "inductor").iterdir())
+    engine.prefill([2, 3, 4])
+    assert engine.compiled
