@@ -26,6 +26,7 @@ from specdec.kvcache import GrowableCache
 from specdec.models import load_model
 from specdec.ragged import RaggedItem, ragged_forward
 from specdec.sampling import Sampling
+from target_service import compile_ahead, server
 from target_service.engine import TargetEngine
 from target_service.inprocess import InProcessTarget
 from target_service.server import compiled_pass
@@ -142,19 +143,25 @@ def test_the_service_compiles_as_its_mode_says(tiny_dir, tiny_target, monkeypatc
         config("fast")
 
 
-def test_a_background_build_runs_ahead_in_a_child_and_then_loads_from_its_cache(tiny_dir, tmp_path, monkeypatch):
-    """background: a child process builds the graphs into the cache directory, then the service's own
-    build finds them there; the service serves eager passes meanwhile."""
+def test_a_background_build_runs_the_child_first_then_loads_and_switches(tiny_dir, tmp_path, monkeypatch):
+    """background: the child build (``target_service.compile_ahead``, here recorded rather than run: it
+    is a fresh interpreter compiling from cold) runs first, off the model's thread, then the service's
+    own build; the engine serves eager passes meanwhile and switches after."""
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     packed = load_model(str(tiny_dir / "target"), tiny_dir, dtype=torch.bfloat16, pack=True)
-    model = ModelConfig(model=str(tiny_dir / "target"), cache_dir=tmp_path, dtype="bfloat16")
+    model = ModelConfig(model=str(tiny_dir / "target"), cache_dir=tmp_path, dtype="bfloat16", threads=1)
+    children = []
+    monkeypatch.setattr(server, "build_ahead", lambda *args: children.append(args) or True)
     runner = compiled_pass(TargetConfig(model=model, compile="background"), packed, BUCKETS[:1])
     assert runner is not None
     engine = TargetEngine(packed, 4, compiled=runner)
     engine.prefill([2, 3, 4])  # eager meanwhile
-    deadline = time.monotonic() + 240
+    deadline = time.monotonic() + 120
     while not runner.ready and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert runner.ready and any((tmp_path / "inductor").iterdir())
+        time.sleep(0.2)
+    assert runner.ready and children == [(model, BUCKETS[:1])]
     engine.prefill([2, 3, 4])
     assert engine.compiled
+    command = compile_ahead.argv(model, BUCKETS)
+    assert command[1:3] == ["-m", "target_service.compile_ahead"]
+    assert command[command.index("--buckets") + 1] == "2,8" and command[command.index("--dtype") + 1] == "bfloat16"
