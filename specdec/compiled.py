@@ -63,7 +63,7 @@ from specdec.ragged import (
 
 log = logging.getLogger(__name__)
 
-ROW_BUCKETS = (2, 4, 8, 16, 32, 64)
+ROW_BUCKETS = (2, 4, 8, 16, 32, 48, 64)
 """Rows a compiled graph takes; a pass pads to the next (see the module docstring)."""
 
 # Custom ops take tensors and numbers only, so a graph names its runner by its index here. Runners
