@@ -195,17 +195,8 @@ class TargetReplica(_Replica):
     ) -> tuple[CacheRef, HiddenChunk | None]:
         """``prefill``, also returning the hidden states of the fed positions (and the outputs of
         ``side_layers``) when ``with_hidden``; ``feed_now`` forbids a busy target to defer feeding the prompt."""
-        request = common_pb2.PrefillRequest(
-            tokens=tokens,
-            return_hidden=with_hidden,
-            fence=fence,
-            feed_now=feed_now,
-            hidden_side_layers=side_layers if with_hidden else (),
-        )
-        reply = await self._call(self._stub.Prefill, request, remaining_s)
-        return CacheRef(self.address, reply.cache_id, reply.committed, fence), (
-            hidden_from_message(reply.hidden) if with_hidden else None
-        )
+        ref, hidden, _ = await self._prefill(tokens, remaining_s, with_hidden, fence, feed_now, side_layers)
+        return ref, hidden
 
     async def prefill_scored(
         self,
@@ -218,13 +209,27 @@ class TargetReplica(_Replica):
     ) -> tuple[CacheRef, HiddenChunk | None, list[TokenLogprob]]:
         """``prefill_with_hidden`` fed now into a fresh cache, also returning the logprob of each of
         ``tokens[1:]`` under the target with ``top`` alternatives (``PrefillRequest.prompt_logprobs``)."""
+        return await self._prefill(tokens, remaining_s, with_hidden, fence, True, side_layers, top)
+
+    async def _prefill(
+        self,
+        tokens: list[int],
+        remaining_s: float | None,
+        with_hidden: bool,
+        fence: int,
+        feed_now: bool,
+        side_layers: tuple[int, ...],
+        prompt_logprobs: int | None = None,
+    ) -> tuple[CacheRef, HiddenChunk | None, list[TokenLogprob]]:
+        """One Prefill call: the cache, the fed hidden states (when ``with_hidden``) and the prompt's
+        logprobs (empty unless ``prompt_logprobs`` asked for them)."""
         request = common_pb2.PrefillRequest(
             tokens=tokens,
             return_hidden=with_hidden,
             fence=fence,
-            feed_now=True,
+            feed_now=feed_now,
             hidden_side_layers=side_layers if with_hidden else (),
-            prompt_logprobs=top,
+            prompt_logprobs=prompt_logprobs,
         )
         reply = await self._call(self._stub.Prefill, request, remaining_s)
         ref = CacheRef(self.address, reply.cache_id, reply.committed, fence)

@@ -160,24 +160,20 @@ class Router:
             if target is None:
                 break
             try:
+                scored: list[TokenLogprob] | None = None
                 if prompt_top is not None:
                     if not isinstance(target, PromptScorer):
                         raise ValueError(f"prompt_logprobs: target {target.address} does not report prompt logprobs")
                     ref, fed, scored = await target.prefill_scored(
                         committed, remaining_s(), prompt_top, self.want_hidden, fence, self.side_layers
                     )
-                    self.targets.succeeded(target.address)
-                    return ref, fed, scored
-                ref, fed = await target.prefill_with_hidden(
-                    committed,
-                    remaining_s(),
-                    self.want_hidden,
-                    fence,
-                    feed_now and self.want_hidden,
-                    self.side_layers,
-                )
+                else:
+                    fed_now = feed_now and self.want_hidden
+                    ref, fed = await target.prefill_with_hidden(
+                        committed, remaining_s(), self.want_hidden, fence, fed_now, self.side_layers
+                    )
                 self.targets.succeeded(target.address)
-                return ref, fed, None
+                return ref, fed, scored
             except BackendUnavailable as exc:
                 if deadline_passed(remaining_s):
                     raise

@@ -26,7 +26,7 @@ own, and two rows keep every row's bits at every count (``specdec.packed_linear.
 Batch invariance holds as in the eager pass: every generated loop works row by row, the products are
 row-invariant and the attention is the same code, so a position gets the same bits alone, in a chain,
 in a tree or beside other sessions, in any bucket (``tests/test_compiled.py``). The compiled pass's
-bits are not the eager pass's (inductor fuses the norms' and rotary's arithmetic differently), which
+bits are not the eager pass's (inductor fuses the layers' small ops, so their rounding differs), which
 is why an engine runs every pass of a session through one of them (``TargetEngine``).
 """
 
@@ -129,7 +129,6 @@ class _Pass:
 
     caches: list
     layout: RaggedLayout
-    rows: int
 
 
 class CompiledPass:
@@ -219,7 +218,7 @@ class CompiledPass:
         ``q [1, Hq, P, hd]``, ``k``, ``v`` ``[1, Hkv, P, hd]``; returns ``[P, Hq hd]``."""
         ctx = self._context
         assert ctx is not None, "the attention op runs only inside CompiledPass.forward"
-        n = ctx.rows
+        n = ctx.layout.bounds[-1]  # the real rows; the rest up to the bucket are padding
         rows = attend_rows(
             self._layers[layer].self_attn,
             q[:, :, :n],
@@ -282,7 +281,7 @@ class CompiledPass:
         tables: list[torch.Tensor] = []
         for table in range(max(self._table_of) + 1):
             tables.extend(per_layer[self._table_of.index(table)])
-        self._context = _Pass(caches, layout, rows)
+        self._context = _Pass(caches, layout)
         try:
             return self._graph(ids, tables)
         finally:

@@ -81,7 +81,7 @@ def test_fed_at_once_or_a_token_a_pass_every_row_scores_the_same(compiled):
 
 
 def test_the_compiled_pass_computes_what_the_eager_pass_does(compiled):
-    """Not the same bits (inductor fuses the norms' arithmetic), but the same numbers to rounding."""
+    """Not the same bits (inductor fuses the small ops), but the same numbers to rounding."""
     loaded, runner = compiled
     tokens = [(3 + 7 * i) % loaded.vocab_size for i in range(30)]
     got, _ = runner.forward([RaggedItem(GrowableCache(), tokens, len(tokens))])
