@@ -1,4 +1,5 @@
-"""The coordinator's OpenAI-compatible HTTP face: /v1/models, /v1/completions, /v1/chat/completions.
+"""The coordinator's OpenAI-compatible HTTP face: /v1/models, /v1/completions, /v1/chat/completions,
+/v1/responses.
 
 An aiohttp app over the same round loop, admission and API keys as the gRPC servicer: a request is
 parsed (``coordinator.openai_schema``), admitted under the caller's identity, run by
@@ -22,8 +23,9 @@ the session's record holds the answer as generated, which can differ from the me
 sends back (tool calls). With tools, each choice's output is split into content and tool calls
 (``coordinator.tools``), streamed or whole. With completions' ``echo`` each choice's prompt leads its
 text (a stream's first chunk), with the prompt logprobs the round loop's first chunk brings from the
-target's prefill when logprobs are asked for. docs/openai.md documents the endpoints, the statuses
-and the ``specdec`` field.
+target's prefill when logprobs are asked for. /v1/responses runs as the chat request it translates
+to (``coordinator.openai_responses``), answered in the Responses API's shapes. docs/openai.md
+documents the endpoints, the statuses and the ``specdec`` field.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from opentelemetry import propagate, trace
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor, bearer_token
 from coordinator.identity import Caller, caller_of
+from coordinator.openai_responses import ResponseBuilder, parse_responses, responses_error, sse_event
 from coordinator.openai_schema import (
     Answer,
     ApiError,
@@ -173,6 +176,7 @@ class OpenAiApi:
         app.router.add_get("/v1/models/{model:.+}", self.model)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/responses", self.responses)
         return app
 
     # --- middlewares -------------------------------------------------------------------------
@@ -288,11 +292,48 @@ class OpenAiApi:
 
     # --- generation --------------------------------------------------------------------------
 
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/responses: OpenAI's Responses API, run as the chat request it translates to
+        (``coordinator.openai_responses``), answered as a response object or its events."""
+        parsed = parse_responses(await _json_body(request), self.model_ids, self._max_context, self._vocab_size)
+        caller = _caller(request)
+        core = replace(parsed.chat.choices[0], client=caller.client, owner=caller.owner)
+        runs = _Runs([self._chunks(core, caller)])
+        stream = web.StreamResponse(headers=_SSE_HEADERS) if parsed.stream else None
         try:
-            body = json.loads(await request.read())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+            try:
+                chunk = (await runs.next())[1]
+            except ApiError as error:
+                raise responses_error(self._refusal(error, chat=True), parsed.origins) from error.__cause__
+            built = ResponseBuilder(parsed)
+            events = built.start()
+            if stream is not None:
+                await stream.prepare(request)
+            try:
+                while True:
+                    events += built.feed(chunk.text, chunk.finish_reason, chunk.stats)
+                    if stream is not None and events:
+                        await stream.write(b"".join(sse_event(event) for event in events))
+                    events = []
+                    if chunk.finish_reason is not None:
+                        break
+                    chunk = (await runs.next())[1]
+            except ApiError as error:
+                if stream is None:
+                    raise
+                trace.get_current_span().set_status(trace.StatusCode.ERROR, error.message)
+                await stream.write(b"".join(sse_event(event) for event in built.fail(error)))
+            else:
+                self._remember(core, caller, built.content, built.calls, chunk)
+        finally:
+            await runs.close()
+        if stream is None:
+            return web.json_response(built.response())
+        await stream.write_eof()
+        return stream
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        body = await _json_body(request)
         api = parse_request(body, chat, self.model_ids, self._max_context, self._vocab_size)
         caller = _caller(request)
         cores = [replace(core, client=caller.client, owner=caller.owner) for core in api.choices]
@@ -517,6 +558,14 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return error_response(ApiError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")))
     except Exception as exc:  # noqa: BLE001
         return error_response(api_error(exc))
+
+
+async def _json_body(request: web.Request) -> object:
+    """The request's body, parsed as JSON; a 400 when it is not."""
+    try:
+        return json.loads(await request.read())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
 
 
 def _caller(request: web.Request) -> Caller:
