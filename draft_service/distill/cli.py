@@ -85,6 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g = p.add_argument_group("data")
     g.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="a `specdec distill-data` folder: train on up to --tokens of its answers, evaluate on its held-out "
+        "requests by category; nothing is collected",
+    )
+    g.add_argument(
         "--prompts-file",
         type=Path,
         default=None,
@@ -168,6 +175,10 @@ def _config(args: argparse.Namespace, argv: list[str]) -> DistillConfig:
         raise SystemExit("--init-draft is for --kind feature")
     if args.prompts_file is not None and not args.prompts_file.is_file():
         raise SystemExit(f"--prompts-file {args.prompts_file}: no such file")
+    if args.data is not None and not (args.data / "held-out.jsonl.gz").is_file():
+        raise SystemExit(f"--data {args.data}: not a `specdec distill-data` folder (no held-out.jsonl.gz)")
+    if args.data is not None and args.prompts_file is not None:
+        raise SystemExit("--data and --prompts-file: pick one")
     if not 0.0 <= args.held_out_share < 1.0:
         raise SystemExit(f"--held-out-share must lie in [0, 1), not {args.held_out_share}")
     # torch loads here only to ask for CUDA, and only when a GPU is asked for.
@@ -196,6 +207,7 @@ def _config(args: argparse.Namespace, argv: list[str]) -> DistillConfig:
         # Bars redrawn into a log file are noise: only on a terminal.
         progress=sys.stderr.isatty() and not args.no_progress,
         prompts_file=args.prompts_file,
+        data=args.data,
         held_out_share=args.held_out_share,
         held_out_cap=args.held_out_cap,
         prompts=args.prompts,

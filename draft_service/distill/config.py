@@ -47,11 +47,15 @@ class DistillConfig:
     prompts_file: Path | None = None
     """The user's prompts (``user_prompts``: OpenAI ``messages`` JSONL or ShareGPT JSON) instead of the
     built-in set; ``prompts`` and ``held_out`` then do not apply."""
+    data: Path | None = None
+    """A ``specdec distill-data`` folder: train on up to ``tokens`` of its answers and evaluate on its
+    held-out requests; nothing is collected, and the prompt options do not apply."""
     held_out_share: float = 0.05
     """With ``prompts_file``: share of each category's conversations held out."""
     held_out_cap: int = 50
     """With ``prompts_file``: at most this many conversations held out per category (references are
-    collected for every held-out prompt before training)."""
+    collected for every held-out prompt before training); with ``data``: at most this many of each
+    category's held-out requests evaluated."""
     prompts: int = 20_000
     """Prompts built (in a seeded order; collection uses as many as the budgets allow)."""
     held_out: int = 48
@@ -91,6 +95,7 @@ class DistillConfig:
         out["extra_eval"] = [str(p) for p in self.extra_eval]
         out["init_draft"] = None if self.init_draft is None else str(self.init_draft)
         out["prompts_file"] = None if self.prompts_file is None else str(self.prompts_file)
+        out["data"] = None if self.data is None else str(self.data)
         for k in ("out", "work", "cache_dir", "resume", "command", "collect_only", "progress"):
             out.pop(k)
         return out

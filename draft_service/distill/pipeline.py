@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 
+from draft_service.distill import corpus
 from draft_service.distill.collect import CollectPlan, collect, load_shards
 from draft_service.distill.config import DistillConfig
+from draft_service.distill.data import Paths, training_pairs
 from draft_service.distill.evaluate import (
     evaluate,
     evaluate_feature,
@@ -179,8 +181,12 @@ def run(config: DistillConfig) -> dict | None:
     tokenizer = target.tokenizer
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (target.eos_token_ids or (0,))[0]
 
-    # Prompts: the user's file, or a seeded built-in set; split into training and held-out prompts.
-    if user is not None:
+    # Prompts: a collected data folder, the user's file, or a seeded built-in set; split into training and
+    # held-out prompts.
+    if config.data is not None:
+        train_prompts, held_prompts = [], _per_category(corpus.load_prompts(Paths(config.data).held_out), config)
+        source = {"kind": "data folder", "path": str(config.data)}
+    elif user is not None:
         train_prompts, held_prompts = list(user.train), list(user.held_out)
         source = user.record()
         log.info(
@@ -201,51 +207,32 @@ def run(config: DistillConfig) -> dict | None:
     _, held_prompts, held_too_long = _fitting(held_prompts, tokenizer, target.max_context - config.eval_max_new)
     references = _references(target, held_prompts, config.work / "eval-held-out", config, pad_id)
     t_collect = time.monotonic()
-    train_prompts = train_prompts[config.prompt_offset :]
-    train_ids, train_prompts, train_too_long = _fitting(train_prompts, tokenizer, target.max_context - config.max_new)
-    plan = CollectPlan(config.batch_size, config.max_new, config.temperatures, config.seed)
-    collect_deadline = started + 60 * config.minutes * config.collect_share
-    before = sum(s.generated for s in load_shards(config.work / "data")) if config.resume else 0
-    t_generate = time.monotonic()
-    collected = collect(
-        target.model,
-        train_ids,
-        config.work / "data",
-        plan,
-        target.eos_token_ids,
-        pad_id,
-        token_budget=config.tokens,
-        deadline=collect_deadline,
-        desc="collect",
-        bar=config.progress,
-    )
-    generate_s = time.monotonic() - t_generate
-    if collected > before:
-        log.info(
-            "collected %d tokens in %.0f s: %.1f tokens/s",
-            collected - before,
-            generate_s,
-            (collected - before) / max(1e-9, generate_s),
-        )
-    if collected == 0:
-        # Training on nothing would still write a draft, and its card would look like a result.
-        raise DistillError(
-            f"collection produced 0 training tokens: {_why_nothing(config, len(train_ids), started, t_collect)}"
+    if config.data is not None:
+        # Collected beforehand (specdec distill-data): no collection here, up to --tokens of it trained on.
+        train_prompts, stored = [], []
+        for prompt, sample in training_pairs(config.data, config.seed):
+            if sum(s.generated for s in stored) >= config.tokens:
+                break
+            train_prompts.append(prompt)
+            stored.append(sample)
+        collected = before = sum(s.generated for s in stored)
+        generate_s, train_too_long = 0.0, 0
+    else:
+        collected, before, generate_s, train_prompts, train_too_long = _collect_training(
+            config, target, train_prompts, pad_id, started, t_collect
         )
     if config.collect_only:
         return None
-    samples = load_shards(config.work / "data")
+    samples = stored if config.data is not None else load_shards(config.work / "data")
     collect_s = time.monotonic() - t_collect
     used = train_prompts[: len(samples)]
     if user is not None:
         source["too_long_dropped"] = held_too_long + train_too_long
+
     data = {
         "prompt_source": source,
         "prompts": _describe_source(config),
-        "continuations": f"target's own, batch {config.batch_size}, left padding, up to {config.max_new} new tokens, "
-        f"temperatures cycled per batch {list(config.temperatures)} (0 = greedy), {placement.dtype_name} on "
-        f"{placement.device}; labels are the target's argmax (and top-16 logits) at every generated position, "
-        "and its argmax over the prompt",
+        "continuations": _describe_continuations(config, placement),
         "train_prompts": len(samples),
         "train_prompt_categories": _counts(p.category for p in used),
         "train_generated_tokens": sum(s.generated for s in samples),
@@ -461,6 +448,62 @@ def _train_feature(
     return draft, arch, training, metrics, train_s
 
 
+def _per_category(prompts: list[Prompt], config: DistillConfig) -> list[Prompt]:
+    """At most ``held_out_cap`` prompts of each category, in order (every reference costs a generation)."""
+    seen: dict[str, int] = {}
+    kept = []
+    for prompt in prompts:
+        seen[prompt.category] = seen.get(prompt.category, 0) + 1
+        if seen[prompt.category] <= config.held_out_cap:
+            kept.append(prompt)
+    return kept
+
+
+def _collect_training(
+    config: DistillConfig,
+    target: LoadedModel,
+    train_prompts: list[Prompt],
+    pad_id: int,
+    started: float,
+    t_collect: float,
+) -> tuple[int, int, float, list[Prompt], int]:
+    """Collects the target's continuations of the training prompts into ``work/data``; returns the tokens
+    there, those there before, the seconds generating, the prompts that fit and how many did not."""
+    train_prompts = train_prompts[config.prompt_offset :]
+    longest = target.max_context - config.max_new
+    train_ids, train_prompts, train_too_long = _fitting(train_prompts, target.tokenizer, longest)
+    plan = CollectPlan(config.batch_size, config.max_new, config.temperatures, config.seed)
+    collect_deadline = started + 60 * config.minutes * config.collect_share
+    before = sum(s.generated for s in load_shards(config.work / "data")) if config.resume else 0
+    t_generate = time.monotonic()
+    collected = collect(
+        target.model,
+        train_ids,
+        config.work / "data",
+        plan,
+        target.eos_token_ids,
+        pad_id,
+        token_budget=config.tokens,
+        deadline=collect_deadline,
+        desc="collect",
+        bar=config.progress,
+    )
+    generate_s = time.monotonic() - t_generate
+    if collected > before:
+        log.info(
+            "collected %d tokens in %.0f s: %.1f tokens/s",
+            collected - before,
+            generate_s,
+            (collected - before) / max(1e-9, generate_s),
+        )
+    if collected == 0:
+        # Training on nothing would still write a draft, and its card would look like a result.
+        raise DistillError(
+            f"collection produced 0 training tokens: {_why_nothing(config, len(train_ids), started, t_collect)}"
+        )
+    return collected, before, generate_s, train_prompts, train_too_long
+
+
 def _fitting(prompts: list[Prompt], tokenizer, longest: int) -> tuple[list[list[int]], list[Prompt], int]:
     """The rendered prompts of at most ``longest`` tokens (room left in the target's context for the
     continuation), those prompts, and how many were dropped as too long."""
@@ -473,8 +516,26 @@ def _fitting(prompts: list[Prompt], tokenizer, longest: int) -> tuple[list[list[
     return ids, kept, len(prompts) - len(kept)
 
 
+def _describe_continuations(config: DistillConfig, placement: Placement) -> str:
+    """How the training continuations were made, in words, for the card."""
+    if config.data is not None:
+        return (
+            f"the target's own answers in {config.data} (specdec distill-data: the serving pass, continuously "
+            "batched, greedy and sampled at temperature 0.8 / top-p 0.95); labels are the target's argmax at "
+            "every generated position"
+        )
+    return (
+        f"target's own, batch {config.batch_size}, left padding, up to {config.max_new} new tokens, "
+        f"temperatures cycled per batch {list(config.temperatures)} (0 = greedy), {placement.dtype_name} on "
+        f"{placement.device}; labels are the target's argmax (and top-16 logits) at every generated position, "
+        "and its argmax over the prompt"
+    )
+
+
 def _describe_source(config: DistillConfig) -> str:
     """What the prompts were, in words, for the card."""
+    if config.data is not None:
+        return f"the broad request corpus of {config.data} (draft_service.distill.corpus), by category"
     if config.prompts_file is not None:
         return (
             f"the user's prompts file {config.prompts_file}: one prompt per user turn (the conversation up to "

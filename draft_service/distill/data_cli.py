@@ -1,0 +1,132 @@
+"""``specdec distill-data``: collect the broad corpus and the target's answers to it into a data folder.
+
+Resumable: run it again (on this machine or another with a clone of the folder) and it continues
+where the shards end. ``specdec distill --data FOLDER`` trains on what it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from specdec.cli import extra_installed
+from specdec.host import tcmalloc
+
+DEFAULT_CACHE = Path.home() / ".cache" / "specdec"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``specdec distill-data`` to the ``specdec`` command, with the server and train extras installed."""
+    if not extra_installed("server", "train"):
+        return
+    p = subparsers.add_parser("distill-data", help="collect distillation data (specdec distill-data --help)")
+    add_arguments(p)
+    p.set_defaults(run=lambda args: _run(config_from(args), reexec=True))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``specdec distill-data``, defaults from ``DataConfig``."""
+    from draft_service.distill.data import DataConfig
+
+    d = DataConfig(target="", data=Path(), cache_dir=Path())
+    p.add_argument("--target", default="default", help="'default', a HF folder or a .gguf file")
+    p.add_argument("--data", type=Path, required=True, help="the data folder (created, or continued)")
+    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--minutes", type=float, default=d.minutes, help="stop taking new prompts after this long")
+    p.add_argument("--tokens", type=int, default=d.tokens, help="generated tokens to collect in all")
+    p.add_argument("--composed", type=int, default=d.composed, help="composed requests in a new corpus")
+    p.add_argument("--meta", type=int, default=d.meta, help="self-instruct requests to the target in a new corpus")
+    p.add_argument("--max-new", type=int, default=d.max_new, help="longest answer, in tokens")
+    p.add_argument("--width", type=int, default=d.width, help="sessions in one pass")
+    p.add_argument("--dtype", default=d.dtype, help="the target's dtype (auto: as the target service serves it)")
+    p.add_argument("--no-compile", action="store_true", help="run the eager pass, not the compiled one")
+    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
+
+
+def config_from(args: argparse.Namespace):
+    """The ``DataConfig`` the flags describe."""
+    from draft_service.distill.data import DataConfig
+
+    return DataConfig(
+        target=args.target,
+        data=args.data,
+        cache_dir=args.cache_dir,
+        composed=args.composed,
+        meta=args.meta,
+        max_new=args.max_new,
+        width=args.width,
+        minutes=args.minutes,
+        tokens=args.tokens,
+        dtype=args.dtype,
+        compile=not args.no_compile,
+        threads=args.threads,
+        seed=args.seed,
+        progress=not args.no_progress and sys.stderr.isatty(),
+    )
+
+
+def _preloaded_tcmalloc() -> None:
+    """Runs this command again with tcmalloc preloaded when the host has it and it is not loaded yet.
+
+    A pass over many sessions allocates and frees large blocks each time; glibc hands them back to
+    the kernel and faults them in again, which measured 2-5x slower passes here (the model services
+    preload it for the same reason, ``specdec.host.tcmalloc``).
+    """
+    library = tcmalloc()
+    if library is None or str(library) in os.environ.get("LD_PRELOAD", ""):
+        return
+    env = dict(os.environ, LD_PRELOAD=" ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(library)])))
+    os.execve(sys.executable, [sys.executable, "-m", "draft_service.distill.data_cli", *sys.argv[_own_args() :]], env)
+
+
+def _own_args() -> int:
+    """Where this command's flags start in ``sys.argv`` (after ``specdec distill-data`` or the module)."""
+    return sys.argv.index("distill-data") + 1 if "distill-data" in sys.argv else 1
+
+
+def _run(config, reexec: bool) -> int:
+    """Collects as ``config`` says; ``reexec``: first run again under tcmalloc (a command line's run)."""
+    if reexec:
+        _preloaded_tcmalloc()
+    # torch and transformers load only once the flags parse
+    import torch
+
+    from draft_service.distill.data import run_data
+    from specdec.compiled import CompiledPass, compile_unsupported, keep_artifacts_in
+    from specdec.models import load_model
+    from specdec.ragged import ragged_forward
+
+    torch.set_num_threads(config.threads)
+    # Loaded as the target service loads it: the serving dtype and the packed, row-invariant linears.
+    loaded = load_model(config.target, config.cache_dir, dtype=config.dtype, pack=True)
+    if config.compile and compile_unsupported(loaded.model) is None:
+        keep_artifacts_in(config.cache_dir)
+        compiled = CompiledPass(loaded.model)
+        compiled.compile()
+        forward = compiled.forward
+    else:
+        model = loaded.model
+
+        def forward(items):
+            return ragged_forward(model, items)
+
+    made = run_data(config, forward, loaded)
+    print(" ".join(f"{stage}={tokens}" for stage, tokens in made.items()), "generated tokens in", config.data)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``specdec distill-data``; returns the exit status."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    p = argparse.ArgumentParser(prog="specdec distill-data", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return _run(config_from(p.parse_args(argv)), reexec=argv is None)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
