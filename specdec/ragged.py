@@ -286,6 +286,16 @@ def ragged_decoder_layer(
     return finish_layer(layer, x, attn.o_proj(attend_rows(attn, q, k, v, caches, layout, layer_idx, window)))
 
 
+def row_groups(rows: list[int], gaps: list[bool]) -> list[list[int]]:
+    """The chain sessions (no ``gaps``) grouped by row count up to the next power of two: sessions that
+    attend in one call. Grouping never changes a row's bits (``attend_sessions`` is batch-invariant)."""
+    groups: dict[int, list[int]] = {}
+    for i, (n, gap) in enumerate(zip(rows, gaps)):
+        if not gap:
+            groups.setdefault(1 << max(0, n - 1).bit_length(), []).append(i)
+    return [groups[size] for size in sorted(groups)]
+
+
 def attend_rows(
     attn: nn.Module,
     q: torch.Tensor,
@@ -303,21 +313,19 @@ def attend_rows(
     bounds = list(itertools.pairwise(layout.bounds))
     grown = [cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx) for cache, (lo, hi) in zip(caches, bounds)]
     outs: list[torch.Tensor | None] = [None] * len(caches)
-    # Chains attend together in one call; a tree's rows gather their ancestors' keys, one session at a time.
-    chains = [i for i in range(len(caches)) if not layout.gaps[i]]
-    together = (
-        attend_sessions(
+    # Chains of like length attend together in one call (each padded to the longest of its call, so a
+    # prompt's rows never pad every one-row session); a tree's rows gather their ancestors' keys, one
+    # session at a time.
+    for chains in row_groups([hi - lo for lo, hi in bounds], layout.gaps):
+        together = attend_sessions(
             [q[:, :, lo:hi] for lo, hi in (bounds[i] for i in chains)],
             [grown[i][0] for i in chains],
             [grown[i][1] for i in chains],
             [masks[i] for i in chains],
             attn.scaling,
         )
-        if chains
-        else []
-    )
-    for i, out in zip(chains, together):
-        outs[i] = out
+        for i, out in zip(chains, together):
+            outs[i] = out
     for i in range(len(caches)):
         if outs[i] is None:
             lo, hi = bounds[i]

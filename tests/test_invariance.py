@@ -18,7 +18,7 @@ from specdec.invariance import KEY_BLOCK, has_gaps, invariant_attention, row_inv
 from specdec.kvcache import GrowableCache
 from specdec.models import load_model
 from specdec.packed_linear import SplitPackedLinear, pack_linears
-from specdec.ragged import RaggedItem, ragged_forward
+from specdec.ragged import RaggedItem, ragged_forward, row_groups
 
 TOKEN, OTHER = 7, 9
 
@@ -66,8 +66,13 @@ def invariance_failures(model, past: int, forward: Forward | None = None) -> lis
         items = [RaggedItem(o, r, len(r)) for o, r in zip(others, rows)]
         return items[:1] + [RaggedItem(c, [TOKEN, OTHER, OTHER], 3)] + items[1:], 1
 
+    def beside_a_prompt(c):  # one row beside a prompt's 40 and another one-row session: two attention calls
+        items = [RaggedItem(others[0], [7] * 40, 1), RaggedItem(c, [TOKEN], 1), RaggedItem(others[1], [2], 1)]
+        return items, 1
+
     want_logits, want_hidden = _first_row(forward, cache, alone)
     ways = {f"chain of {k + 1}": chain(k) for k in (1, 2, 4, 7, 15, 32)} | {"tree": tree, "beside 3 sessions": beside}
+    ways["beside a prompt"] = beside_a_prompt
     failures = []
     for name, way in ways.items():
         logits, hidden = _first_row(forward, cache, way)
@@ -193,6 +198,12 @@ def test_a_tree_node_scores_as_the_same_path_does_as_a_chain(tiny_dir, dtype, pa
     chain_logits, chain_hidden = ragged_forward(model, [RaggedItem(cache, [TOKEN, 3, 5], 3)])
     assert torch.equal(tree_logits[0][3], chain_logits[0][2]) and torch.equal(tree_hidden[0][3], chain_hidden[0][2])
     assert torch.equal(tree_logits[0][1], chain_logits[0][1])
+
+
+def test_sessions_attend_in_calls_of_like_row_counts():
+    """A prompt's rows never pad the one-row sessions beside it; tree sessions attend on their own."""
+    assert row_groups([1, 1, 5, 50, 4, 1, 64, 65], [False] * 4 + [True] + [False] * 3) == [[0, 1, 5], [2], [3, 6], [7]]
+    assert row_groups([3], [True]) == []
 
 
 def test_has_gaps_tells_a_tree_row_from_a_chain_or_a_window():
