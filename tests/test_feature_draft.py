@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from draft_service.distill.collect import Sample
 from draft_service.distill.evaluate import evaluate_feature
-from draft_service.distill.feature_train import feature_batcher, feature_loss, make_feature_examples, two_steps
+from draft_service.distill.feature_train import feature_batcher, feature_loss, make_feature_examples, rollout_steps
 from draft_service.distill.features import extract_features, sample_features
 from draft_service.distill.train import TrainConfig, train
 from draft_service.feature_draft import (
@@ -136,26 +136,29 @@ def test_training_lowers_loss_and_evaluation_replays(tiny_target, tmp_path):
 
 @torch.no_grad()
 def test_training_rolls_out_as_the_service_drafts(draft, tiny_target):
-    """The training's first step is ``predict`` over the pairs, and its rollout step at every position
-    is what a served session's second draft step computes there once the target accepted the first
-    draft token (true features in the cache, the draft's own predicted feature last)."""
+    """The training's first step is ``predict`` over the pairs, and its rollout steps at every position
+    are what a served session's second and third draft steps compute there once the target accepted
+    the draft tokens before them (true features in the cache, the draft's own predicted features last)."""
     model = tiny_target.model
     tokens = torch.randint(4, 28, (14,), generator=torch.Generator().manual_seed(7)).tolist()
     feats = sample_features(model, [tokens])[0].float()  # [T, D]
-    first, second = two_steps(draft, feats[None, :-1], torch.tensor([tokens[1:]]))
+    first, second, third = rollout_steps(draft, feats[None, :-1], torch.tensor([tokens[1:]]), steps=3)
     torch.testing.assert_close(first, draft.predict(feats[None, :-1], torch.tensor([tokens[1:]])))
-    for n in range(3, len(tokens)):
+    assert (first.shape[1], second.shape[1], third.shape[1]) == (13, 12, 11)
+    for n in range(3, len(tokens) - 1):
         session = FeatureSession(committed=tokens[:n])
         session.add_features(0, feats[: n - 1])
         seen = []
 
-        def pick(logits, n=n, seen=seen):  # the target's own token first, as a round whose first token passed
+        def pick(logits, n=n, seen=seen):  # the target's own tokens, as a round whose draft tokens passed
             seen.append(logits)
-            return (tokens[n] if len(seen) == 1 else 4), None
+            return (tokens[n + len(seen) - 1] if len(seen) < 3 else 4), None
 
-        session.propose(draft, 2, pick)
+        session.propose(draft, 3, pick)
         torch.testing.assert_close(seen[1], draft.full_logits(second[0, n - 2 : n - 1]), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(seen[2], draft.full_logits(third[0, n - 2 : n - 1]), atol=1e-4, rtol=1e-4)
     assert not torch.allclose(second, first[:, 1:], atol=1e-3)  # the rollout reads something else
+    assert not torch.allclose(third, second[:, 1:], atol=1e-3)
 
 
 def test_feature_shards_resume_when_more_samples_arrive(tiny_target, tmp_path):

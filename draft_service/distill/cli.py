@@ -158,6 +158,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--soft-weight", type=float, default=d.soft_weight, help="weight of top-16 distribution distillation"
     )
     g.add_argument("--prompt-weight", type=float, default=d.prompt_weight, help="loss weight of prompt positions")
+    g.add_argument(
+        "--rollout-steps",
+        type=int,
+        default=d.rollout_steps,
+        help="feature draft: draft steps trained at every position (the service drafts up to k)",
+    )
 
 
 def config_from_args(argv: list[str]) -> DistillConfig:
@@ -177,6 +183,8 @@ def _config(args: argparse.Namespace, argv: list[str]) -> DistillConfig:
         raise SystemExit(f"--prompts-file {args.prompts_file}: no such file")
     if args.data is not None and not (args.data / "held-out.jsonl.gz").is_file():
         raise SystemExit(f"--data {args.data}: not a `specdec distill-data` folder (no held-out.jsonl.gz)")
+    if args.rollout_steps < 1:
+        raise SystemExit(f"--rollout-steps must be at least 1, not {args.rollout_steps}")
     if args.data is not None and args.prompts_file is not None:
         raise SystemExit("--data and --prompts-file: pick one")
     if not 0.0 <= args.held_out_share < 1.0:
@@ -206,6 +214,7 @@ def _config(args: argparse.Namespace, argv: list[str]) -> DistillConfig:
         dtype=args.dtype,
         # Bars redrawn into a log file are noise: only on a terminal.
         progress=sys.stderr.isatty() and not args.no_progress,
+        rollout_steps=args.rollout_steps,
         prompts_file=args.prompts_file,
         data=args.data,
         held_out_share=args.held_out_share,

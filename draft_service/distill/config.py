@@ -83,6 +83,8 @@ class DistillConfig:
     batch_tokens: int = 4096
     soft_weight: float = 0.5
     """Weight of distillation on the target's top-16 distribution, besides its argmax."""
+    rollout_steps: int = 2
+    """Feature draft: draft steps trained per position (the first plus rollout steps on its own features)."""
     prompt_weight: float = 0.0
     """Loss weight of the target's argmax teacher-forced over prompt tokens (0: generated tokens only)."""
     max_len: int = 512

@@ -108,10 +108,16 @@ def _pad(members: list[FeatureExample]) -> FeatureBatch:
 
 
 def feature_loss(
-    draft: FeatureDraft, batch: FeatureBatch, soft_weight: float = 0.5, rollout_weight: float = 0.5, noise: float = 0.05
+    draft: FeatureDraft,
+    batch: FeatureBatch,
+    soft_weight: float = 0.5,
+    rollout_weight: float = 0.5,
+    noise: float = 0.05,
+    steps: int = 2,
 ) -> tuple[torch.Tensor, int, int]:
-    """Regression + argmax + distribution loss of one batch, plus the same after one rollout step;
-    also (correct top-1 on first-step generated positions, their count)."""
+    """Regression + argmax + distribution loss of one batch, plus the same after each rollout step up to
+    ``steps`` (step s weighted ``rollout_weight ** s``); also (correct top-1 on first-step generated
+    positions, their count)."""
     feats = batch.features.float()  # [B, T, W]: f, then any side layers' outputs
     dim = draft.hidden_size
     inputs = feats[:, :-1]  # f_i, i = 0 .. T-2
@@ -122,56 +128,61 @@ def feature_loss(
     truth = feats[:, 1:, :dim]  # f_{i+1}
     labels, weights = batch.labels[:, 1:], batch.weights[:, 1:]  # argmax at i + 1
     valid = batch.valid[:, 1:]
-    first, second = two_steps(draft, inputs, tokens, rollout=rollout_weight > 0)
+    predicted = rollout_steps(draft, inputs, tokens, steps if rollout_weight > 0 else 1)
     keep = weights > 0  # [B, T-1]; the head, the costly part, runs on labelled positions only
     teacher = None
     if soft_weight > 0:
         with torch.no_grad():  # the target's own distribution over the head, from its true feature
             teacher = torch.softmax(nn.functional.linear(truth[keep], draft.head_weight), dim=-1)  # [M, N]
-    loss, correct, count = _targets_loss(draft, first, truth, labels, weights, valid, soft_weight, teacher)
-    if second is not None:
+    loss, correct, count = _targets_loss(draft, predicted[0], truth, labels, weights, valid, soft_weight, teacher)
+    for step, rolled in enumerate(predicted[1:], start=1):
         later = keep.clone()
-        later[:, 0] = False  # the rollout predicts from position 1 on: its rows of the same teacher
-        rolled, _, _ = _targets_loss(
+        later[:, :step] = False  # step s predicts from position s on: its rows of the same teacher
+        step_loss, _, _ = _targets_loss(
             draft,
-            second,
-            truth[:, 1:],
-            labels[:, 1:],
-            weights[:, 1:],
-            valid[:, 1:],
+            rolled,
+            truth[:, step:],
+            labels[:, step:],
+            weights[:, step:],
+            valid[:, step:],
             soft_weight,
             None if teacher is None else teacher[later[keep]],
         )
-        loss = loss + rollout_weight * rolled
+        loss = loss + rollout_weight**step * step_loss
     return loss, correct, count
 
 
-def two_steps(
-    draft: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor, rollout: bool = True
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The draft's first and second draft steps at every position of right-padded pairs.
+def rollout_steps(
+    draft: FeatureDraft, features: torch.Tensor, tokens: torch.Tensor, steps: int = 2
+) -> list[torch.Tensor]:
+    """The draft's first ``steps`` draft steps at every position of right-padded pairs.
 
-    ``features [B, T, W]`` and ``tokens [B, T]`` are the pairs (f_i, t_{i+1}). Returns ``first
-    [B, T, D]``, the predicted f_{i+1} (``draft.predict`` on the pairs), and ``second [B, T-1, D]``
-    (None without ``rollout`` or with T < 2): the prediction of f_{i+2} from the pair
-    (first[i], t_{i+2}) at position i + 1, attending to the pairs 0..i as they were fed in the first
-    step (true features, as a served session's cache holds them) and to itself. That is what the
-    service's second draft step computes after a round whose tokens the target all accepted.
+    ``features [B, T, W]`` and ``tokens [B, T]`` are the pairs (f_i, t_{i+1}). Entry 0 is ``[B, T, D]``,
+    the predicted f_{i+1} (``draft.predict`` on the pairs); entry s (``[B, T-s, D]``) predicts f_{i+1+s}
+    for the chain started at pair i (row i) from the pair (entry s-1's row i, t_{i+1+s}) at position
+    i + s. It attends to the pairs 0..i as the first step fed them (true features, as a served
+    session's cache holds them), to the chain's own earlier rollout pairs and to itself: what the
+    service's later draft steps compute after a round whose tokens the target all accepted (EAGLE-3's
+    training-time test). Fewer entries where T is too short.
     """
     t = tokens.shape[1]
     x = draft._fc(tokens, features)  # [B, T, D]
     positions = torch.arange(t, device=tokens.device).unsqueeze(0)  # [1, T]
     causal = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()  # [T, T]
-    h, (keys, values) = _decoder_layer(draft.layer, x, draft.rope(x, positions), causal)
-    first = draft.norm(h)
-    if not rollout or t < 2:
-        return first, None
-    x = draft._fc(tokens[:, 1:], first[:, :-1])  # [B, T-1, D]: the draft's own features, no side layers
-    seen = torch.cat(
-        [causal[:-1, :-1], torch.eye(t - 1, dtype=torch.bool, device=tokens.device)], dim=1
-    )  # [T-1, 2(T-1)]
-    h, _ = _decoder_layer(draft.layer, x, draft.rope(x, positions[:, 1:]), seen, (keys[:, :, :-1], values[:, :, :-1]))
-    return first, draft.norm(h)
+    h, kv = _decoder_layer(draft.layer, x, draft.rope(x, positions), causal)
+    predicted = [draft.norm(h)]
+    keys, values = [kv[0]], [kv[1]]
+    for step in range(1, min(steps, t)):
+        n = t - step  # chains that still have a true next token
+        x = draft._fc(tokens[:, step:], predicted[-1][:, :n])  # [B, n, D]: the draft's own features
+        own = torch.eye(n, dtype=torch.bool, device=tokens.device)
+        seen = torch.cat([causal[:n, :n]] + [own] * step, dim=1)  # [n, (step + 1) n]
+        context = (torch.cat([k[:, :, :n] for k in keys], 2), torch.cat([v[:, :, :n] for v in values], 2))
+        h, kv = _decoder_layer(draft.layer, x, draft.rope(x, positions[:, step:]), seen, context)
+        predicted.append(draft.norm(h))
+        keys.append(kv[0])
+        values.append(kv[1])
+    return predicted
 
 
 def _decoder_layer(

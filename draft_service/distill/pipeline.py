@@ -420,7 +420,7 @@ def _train_feature(
     training = train(
         _place(draft, target, placement.device),
         feature_batcher(examples, config.batch_tokens),
-        lambda d, b: feature_loss(d, b, config.soft_weight),
+        lambda d, b: feature_loss(d, b, config.soft_weight, steps=config.rollout_steps),
         tconf,
         config.work / f"checkpoint-{config.kind}.pt",
         deadline=budget_end,
