@@ -48,7 +48,7 @@ class DataConfig:
     data: Path
     cache_dir: Path
     composed: int = 40_000
-    meta: int = 4_000
+    meta: int = 1_500
     follow_up_share: float = 0.5
     """Share of the greedy chat answers (of the first ``ANSWERS_FIRST``) that get a second user turn."""
     max_new: int = 192

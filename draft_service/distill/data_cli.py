@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=d.width, help="sessions in one pass")
     p.add_argument("--dtype", default=d.dtype, help="the target's dtype (auto: as the target service serves it)")
     p.add_argument("--no-compile", action="store_true", help="run the eager pass, not the compiled one")
-    p.add_argument("--threads", type=int, default=d.threads)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (1 where other jobs share the cores)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
 
@@ -101,6 +102,8 @@ def _run(config, reexec: bool) -> int:
     from specdec.models import load_model
     from specdec.ragged import ragged_forward
 
+    # A stop (kill, a pod's termination) writes the answers that finished before it, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     torch.set_num_threads(config.threads)
     # Loaded as the target service loads it: the serving dtype and the packed, row-invariant linears.
     loaded = load_model(config.target, config.cache_dir, dtype=config.dtype, pack=True)
