@@ -18,6 +18,7 @@ from coordinator.replicas import (
     CacheRef,
     DraftResult,
     Fenced,
+    Forked,
     HiddenChunk,
     VerifyResult,
 )
@@ -88,6 +89,15 @@ class _Replica:
         request = common_pb2.PrefillRequest(tokens=tokens, fence=fence)
         reply = await self._call(self._stub.Prefill, request, remaining_s)
         return CacheRef(self.address, reply.cache_id, reply.committed, fence)
+
+    async def fork(
+        self, source: CacheRef, tokens: list[int], remaining_s: float | None = None, fence: int = 0
+    ) -> Forked:
+        """Creates a cache over the committed ``tokens`` copying ``source``'s state where their tokens
+        match (``PrefillRequest.fork_of``); CacheLost when ``source`` is gone."""
+        request = common_pb2.PrefillRequest(tokens=tokens, fence=fence, fork_of=source.cache_id)
+        reply = await self._call(self._stub.Prefill, request, remaining_s)
+        return Forked(CacheRef(self.address, reply.cache_id, reply.committed, fence), reply.copied)
 
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
         """Drops a cache (best effort)."""

@@ -61,6 +61,13 @@ class HiddenBacklog:
         """Forgets every row: the draft has them."""
         self._chunks, self._rows, self._joined = [], 0, None
 
+    def drop_before(self, position: int) -> None:
+        """Forgets the rows of positions before ``position``: the draft holds them already (a fork's copy)."""
+        drop = min(self._rows, position - self._start)
+        if drop > 0:
+            self._drop_front(drop)
+            self._joined = None
+
     def _cut(self, keep: int) -> None:
         """Keeps the first ``keep`` rows."""
         row, kept, held = 2 * self._dim, [], 0

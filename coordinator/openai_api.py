@@ -12,9 +12,10 @@ A client that disconnects cancels its handler, which closes the round loop's gen
 its admission slot and its session's lease at once.
 
 A request with several choices (``n`` > 1, or several prompts) runs each choice as a turn of its own,
-side by side, each on its own session with its own admission slot: the services have no way to fork
-a prompt's cache, so each choice prefills its prompt. The answer (or the stream's first byte) waits
-until every choice has its first chunk, so that a refusal of any of them is the request's status.
+side by side, each on its own session with its own admission slot; the choices of one prompt share
+its prefill (``coordinator.choices``: the first choice's caches are forked for the others). The answer
+(or the stream's first byte) waits until every choice has its first chunk, so that a refusal of any
+of them is the request's status.
 
 Chat requests are stateless, but a request whose messages extend a conversation this coordinator
 served continues that conversation's session (``coordinator.openai_sessions``), so its caches
@@ -45,6 +46,7 @@ from opentelemetry import propagate, trace
 
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor, bearer_token
+from coordinator.choices import share_prefills
 from coordinator.identity import Caller, caller_of
 from coordinator.openai_responses import ResponseBuilder, parse_responses, responses_error, sse_event
 from coordinator.openai_schema import (
@@ -336,7 +338,8 @@ class OpenAiApi:
         body = await _json_body(request)
         api = parse_request(body, chat, self.model_ids, self._max_context, self._vocab_size)
         caller = _caller(request)
-        cores = [replace(core, client=caller.client, owner=caller.owner) for core in api.choices]
+        # The choices of each prompt share its prefill (``coordinator.choices``).
+        cores = share_prefills([replace(core, client=caller.client, owner=caller.owner) for core in api.choices], api.n)
         runs = _Runs([self._chunks(core, caller) for core in cores])
         try:
             # Every choice's first chunk (or refusal) before answering: a refusal is the request's status.

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from coordinator.choices import MAX_CHOICES
 from coordinator.server import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from coordinator.tools import ToolCall, ToolSpec, assistant_tool_calls, check_tool_grammar, parse_tools, tool_format_key
 from coordinator.turns import GenerationRequest, Stats
@@ -43,9 +44,6 @@ from specdec.sampling_params import MAX_TOP_LOGPROBS, TokenLogprob, check_penalt
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # One prompt: completions' text or token ids, or chat's messages.
 Prompt = str | tuple[int, ...] | list[dict[str, str]]
-# Most choices (n times the prompts) one request may ask for: each runs as a session of its own, so
-# one request must not fan out without bound.
-MAX_CHOICES = 64
 # Message roles the chat template knows; OpenAI's newer "developer" role is its system prompt. A
 # "tool" message (a call's result) is rendered by the template or ``coordinator.tools``' fallback.
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}

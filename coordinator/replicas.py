@@ -212,6 +212,15 @@ class CacheRef:
 
 
 @dataclass(frozen=True)
+class Forked:
+    """A cache a fork created, and the committed positions (from the first) whose state it copied
+    rather than computed (a feature draft's: the positions it holds target features for)."""
+
+    ref: CacheRef
+    copied: int
+
+
+@dataclass(frozen=True)
 class DraftResult:
     """Tokens a draft proposed and, when sampling, the sparse q of each."""
 
@@ -268,6 +277,13 @@ class Replica(Protocol):
 
     async def prefill(self, tokens: list[int], remaining_s: float | None = None, fence: int = 0) -> CacheRef:
         """Creates a cache over the committed ``tokens`` for the turn holding fencing token ``fence``."""
+
+    async def fork(
+        self, source: CacheRef, tokens: list[int], remaining_s: float | None = None, fence: int = 0
+    ) -> Forked:
+        """Creates a cache over the committed ``tokens`` on this replica (the one holding ``source``)
+        that copies ``source``'s state where their tokens match (``PrefillRequest.fork_of``), for the
+        turn holding fencing token ``fence``. CacheLost when ``source`` is gone."""
 
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
         """Drops a cache (best effort)."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from opentelemetry import trace
 
+from coordinator.choices import PromptForks, SharedPrefill
 from coordinator.policy import RoundPlan
 from coordinator.replicas import (
     REST_S,
@@ -117,9 +118,22 @@ class Router:
         if not scoring and turn.target is not None and self.targets.stays(turn.target.address):
             return False
         left = turn.target
-        turn.target, fed, scored = await self._place(
-            turn.committed, turn.remaining_s, span, turn.fence, feed_now, top if scoring else None
-        )
+        # One of several choices of a prompt: the first prefills, the others fork its cache.
+        forks = turn.request.forks if not scoring else None
+        first = forks is not None and forks.target.first()
+        if forks is not None and not first and await self._fork_target(turn, forks, span):
+            self._release_left(self.targets, left, turn.target)
+            return True
+        try:
+            turn.target, fed, scored = await self._place(
+                turn.committed, turn.remaining_s, span, turn.fence, feed_now, top if scoring else None, first
+            )
+        except BaseException:
+            if first and forks is not None:
+                forks.target.settle(None)  # the other choices prefill their own
+            raise
+        if first and forks is not None:
+            forks.target.settle(SharedPrefill(turn.target, tuple(turn.committed), fed))
         turn.hidden.add(fed)
         if scoring:
             turn.prompt_logprobs = scored
@@ -141,6 +155,35 @@ class Router:
         ref, fed, _ = await self._place(committed, remaining_s, span, fence, feed_now)
         return ref, fed
 
+    async def _fork_target(self, turn: Turn, forks: PromptForks, span: trace.Span) -> bool:
+        """Gives the turn a fork of the first choice's target cache, on the replica that holds it, once
+        that cache is placed; whether it did. It does not when that prefill failed, or was over other
+        tokens, or when its replica rests, left, fails the call or lost the cache: the turn then
+        prefills its own. A refusal (a full KV budget) is the turn's, as a prefill's would be."""
+        shared = await forks.target.wait()
+        if shared is None or list(shared.tokens) != turn.committed:
+            return False
+        address = shared.ref.address
+        replica = self.targets.find(address)
+        if replica is None or not self.targets.usable(address):
+            return False
+        try:
+            forked = await replica.fork(shared.ref, turn.committed, turn.remaining_s(), turn.fence)
+        except CacheLost as exc:
+            span.add_event("specdec.fork_lost", {"error": str(exc)})
+            log.info("the first choice's target cache is gone, this choice prefills its own: %s", exc)
+            return False
+        except BackendUnavailable as exc:
+            if turn.out_of_time():
+                raise
+            self._failed(self.targets, exc, span, "target", "target unreachable for a fork, prefilling elsewhere")
+            return False
+        self.targets.succeeded(address)
+        turn.target = forked.ref
+        turn.hidden.add(shared.hidden)  # the prompt's rows, as the first choice's prefill fed them
+        span.add_event("specdec.forked", {"specdec.copied": forked.copied})
+        return True
+
     async def _place(
         self,
         committed: list[int],
@@ -149,10 +192,12 @@ class Router:
         fence: int,
         feed_now: bool = False,
         prompt_top: int | None = None,
+        whole: bool = False,
     ) -> tuple[CacheRef, HiddenChunk | None, list[TokenLogprob] | None]:
         """``place_target``; with ``prompt_top`` set, by a prefill that also returns the logprob of each
         committed token from the second on, with that many alternatives (a target that cannot is a
-        ValueError: the request asks for what this deployment does not serve)."""
+        ValueError: the request asks for what this deployment does not serve). ``whole``: the prompt is
+        fed now, whatever the draft wants (a cache other choices fork must hold all of it)."""
         self._probe_due(self.targets)
         error: BackendUnavailable | None = None
         for _ in range(len(self.targets)):
@@ -168,7 +213,7 @@ class Router:
                         committed, remaining_s(), prompt_top, self.want_hidden, fence, self.side_layers
                     )
                 else:
-                    fed_now = feed_now and self.want_hidden
+                    fed_now = (feed_now and self.want_hidden) or whole
                     ref, fed = await target.prefill_with_hidden(
                         committed, remaining_s(), self.want_hidden, fence, fed_now, self.side_layers
                     )
@@ -183,11 +228,27 @@ class Router:
 
     async def draft(self, turn: Turn, plan: RoundPlan, span: trace.Span) -> DraftCall | None:
         """Asks a draft replica for the plan's tokens (None: no replica is available), handing over the
-        hidden states it has not seen; moves ``turn.draft`` to where its cache now is."""
+        hidden states it has not seen; moves ``turn.draft`` to where its cache now is.
+
+        One of several choices of a prompt with no draft cache yet: the first such call builds one and
+        offers it once it has proposed; the others wait for that and fork it (``coordinator.choices``)."""
         if turn.state.round < turn.draft_refused_until:
             return None
+        forks = turn.request.forks if turn.draft is None else None
+        if forks is None or not forks.draft.first():
+            source = None if forks is None else await forks.draft.wait()
+            return await self._draft(turn, plan, span, source)
+        call = None
+        try:
+            call = await self._draft(turn, plan, span, None)
+        finally:
+            forks.draft.settle(turn.draft if call is not None and call.result is not None else None)
+        return call
+
+    async def _draft(self, turn: Turn, plan: RoundPlan, span: trace.Span, source: CacheRef | None) -> DraftCall | None:
+        """``draft``; ``source``: another choice's draft cache over this prompt, to fork."""
         self._probe_due(self.drafts)
-        replica = self.drafts.pick(turn.draft)
+        replica = self.drafts.pick(turn.draft or source)
         if replica is None:
             return None
         ref = left = turn.draft
@@ -200,7 +261,7 @@ class Router:
                 except CacheLost:
                     caught_up = None
             if caught_up is None:
-                ref = await replica.prefill(turn.committed, turn.remaining_s(), turn.fence)
+                ref = await self._new_draft_cache(replica, turn, source, span)
                 result = await self._propose(replica, ref, turn, plan)
         except BackendUnavailable as error:
             if not turn.out_of_time():
@@ -219,6 +280,22 @@ class Router:
         turn.hidden.clear()
         self._release_left(self.drafts, left, turn.draft)
         return DraftCall(result, caught_up)
+
+    async def _new_draft_cache(
+        self, replica: DraftBackend, turn: Turn, source: CacheRef | None, span: trace.Span
+    ) -> CacheRef:
+        """A draft cache over the turn's committed tokens: a fork of ``source`` (another choice's draft
+        cache over the same prompt) when it lies on ``replica``, else a prefill. A fork's copy makes the
+        target hidden rows it holds already needless: the turn sends only those after them."""
+        if source is not None and source.address == replica.address:
+            try:
+                forked = await replica.fork(source, turn.committed, turn.remaining_s(), turn.fence)
+            except CacheLost as exc:
+                span.add_event("specdec.fork_lost", {"error": str(exc)})
+            else:
+                turn.hidden.drop_before(forked.copied)
+                return forked.ref
+        return await replica.prefill(turn.committed, turn.remaining_s(), turn.fence)
 
     @staticmethod
     async def _propose(replica: DraftBackend, ref: CacheRef, turn: Turn, plan: RoundPlan) -> DraftResult:

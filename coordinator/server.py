@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -16,6 +16,7 @@ from opentelemetry import trace
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor, bearer_token
 from coordinator.backends import DraftReplica, TargetReplica
+from coordinator.choices import MAX_CHOICES, ChoiceRuns, choice_requests
 from coordinator.discovery import open_source
 from coordinator.identity import Caller, caller_of
 from coordinator.membership import Membership, Refused
@@ -59,6 +60,16 @@ _BACKEND_RETRY_MS = 1000
 # Stop strings a request may name, and their length: generous for real use, bounded for the loop's sake.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+
+
+def choices_of(request: coordinator_pb2.GenerateRequest) -> int:
+    """The number of choices the request asks for (``GenerateRequest.n``), checked."""
+    n = request.n or 1
+    if n > MAX_CHOICES:
+        raise ValueError(f"n: at most {MAX_CHOICES} choices, got {n}")
+    if n > 1 and (request.session_id or request.HasField("resume")):
+        raise ValueError("n: several choices start sessions of their own; session_id and resume must be unset")
+    return n
 
 
 def validate(request: coordinator_pb2.GenerateRequest, max_context: int) -> GenerationRequest:
@@ -178,8 +189,10 @@ def _stats_pb(stats: Stats) -> coordinator_pb2.GenerationStats:
     )
 
 
-def _chunk_pb(chunk: Chunk) -> coordinator_pb2.GenerateChunk:
-    msg = coordinator_pb2.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, session_id=chunk.session_id)
+def _chunk_pb(chunk: Chunk, index: int = 0) -> coordinator_pb2.GenerateChunk:
+    msg = coordinator_pb2.GenerateChunk(
+        text=chunk.text, token_ids=chunk.token_ids, session_id=chunk.session_id, index=index
+    )
     if chunk.finish_reason is not None:
         msg.finish_reason = chunk.finish_reason
     if chunk.stats is not None:
@@ -230,13 +243,29 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
         self._max_context = max_context
         self._admission = admission
 
-    async def _chunks(self, request, context):
+    async def _admitted(self, request: GenerationRequest, caller: Caller, context) -> AsyncGenerator[Chunk, None]:
+        """One choice's chunks, under an admission slot of its own."""
+        async with self._admission.slot(caller.client):
+            async for chunk in self._loop.generate(request, context.time_remaining):
+                yield chunk
+
+    async def _chunks(self, request, context) -> AsyncGenerator[tuple[int, Chunk], None]:
+        """Each chunk of the request with its choice's index; several choices run side by side, sharing
+        their prompt's prefill (``coordinator.choices``), and a failure of any is the call's status."""
         try:
             caller = caller_from(context)
+            n = choices_of(request)
             core_request = replace(validate(request, self._max_context), client=caller.client, owner=caller.owner)
-            async with self._admission.slot(caller.client):
-                async for chunk in self._loop.generate(core_request, context.time_remaining):
-                    yield chunk
+            if n == 1:
+                async for chunk in self._admitted(core_request, caller, context):
+                    yield 0, chunk
+                return
+            runs = ChoiceRuns([self._admitted(core, caller, context) for core in choice_requests(core_request, n)])
+            try:
+                async for index, chunk in runs.chunks():
+                    yield index, chunk
+            finally:
+                await runs.close()
         except Overloaded as exc:
             context.set_trailing_metadata(((RETRY_AFTER_METADATA, str(int(exc.retry_after_s * 1000))),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -248,12 +277,13 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             await context.abort(code, detail)
 
     async def Generate(self, request, context):
-        async for chunk in self._chunks(request, context):
-            yield _chunk_pb(chunk)
+        async for index, chunk in self._chunks(request, context):
+            yield _chunk_pb(chunk, index)
 
     async def Complete(self, request, context):
-        reply = coordinator_pb2.CompleteReply()
-        async for chunk in self._chunks(request, context):
+        replies: dict[int, coordinator_pb2.CompleteReply] = {}
+        async for index, chunk in self._chunks(request, context):
+            reply = replies.setdefault(index, coordinator_pb2.CompleteReply())
             reply.text += chunk.text
             reply.token_ids.extend(chunk.token_ids)
             logprobs_to_pb(chunk.logprobs or (), reply.logprobs)
@@ -261,7 +291,12 @@ class CoordinatorServicer(coordinator_pb2_grpc.CoordinatorServicer):
             if chunk.finish_reason is not None:
                 reply.finish_reason = chunk.finish_reason
                 reply.stats.CopyFrom(_stats_pb(chunk.stats))
-        return reply
+        if len(replies) == 1:
+            return replies[0]
+        whole = coordinator_pb2.CompleteReply()
+        whole.CopyFrom(replies[0])
+        whole.choices.extend(replies[i] for i in range(len(replies)))
+        return whole
 
 
 def register(servicer: CoordinatorServicer) -> Callable[[grpc.aio.Server], None]:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from coordinator.adaptive import AcceptanceTracker, add_counts
+from coordinator.choices import PromptForks
 from coordinator.hidden_backlog import HiddenBacklog
 from coordinator.prompts import build_turn
 from coordinator.replicas import CacheRef
@@ -105,6 +106,9 @@ class GenerationRequest:
     # Chat with a session: ``messages`` are the whole conversation, rendered afresh, rather than
     # messages to append to the session's (the OpenAI API's stateless clients resend everything).
     whole_conversation: bool = False
+    # Set when this is one of several choices of one prompt: what they share to prefill the prompt
+    # once (``coordinator.choices``). Not part of what the request asks for.
+    forks: PromptForks | None = field(default=None, compare=False, repr=False)
 
     def sampling(self, seed: int, coupled: bool, output_start: int) -> Sampling:
         """The turn's sampling settings; ``output_start``: the committed length where its output begins

@@ -20,7 +20,7 @@ from specdec.batching import waves
 from specdec.config import MAX_K
 from specdec.constrain import grammar_at
 from specdec.grammar import GrammarCompiler, GrammarMatcher, compiler_for
-from specdec.kvcache import CacheTable, HiddenRows, SessionCache
+from specdec.kvcache import CacheTable, HiddenRows, SessionCache, fit_fork
 from specdec.models import LoadedModel
 from specdec.ngram import LOOKUP_MAX_N, lookup_tree, propose_ngram, whole_continuation
 from specdec.ragged import RaggedLayout
@@ -121,15 +121,31 @@ class DraftEngine:
     def prefill(self, tokens: list[int], fence: int = 0) -> tuple[str, int]:
         """Creates a session cache over ``tokens`` for a caller with fencing token ``fence``; returns
         its id and committed length."""
+        self._check_prefill(tokens)
+        cache_id, cache = self._caches.create(tokens, fence)
+        self._prefill(cache)
+        self._caches.fit_budget(cache_id)
+        return cache_id, len(cache.committed)
+
+    def fork(self, source_id: str, tokens: list[int], fence: int = 0) -> tuple[str, int, int]:
+        """Creates a session cache over ``tokens`` that copies the state of cache ``source_id`` where
+        its tokens match (KV entries; a feature draft's features and KV pairs), then builds what the copy
+        lacks as a prefill would; returns its id, committed length and the positions copied. An unknown
+        source is CacheNotFound; past the KV budget while the other caches are in use, CacheBudgetExceeded."""
+        self._check_prefill(tokens)
+        cache_id, cache = self._caches.fork(source_id, tokens, fence)
+        copied = cache.copied_end
+        self._prefill(cache)
+        fit_fork(self._caches, cache_id, source_id)
+        return cache_id, len(cache.committed), copied
+
+    def _check_prefill(self, tokens: list[int]) -> None:
+        """Refuses a prompt that is empty, names a token outside the vocabulary or fills the context."""
         if not tokens:
             raise ValueError("tokens: prefill needs at least one token")
         self._check_tokens(tokens, "tokens")
         if len(tokens) >= self._facts.max_context:
             raise ValueError(f"tokens: {len(tokens)} tokens exceed the context of {self._facts.max_context}")
-        cache_id, cache = self._caches.create(tokens, fence)
-        self._prefill(cache)
-        self._caches.fit_budget(cache_id)
-        return cache_id, len(cache.committed)
 
     def propose(
         self,

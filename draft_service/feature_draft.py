@@ -50,7 +50,7 @@ from draft_service.token_draft import (
     save_draft_weights,
 )
 from specdec.config import FEATURE_KIND
-from specdec.kvcache import GrowableCache, check_sync, common_prefix_len
+from specdec.kvcache import GrowableCache, check_sync, common_prefix_len, copy_kv
 from specdec.ragged import RaggedLayout, layer_ropes, ragged_decoder_layer
 
 KIND = FEATURE_KIND
@@ -367,6 +367,22 @@ class FeatureSession:
         # A feature at the last committed position has no next token to pair with yet: drop it too.
         same = min(common_prefix_len(old, self.committed), len(self.committed) - 1)
         self._keep(same - self.window, same - 1 - self.window)
+
+    def fork(self, tokens: list[int], fence: int = 0) -> FeatureSession:
+        """A new session over the committed ``tokens`` with a copy of this one's features and KV pairs
+        where its tokens match (then synced to ``tokens`` as any sync crops: no speculative entry, no
+        feature at the last position); the draft's catch-up feeds only what the copy lacks."""
+        features = None if self.features is None else self.features.clone()
+        pairs = min(self.kv_pairs, self.kv.get_seq_length())
+        clone = FeatureSession(list(self.committed), self.window, features, copy_kv(self.kv, pairs), pairs)
+        common = common_prefix_len(self.committed, tokens)
+        clone.sync(common, tokens[common:], fence)
+        return clone
+
+    @property
+    def copied_end(self) -> int:
+        """One past the last committed position whose state the session holds (a target feature)."""
+        return self.feature_end if self.features is not None and len(self.features) else 0
 
     def add_features(self, start: int, rows: torch.Tensor) -> None:
         """Takes the target's features ``[n, D]`` for positions ``start .. start + n - 1``."""

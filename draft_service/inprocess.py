@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from coordinator.replicas import CacheRef, DraftResult, HiddenChunk, core_error
+from coordinator.replicas import CacheRef, DraftResult, Forked, HiddenChunk, core_error
 from draft_service.engine import DraftEngine, ProposeCall
 from specdec.hidden_wire import hidden_from_fp16
 from specdec.sampling_params import Sampling
@@ -90,6 +90,13 @@ class InProcessDraft:
             proposal.looked_up,
             tuple(proposal.parents),
         )
+
+    async def fork(
+        self, source: CacheRef, tokens: list[int], remaining_s: float | None = None, fence: int = 0
+    ) -> Forked:
+        """Creates a cache over ``tokens`` copying ``source``'s state where their tokens match."""
+        cache_id, committed, copied = self._run(lambda: self._engine.fork(source.cache_id, list(tokens), fence))
+        return Forked(CacheRef(self.address, cache_id, committed, fence), copied)
 
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
         """Drops a cache."""

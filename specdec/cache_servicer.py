@@ -25,6 +25,8 @@ class CacheEngine(Protocol):
 
     def prefill(self, tokens: list[int], fence: int = 0) -> tuple[str, int]: ...
 
+    def fork(self, source_id: str, tokens: list[int], fence: int = 0) -> tuple[str, int, int]: ...
+
     def release(self, cache_id: str) -> bool: ...
 
     @property
@@ -58,11 +60,18 @@ class CacheServicer:
             await loop.run_in_executor(self._executor, self._engine.caches.expire_idle)
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
-        """Creates a session cache over the request's tokens."""
+        """Creates a session cache over the request's tokens, or (``fork_of``) copied from another cache
+        where their tokens match."""
         with server_span(self._tracer, f"{self._name}/Prefill", context) as span:
-            span.set_attribute("specdec.tokens", len(request.tokens))
+            span.set_attributes({"specdec.tokens": len(request.tokens), "specdec.forked": bool(request.fork_of)})
+            tokens = list(request.tokens)
+            if request.fork_of:
+                cache_id, committed, copied = await call_core(
+                    context, self._executor, lambda: self._engine.fork(request.fork_of, tokens, request.fence)
+                )
+                return common_pb2.PrefillReply(cache_id=cache_id, committed=committed, copied=copied)
             cache_id, committed = await call_core(
-                context, self._executor, lambda: self._engine.prefill(list(request.tokens), request.fence)
+                context, self._executor, lambda: self._engine.prefill(tokens, request.fence)
             )
             return common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
 

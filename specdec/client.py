@@ -143,6 +143,9 @@ class Chunk:
     stats: Stats | None = None
     # With ``top_logprobs``: one per token of ``token_ids`` (the target's, see ``build_request``).
     logprobs: list[TokenLogprob] | None = None
+    # The choice (0 to n - 1) the chunk belongs to; with n > 1 the choices' chunks interleave, and
+    # each choice ends with its own chunk carrying ``finish_reason`` and ``stats``.
+    index: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,9 @@ class Completion:
     stats: Stats = field(repr=False)
     # With ``top_logprobs``: one per generated token.
     logprobs: list[TokenLogprob] | None = field(default=None, repr=False)
+    # With n > 1: every choice in index order, each a Completion of its own session (the fields above
+    # are choice 0's); empty with one choice.
+    choices: list[Completion] = field(default_factory=list, repr=False)
 
 
 def _stats(msg: coordinator_pb2.GenerationStats) -> Stats:
@@ -185,6 +191,7 @@ def build_request(
     logit_bias: Mapping[int, float] | None = None,
     response_format: Mapping[str, Any] | None = None,
     top_logprobs: int | None = None,
+    n: int = 1,
 ) -> coordinator_pb2.GenerateRequest:
     """The wire request for a prompt: a ``str`` is plain text, a list of dicts is chat. With ``prompt``
     None, ``prompt_token_ids`` are the prompt, token ids taken as given (no template, no special tokens).
@@ -203,6 +210,12 @@ def build_request(
     ``top_logprobs`` (0 to 20) asks for each generated token's log probability under the target, from
     its own verify pass (before penalties, bias and sampling settings; never the draft's), with that
     many likeliest alternatives: ``Chunk.logprobs`` and ``Completion.logprobs``.
+
+    ``n`` (1 to 64) asks for that many choices, each in a session of its own, choice i sampled as the
+    same request with ``seed`` + i (unseeded, each draws its own seed); they share one prefill of the
+    prompt. ``stream`` then yields every choice's chunks, each with its ``Chunk.index``, and ``complete``
+    answers choice 0 with every choice in ``Completion.choices``. Several choices take no
+    ``session_id``, and a stream of them is not resumed on another coordinator once a chunk arrived.
     """
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
     if response_format is not None and not isinstance(response_format, Mapping):
@@ -218,6 +231,7 @@ def build_request(
         top_p=top_p,
         tree_nodes=tree_nodes,
         top_logprobs=top_logprobs,
+        n=n,
         presence_penalty=presence_penalty,
         frequency_penalty=frequency_penalty,
         repetition_penalty=repetition_penalty,
@@ -260,6 +274,8 @@ def build_request(
         request.tree_nodes = tree_nodes
     if top_logprobs is not None:
         request.top_logprobs = top_logprobs
+    if n != 1:
+        request.n = n
     return request
 
 
@@ -271,6 +287,7 @@ _WIRE_INTS = {
     "k": (-(2**31), 2**31 - 1),
     "tree_nodes": (0, 2**32 - 1),
     "top_logprobs": (0, 2**32 - 1),
+    "n": (1, 2**32 - 1),
 }
 
 
@@ -352,6 +369,7 @@ class _Attempts:
         self.calls = 0
         self.tokens = 0
         self.chars = 0
+        self.chunks = 0
         self.session_id = request.session_id
 
     def timeout(self) -> float | None:
@@ -363,12 +381,16 @@ class _Attempts:
         self.session_id = msg.session_id or self.session_id
         self.tokens += len(msg.token_ids)
         self.chars += len(msg.text)
+        self.chunks += 1
 
     def retry_after(self, exc: grpc.RpcError) -> float | None:
-        """Seconds to wait before sending again, or None when ``exc`` must reach the caller."""
+        """Seconds to wait before sending again, or None when ``exc`` must reach the caller. A stream of
+        several choices that delivered a chunk is not resumed: its sessions cannot all be named."""
         self.calls += 1
         out_of_time = self._deadline is not None and time.monotonic() >= self._deadline
         if exc.code() not in _RETRYABLE or self.calls >= self._policy.attempts or out_of_time:
+            return None
+        if self.request.n > 1 and self.chunks:
             return None
         if self.session_id:
             self.request.session_id = self.session_id
@@ -392,6 +414,7 @@ def _chunk(msg: coordinator_pb2.GenerateChunk) -> Chunk:
         finish_reason=msg.finish_reason or None,
         stats=_stats(msg.stats) if msg.HasField("stats") else None,
         logprobs=logprobs_from_pb(msg.logprobs) or None,
+        index=msg.index,
     )
 
 
@@ -403,6 +426,7 @@ def _completion(msg: coordinator_pb2.CompleteReply) -> Completion:
         msg.session_id,
         _stats(msg.stats),
         logprobs_from_pb(msg.logprobs) or None,
+        [_completion(choice) for choice in msg.choices],
     )
 
 

@@ -79,6 +79,25 @@ class GrowableLayer(DynamicLayer):
         return self._length if self.is_initialized else 0
 
     @torch.inference_mode()
+    def clone(self, keep: int) -> GrowableLayer:
+        """A new layer holding a copy of this one's first ``keep`` entries, in fresh zeroed buffers:
+        the numbers a pass that fed those positions would have written (a fork's KV)."""
+        layer = GrowableLayer()
+        if not self.is_initialized:
+            return layer
+        keep = min(keep, self._length)
+        layer.device = self.device
+        layer._length = keep
+        for name in ("_key_buf", "_value_buf"):
+            old = getattr(self, name)
+            new = self._alloc(old, max(self._INITIAL, keep))
+            new[:, :, :keep].copy_(old[:, :, :keep])
+            setattr(layer, name, new)
+        layer._expose()
+        layer.is_initialized = True
+        return layer
+
+    @torch.inference_mode()
     def compact(self, start: int, keep: list[int]) -> None:
         """Keeps the entries at ``start + keep[i]`` (``keep`` increasing) as ``start + i`` and drops the
         rest past ``start``: a verified tree's accepted path, moved to follow the committed entries."""
@@ -110,6 +129,15 @@ class GrowableCache(DynamicCache):
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowableLayer)
+
+
+def copy_kv(kv: Cache, keep: int) -> GrowableCache:
+    """A GrowableCache holding a copy of the first ``keep`` entries of every layer of ``kv``."""
+    out = GrowableCache()
+    for layer in kv.layers:
+        assert isinstance(layer, GrowableLayer), "session caches are GrowableCaches"
+        out.layers.append(layer.clone(keep))
+    return out
 
 
 @dataclass(frozen=True)
@@ -197,6 +225,17 @@ class SessionCache:
         """Committed tokens not yet in the KV cache (at least the last one after a sync)."""
         return self.committed[len(self.kv_tokens) :]
 
+    def fork(self, tokens: list[int], fence: int = 0) -> SessionCache:
+        """A new session's cache over the committed ``tokens``, holding a copy of this cache's KV
+        entries where its tokens match (never the last token: a round feeds it); the rest is pending."""
+        keep = max(0, min(common_prefix_len(self.kv_tokens, tokens), len(tokens) - 1))
+        return SessionCache(list(tokens), copy_kv(self.kv, keep), self.kv_tokens[:keep], fence)
+
+    @property
+    def copied_end(self) -> int:
+        """One past the last committed position whose state the cache holds (its KV entries)."""
+        return len(self.kv_tokens)
+
     @torch.inference_mode()
     def forward(self, model: PreTrainedModel, extra: list[int], logits_to_keep: int) -> torch.Tensor:
         """Feeds the pending committed tokens plus ``extra`` in one pass.
@@ -239,18 +278,20 @@ class SessionCache:
     def prefill(
         self, model: PreTrainedModel, with_hidden: bool = False, side_layers: tuple[int, ...] = ()
     ) -> HiddenRows | None:
-        """Caches every committed token but the last, so the next call starts with one pending.
+        """Caches every committed token but the last, so the next call starts with one pending (a
+        fork's cache feeds only what its copy does not hold).
 
         With ``with_hidden``, returns the hidden states of the positions it fed (and the outputs of
         ``side_layers``).
         """
-        if len(self.committed) <= 1:
+        start = len(self.kv_tokens)
+        rest = self.committed[start:-1]
+        if not rest:
             width = model.config.hidden_size * (1 + len(side_layers))
-            return HiddenRows(0, torch.zeros(0, width)) if with_hidden else None
+            return HiddenRows(start, torch.zeros(0, width)) if with_hidden else None
         if with_hidden:
-            start = len(self.kv_tokens)
-            return HiddenRows(start, self._hidden(model, self.committed[:-1], side_layers))  # [n, W]
-        self.forward_without_logits(model, self.committed[:-1])
+            return HiddenRows(start, self._hidden(model, rest, side_layers))  # [n, W]
+        self.forward_without_logits(model, rest)
         return None
 
     def forward_without_logits(self, model: PreTrainedModel, tokens: list[int]) -> None:
@@ -304,16 +345,34 @@ class CacheTable:
     def create(self, committed: list[int], fence: int = 0, cache_id: str | None = None) -> tuple[str, SessionCache]:
         """Adds a cache for ``committed`` tokens (for a caller with fencing token ``fence``), under
         ``cache_id`` or a fresh id, evicting the least recently used if full."""
+        cache = self._factory(committed=list(committed))
+        cache.fence = fence
+        return self._add(cache, cache_id), cache
+
+    def fork(
+        self, source_id: str, committed: list[int], fence: int = 0, cache_id: str | None = None
+    ) -> tuple[str, Any]:
+        """Adds a cache for ``committed`` tokens (a caller with fencing token ``fence``) that copies
+        the state of cache ``source_id`` where its tokens match (``SessionCache.fork``), under
+        ``cache_id`` or a fresh id. The source is copied before anything is evicted to make room, and
+        is left as it was; an unknown source is CacheNotFound."""
+        try:
+            source = self.get(source_id)
+        except CacheNotFound as exc:
+            raise CacheNotFound(f"fork_of: {exc}") from None
+        cache = source.fork(committed, fence)
+        return self._add(cache, cache_id), cache
+
+    def _add(self, cache: Any, cache_id: str | None) -> str:
+        """Holds ``cache`` under ``cache_id`` (or a fresh id), evicting the least recently used if full."""
         self.expire_idle()
         while len(self._caches) >= self._capacity:
             self._drop(next(iter(self._caches)))
             self.evictions += 1
         cache_id = cache_id or self.new_id()
-        cache = self._factory(committed=list(committed))
-        cache.fence = fence
         self._caches[cache_id] = cache
         self._used[cache_id] = time.monotonic()
-        return cache_id, cache
+        return cache_id
 
     def _drop(self, cache_id: str) -> None:
         del self._caches[cache_id]
@@ -388,6 +447,14 @@ class CacheTable:
         else:
             return 0
         return sum(kv_buffer_bytes(cache.kv) for cache in caches)
+
+
+def fit_fork(caches: CacheTable, cache_id: str, source_id: str) -> None:
+    """``CacheTable.fit_budget`` for a fork just made: its refusal names the fork and its source."""
+    try:
+        caches.fit_budget(cache_id)
+    except CacheBudgetExceeded as exc:
+        raise CacheBudgetExceeded(f"fork_of: no room to copy {source_id!r}: {exc}") from None
 
 
 def kv_buffer_bytes(kv: Cache) -> int:

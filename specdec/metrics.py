@@ -236,6 +236,8 @@ class PassStats(Protocol):
     pass_seconds: float
     round_rows: int
     prompt_rows: int
+    prefill_rows: int
+    forked_rows: int
 
 
 class _PassCollector(Collector):
@@ -246,7 +248,14 @@ class _PassCollector(Collector):
         self._engine = engine
 
     def _families(
-        self, passes: float, rounds: float, seconds: float, round_rows: float, prompt_rows: float
+        self,
+        passes: float,
+        rounds: float,
+        seconds: float,
+        round_rows: float,
+        prompt_rows: float,
+        prefill_rows: float = 0,
+        forked_rows: float = 0,
     ) -> Iterator[Metric]:
         yield CounterMetricFamily(f"{PREFIX}target_passes", "Batched forward passes of the target.", value=passes)
         yield CounterMetricFamily(f"{PREFIX}target_rounds_verified", "Rounds verified in those passes.", value=rounds)
@@ -260,6 +269,17 @@ class _PassCollector(Collector):
         rows.add_metric(["round"], round_rows)
         rows.add_metric(["prompt"], prompt_rows)
         yield rows
+        yield CounterMetricFamily(
+            f"{PREFIX}target_prefill_rows",
+            "Prompt rows prefills fed in passes of their own (not folded or chunked into shared passes).",
+            value=prefill_rows,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}target_forked_rows",
+            "KV rows forks copied from another session's cache instead of computing them "
+            "(the choices of a request for several share its prompt's prefill).",
+            value=forked_rows,
+        )
 
     def describe(self) -> Iterator[Metric]:
         """The families this collector yields."""
@@ -268,7 +288,9 @@ class _PassCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Current totals, read from the engine now."""
         e = self._engine
-        return self._families(e.passes, e.verified, e.pass_seconds, e.round_rows, e.prompt_rows)
+        return self._families(
+            e.passes, e.verified, e.pass_seconds, e.round_rows, e.prompt_rows, e.prefill_rows, e.forked_rows
+        )
 
 
 class CacheServiceMetrics:

@@ -77,6 +77,8 @@ class StackConfig:
     compile: str | None = None
     # The coordinator's --chat-template (a name or a Jinja file); None: the tokenizer's own.
     chat_template: str | None = None
+    # The target's --metrics-port (Prometheus over HTTP; 0 picks a free one); None serves none.
+    target_metrics_port: int | None = None
     # A library the model services preload: tcmalloc where the host has it (``specdec.host.tcmalloc``),
     # which makes an eager pass's many small allocations cheaper. None: the system allocator.
     preload: Path | None = None
@@ -232,6 +234,7 @@ class LocalStack:
                     "--prefill-chunk",
                     str(c.prefill_chunk),
                     *([] if c.fold_prefills else ["--no-fold-prefills"]),
+                    *([] if c.target_metrics_port is None else ["--metrics-port", str(c.target_metrics_port)]),
                     *dtype,
                     *compile_mode,
                     *common,

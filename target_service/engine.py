@@ -17,7 +17,7 @@ from specdec.config import MAX_K
 from specdec.constrain import grammar_at, mask_logits
 from specdec.errors import CacheBudgetExceeded
 from specdec.grammar import GrammarCompiler, GrammarMatcher, compiler_for
-from specdec.kvcache import CacheTable, HiddenRows, SessionCache
+from specdec.kvcache import CacheTable, HiddenRows, SessionCache, fit_fork
 from specdec.models import LoadedModel
 from specdec.ragged import RaggedItem, ragged_forward, ragged_unsupported
 from specdec.sampling import (
@@ -242,8 +242,11 @@ class TargetEngine:
     def _reset_totals(self) -> None:
         """Totals since warm-up, read by the metrics scrape (``specdec.metrics.PassStats``): batched
         passes run, rounds verified in them, the most rounds one pass held, the passes' seconds, and
-        the rows they fed for rounds (pending token + draft tokens) and for prompts (folded, chunked)."""
+        the rows they fed for rounds (pending token + draft tokens) and for prompts (folded, chunked);
+        besides them, the prompt rows prefills fed in passes of their own and the KV rows forks copied
+        instead of computing (``fork``)."""
         self.passes = self.verified = self.largest_pass = self.round_rows = self.prompt_rows = 0
+        self.prefill_rows = self.forked_rows = 0
         self.pass_seconds = 0.0
 
     @property
@@ -371,6 +374,24 @@ class TargetEngine:
         self._caches.fit_budget(cache_id)
         return cache_id, len(cache.committed), newest_hidden([hidden] if hidden is not None else []), scored
 
+    def fork(
+        self, source_id: str, tokens: list[int], fence: int = 0, cache_id: str | None = None
+    ) -> tuple[str, int, int]:
+        """Creates a session cache over ``tokens`` (under ``cache_id``, or a fresh id) whose KV entries
+        are copied from cache ``source_id`` where its tokens match, instead of computed; returns its id,
+        committed length and the rows copied. Tokens the copy does not hold stay pending: the session's
+        first verify pass feeds them, as a deferred prompt's.
+
+        A position's KV does not depend on the pass that computed it (batch invariance), so the copy is
+        what a prefill of ``tokens`` would hold, bit for bit. An unknown source is CacheNotFound; a copy
+        past the KV budget while every other cache is in use, CacheBudgetExceeded (nothing is kept)."""
+        self._switch_when_compiled()  # a switch drops the source: the caller then prefills
+        self._check_prefill(tokens, ())
+        cache_id, cache = self._caches.fork(source_id, tokens, fence, cache_id)
+        fit_fork(self._caches, cache_id, source_id)
+        self.forked_rows += len(cache.kv_tokens)
+        return cache_id, len(cache.committed), len(cache.kv_tokens)
+
     def _check_prefill(self, tokens: list[int], side_layers: tuple[int, ...]) -> tuple[int, ...]:
         """Refuses a prompt that is empty, fills the context or names a token outside the vocabulary;
         returns the checked side layers."""
@@ -384,6 +405,7 @@ class TargetEngine:
     def _feed_prompt(self, cache: SessionCache, with_hidden: bool, side_layers: tuple[int, ...]) -> HiddenRows | None:
         """Caches a new session's committed tokens but the last (``SessionCache.prefill``), through the
         compiled pass once switched."""
+        self.prefill_rows += max(0, len(cache.committed) - 1)
         if not self._switched or len(cache.committed) <= 1:
             return cache.prefill(self._loaded.model, with_hidden, side_layers)
         start, fed = len(cache.kv_tokens), cache.committed[:-1]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
-from coordinator.replicas import CacheRef, DraftResult, HiddenChunk, VerifyResult, core_error
+from coordinator.replicas import CacheRef, DraftResult, Forked, HiddenChunk, VerifyResult, core_error
 from specdec.hidden_wire import hidden_to_fp16
 from specdec.kvcache import HiddenRows
 from specdec.sampling_params import Sampling, TokenLogprob
@@ -123,6 +123,13 @@ class InProcessTarget:
         return VerifyResult(
             outcome.accepted, list(outcome.tokens), outcome.committed, hidden, outcome.load, path, outcome.logprobs
         )
+
+    async def fork(
+        self, source: CacheRef, tokens: list[int], remaining_s: float | None = None, fence: int = 0
+    ) -> Forked:
+        """Creates a cache over ``tokens`` copying ``source``'s state where their tokens match."""
+        cache_id, committed, copied = self._run(lambda: self._engine.fork(source.cache_id, list(tokens), fence))
+        return Forked(CacheRef(self.address, cache_id, committed, fence), copied)
 
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
         """Drops a cache."""

@@ -10,6 +10,7 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import torch
 from opentelemetry import trace
 
@@ -84,7 +85,10 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         self._scheduler = TargetScheduler(engine, self._executor, max_batch_rows, fold_prefills, prefill_chunk)
 
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
-        """Creates a session cache over a prompt, fed now or in shared passes as the scheduler plans."""
+        """Creates a session cache over a prompt, fed now or in shared passes as the scheduler plans,
+        or (``fork_of``) copied from another cache."""
+        if request.fork_of:
+            return await self._fork(request, context)
         if request.HasField("prompt_logprobs"):
             return await self._prefill_scored(request, context)
         with server_span(self._tracer, "TargetService/Prefill", context) as span:
@@ -104,6 +108,24 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             if hidden is not None:
                 reply.hidden.CopyFrom(hidden_to_pb(hidden))
             return reply
+
+    async def _fork(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
+        """A Prefill that forks ``fork_of``: the KV is copied on the model's thread, no pass runs (what
+        the copy lacks, the session's first Verify feeds)."""
+        with server_span(self._tracer, "TargetService/Prefill", context) as span:
+            span.set_attributes({"specdec.tokens": len(request.tokens), "specdec.forked": True})
+            if request.HasField("prompt_logprobs"):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "fork_of: a prefill that scores the prompt (prompt_logprobs) computes every position",
+                )
+            cache_id, committed, copied = await call_core(
+                context,
+                self._executor,
+                lambda: self._engine.fork(request.fork_of, list(request.tokens), request.fence),
+            )
+            span.set_attribute("specdec.copied", copied)
+            return common_pb2.PrefillReply(cache_id=cache_id, committed=committed, copied=copied)
 
     async def _prefill_scored(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         """A Prefill that asks for prompt logprobs: fed now, in a pass of its own, past the scheduler

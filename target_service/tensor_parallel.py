@@ -12,7 +12,7 @@ The split is Megatron's, for a Llama decoder:
 
 Head counts need not divide evenly: SmolLM2-135M has 3 k/v heads, so at N = 2 the ranks hold 2 and 1.
 
-Only rank 0 serves gRPC. Every engine call it makes (prefill, verify, release, warm-up) is first
+Only rank 0 serves gRPC. Every engine call it makes (prefill, fork, verify, release, warm-up) is first
 broadcast to the other ranks, which make the same call on their shards; the passes' all-reduces then
 pair up. The engine's decisions are deterministic given its inputs, and the all-reduced activations
 are identical on every rank, so each rank's session caches stay identical in shape to rank 0's.
@@ -214,6 +214,13 @@ class LeaderEngine:
             cache_id = self._engine.caches.new_id()
             self._announce("prefill", tokens, with_hidden, fence, cache_id, defer, side_layers, new_id=cache_id)
             return self._engine.prefill(tokens, with_hidden, fence, cache_id, defer, side_layers)
+
+    def fork(self, source_id: str, tokens: list[int], fence: int = 0) -> tuple[str, int, int]:
+        """TargetEngine.fork on every rank (each copies its own heads' KV), under one cache id."""
+        with self._lock:
+            cache_id = self._engine.caches.new_id()
+            self._announce("fork", source_id, tokens, fence, cache_id, new_id=cache_id)
+            return self._engine.fork(source_id, tokens, fence, cache_id)
 
     def verify_batch(self, calls: list[VerifyCall]) -> list[VerifyOutcome | Exception]:
         """TargetEngine.verify_batch on every rank."""

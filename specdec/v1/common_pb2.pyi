@@ -88,32 +88,36 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("tokens", "return_hidden", "fence", "feed_now", "hidden_side_layers", "prompt_logprobs")
+    __slots__ = ("tokens", "return_hidden", "fence", "feed_now", "hidden_side_layers", "prompt_logprobs", "fork_of")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETURN_HIDDEN_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     FEED_NOW_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FORK_OF_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     return_hidden: bool
     fence: int
     feed_now: bool
     hidden_side_layers: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., return_hidden: _Optional[bool] = ..., fence: _Optional[int] = ..., feed_now: _Optional[bool] = ..., hidden_side_layers: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    fork_of: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., return_hidden: _Optional[bool] = ..., fence: _Optional[int] = ..., feed_now: _Optional[bool] = ..., hidden_side_layers: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., fork_of: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("cache_id", "committed", "hidden", "prompt_logprobs")
+    __slots__ = ("cache_id", "committed", "hidden", "prompt_logprobs", "copied")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    COPIED_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
     committed: int
     hidden: HiddenStates
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, cache_id: _Optional[str] = ..., committed: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    copied: int
+    def __init__(self, cache_id: _Optional[str] = ..., committed: _Optional[int] = ..., hidden: _Optional[_Union[HiddenStates, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., copied: _Optional[int] = ...) -> None: ...
 
 class HiddenStates(_message.Message):
     __slots__ = ("start", "dim", "fp16")
