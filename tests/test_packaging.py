@@ -138,6 +138,7 @@ def test_commands_come_from_entry_points_and_need_their_extra(monkeypatch):
         "serve-target",
         "convert",
         "distill",
+        "distill-data",
         "bench",
         "pass-grid",
         "pass-curve",

@@ -17,6 +17,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from draft_service.distill import data_cli
 from draft_service.distill.config import DEVICES, DTYPES, DistillConfig
 from specdec.cli import extra_installed
 
@@ -30,8 +31,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Adds ``specdec distill`` to the ``specdec`` command (entry point group ``specdec.commands``), with
-    the server and train extras installed."""
+    """Adds ``specdec distill`` and ``specdec distill-data`` to the ``specdec`` command (entry point group
+    ``specdec.commands``), with the server and train extras installed."""
     if not extra_installed("server", "train"):
         return
     p = subparsers.add_parser(
@@ -40,6 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_arguments(p)
     # The recipe on the card records the flags as given, after the subcommand's name.
     p.set_defaults(run=lambda args: _run(_config(args, args.argv[1:])))
+    data_cli.register(subparsers)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -101,3 +101,30 @@ class DistillConfig:
         for k in ("out", "work", "cache_dir", "resume", "command", "collect_only", "progress"):
             out.pop(k)
         return out
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What ``specdec distill-data`` collects and where."""
+
+    target: str
+    data: Path
+    cache_dir: Path
+    composed: int = 40_000
+    meta: int = 1_500
+    follow_up_share: float = 0.5
+    """Share of the greedy chat answers (of the first ``ANSWERS_FIRST``) that get a second user turn."""
+    max_new: int = 192
+    meta_max_new: int = 48
+    longest_prompt: int = 1024
+    width: int = 32
+    """Sessions in one pass."""
+    per_shard: int = 128
+    minutes: float = 60.0
+    tokens: int = 2_000_000
+    """Stop once the answer stages hold this many generated tokens."""
+    dtype: str = "auto"
+    compile: bool = True
+    threads: int = 2
+    seed: int = 0
+    progress: bool = False

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from draft_service.distill import corpus
 from draft_service.distill.collect import Sample
+from draft_service.distill.config import DataConfig
 from draft_service.distill.prompts import Prompt
 from draft_service.distill.stream_collect import Forward, Job, collect_stage, load_folder
 
@@ -38,33 +39,6 @@ ANSWERS_FIRST = 0.4
 """Share of the token budget answered before the follow-ups are made from those answers."""
 FOLLOW_UPS = 0.2
 """Share of the token budget spent on follow-ups; the answers take the rest."""
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """What ``specdec distill-data`` collects and where."""
-
-    target: str
-    data: Path
-    cache_dir: Path
-    composed: int = 40_000
-    meta: int = 1_500
-    follow_up_share: float = 0.5
-    """Share of the greedy chat answers (of the first ``ANSWERS_FIRST``) that get a second user turn."""
-    max_new: int = 192
-    meta_max_new: int = 48
-    longest_prompt: int = 1024
-    width: int = 32
-    """Sessions in one pass."""
-    per_shard: int = 128
-    minutes: float = 60.0
-    tokens: int = 2_000_000
-    """Stop once the answer stages hold this many generated tokens."""
-    dtype: str = "auto"
-    compile: bool = True
-    threads: int = 2
-    seed: int = 0
-    progress: bool = False
 
 
 @dataclass(frozen=True)

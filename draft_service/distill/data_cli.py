@@ -13,16 +13,14 @@ import signal
 import sys
 from pathlib import Path
 
-from specdec.cli import extra_installed
+from draft_service.distill.config import DataConfig
 from specdec.host import tcmalloc
 
 DEFAULT_CACHE = Path.home() / ".cache" / "specdec"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Adds ``specdec distill-data`` to the ``specdec`` command, with the server and train extras installed."""
-    if not extra_installed("server", "train"):
-        return
+    """Adds ``specdec distill-data`` to the ``specdec`` command (``distill``'s entry point registers it)."""
     p = subparsers.add_parser("distill-data", help="collect distillation data (specdec distill-data --help)")
     add_arguments(p)
     p.set_defaults(run=lambda args: _run(config_from(args), reexec=True))
@@ -30,8 +28,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``specdec distill-data``, defaults from ``DataConfig``."""
-    from draft_service.distill.data import DataConfig
-
     d = DataConfig(target="", data=Path(), cache_dir=Path())
     p.add_argument("--target", default="default", help="'default', a HF folder or a .gguf file")
     p.add_argument("--data", type=Path, required=True, help="the data folder (created, or continued)")
@@ -49,10 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
 
 
-def config_from(args: argparse.Namespace):
+def config_from(args: argparse.Namespace) -> DataConfig:
     """The ``DataConfig`` the flags describe."""
-    from draft_service.distill.data import DataConfig
-
     return DataConfig(
         target=args.target,
         data=args.data,
@@ -90,7 +84,7 @@ def _own_args() -> int:
     return sys.argv.index("distill-data") + 1 if "distill-data" in sys.argv else 1
 
 
-def _run(config, reexec: bool) -> int:
+def _run(config: DataConfig, reexec: bool) -> int:
     """Collects as ``config`` says; ``reexec``: first run again under tcmalloc (a command line's run)."""
     if reexec:
         _preloaded_tcmalloc()
