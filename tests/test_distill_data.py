@@ -165,3 +165,9 @@ def test_distill_data_then_distill_trains_on_its_answers(tiny_dir, tmp_path):
 def test_distill_refuses_a_folder_that_is_not_a_data_folder(tmp_path):
     with pytest.raises(SystemExit, match="not a `specdec distill-data` folder"):
         distill_cli.config_from_args(["--target", "default", "--out", str(tmp_path), "--data", str(tmp_path)])
+
+
+def test_self_instructed_requests_are_distinct_and_never_empty():
+    made = corpus.self_instructed(["How do I bake bread?", "how do i  bake bread?", "", "  ", "What is DNA?"], 0)
+    assert [p.messages[-1][1] for p in made] == ["How do I bake bread?", "What is DNA?"]
+    assert {p.category for p in made} == {"self-instruct"}

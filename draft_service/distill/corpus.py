@@ -327,8 +327,13 @@ _NOT_REQUESTS = (
 def self_instructed(requests: list[str], seed: int) -> list[Prompt]:
     """The target's own requests as user prompts (category ``self-instruct``), de-duplicated."""
     r = random.Random(seed + 11)
-    it = iter(requests)
-    return _distinct(lambda: _dress(r, "self-instruct", next(it, "")), len(requests))
+    out: list[Prompt] = []
+    seen: set[str] = set()
+    for text in requests:
+        if text.strip() and _normal(text) not in seen:
+            seen.add(_normal(text))
+            out.append(_dress(r, "self-instruct", text))
+    return out
 
 
 def follow_up(r: random.Random, prompt: Prompt, answer: str, pool: list[Prompt]) -> Prompt:
