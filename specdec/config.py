@@ -23,6 +23,12 @@ DEFAULT_DRAFT_KIND = FEATURE_KIND
 SHIPPED_DRAFTS = {"model": "smollm2-135m-token", FEATURE_KIND: "smollm2-135m-feature"}
 
 
+def default_cache_dir() -> Path:
+    """Where converted models, inductor artifacts and drafts' references live unless told (read when
+    called, never at import)."""
+    return Path.home() / ".cache" / "specdec"
+
+
 def shipped_draft(name: str) -> Path:
     """The folder of a draft shipped with specdec, such as ``smollm2-135m-feature``."""
     return Path(str(files("drafts") / name))
@@ -96,7 +102,7 @@ class ModelConfig:
     # "default" (the embedded SmolLM2-135M-Instruct), a Hugging Face folder, or a .gguf file.
     model: str = "default"
     # Where converted models are cached.
-    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "specdec")
+    cache_dir: Path = field(default_factory=default_cache_dir)
     # torch intra-op threads; draft and target on one machine must share the cores deliberately.
     threads: int = 1
     # Session caches held at once; the least recently used is evicted past this.

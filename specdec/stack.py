@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.config import DEFAULT_DRAFT_KIND, default_draft_model
+from specdec.config import DEFAULT_DRAFT_KIND, default_cache_dir, default_draft_model
 
 
 def free_port() -> int:
@@ -44,7 +44,7 @@ class StackConfig:
     draft_kind: str = DEFAULT_DRAFT_KIND
     # None: the draft shipped for the default target (specdec.config.SHIPPED_DRAFTS).
     draft_model: str | None = None
-    cache_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "specdec")
+    cache_dir: Path = field(default_factory=default_cache_dir)
     coordinator_port: int = 0
     target_threads: int = 2
     # Processes the target is sharded over (tensor parallelism); each gets target_threads threads.

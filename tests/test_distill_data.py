@@ -142,9 +142,14 @@ def test_distill_data_then_distill_trains_on_its_answers(tiny_dir, tmp_path):
     for stage in ("meta", "answers", "follow-ups"):
         assert shard_paths(paths.shards(stage)), stage
     pairs = training_pairs(folder)
-    shards = {p: p.stat().st_mtime_ns for stage in ("meta", "answers") for p in shard_paths(paths.shards(stage))}
+
+    def stamps() -> dict:
+        stages = ("meta", "answers", "follow-ups")
+        return {p: p.stat().st_mtime_ns for stage in stages for p in shard_paths(paths.shards(stage))}
+
+    before = stamps()
     assert data_cli.main(argv) == 0  # everything asked for is there: nothing is collected again
-    assert {p: p.stat().st_mtime_ns for p in shards} == shards and training_pairs(folder) == pairs
+    assert stamps() == before and training_pairs(folder) == pairs
     assert {p.category for p, _ in pairs} >= {"meta", "multi-turn"}
 
     out = tmp_path / "draft"
@@ -156,7 +161,7 @@ def test_distill_data_then_distill_trains_on_its_answers(tiny_dir, tmp_path):
     card = json.loads((out / CARD_FILE).read_text())
     data = card["recipe"]["data"]
     assert data["prompt_source"] == {"kind": "data folder", "path": str(folder)}
-    assert 300 <= data["train_generated_tokens"] < 300 + 8 * 6
+    assert 300 - 8 <= data["train_generated_tokens"] <= 300
     held = Counter(p.category for p in corpus.load_prompts(paths.held_out))
     assert data["held_out_prompts"] == sum(min(3, n) for n in held.values())
     assert set(card["metrics"]["held_out_by_category"]) <= set(held)
@@ -171,3 +176,10 @@ def test_self_instructed_requests_are_distinct_and_never_empty():
     made = corpus.self_instructed(["How do I bake bread?", "how do i  bake bread?", "", "  ", "What is DNA?"], 0)
     assert [p.messages[-1][1] for p in made] == ["How do I bake bread?", "What is DNA?"]
     assert {p.category for p in made} == {"self-instruct"}
+
+
+def test_distill_refuses_prompt_weight_with_a_data_folder(tmp_path):
+    corpus.save_prompts(tmp_path / "held-out.jsonl.gz", [])
+    argv = ["--target", "default", "--out", str(tmp_path), "--data", str(tmp_path), "--prompt-weight", "0.1"]
+    with pytest.raises(SystemExit, match="no argmax over prompts"):
+        distill_cli.config_from_args(argv)

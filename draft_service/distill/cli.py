@@ -20,6 +20,7 @@ from pathlib import Path
 from draft_service.distill import data_cli
 from draft_service.distill.config import DEVICES, DTYPES, DistillConfig
 from specdec.cli import extra_installed
+from specdec.config import default_cache_dir
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -69,7 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--work", type=Path, default=None, help="data and checkpoints (default: <cache-dir>/distill/<out folder name>)"
     )
-    p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec", help="converted model cache")
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="converted model cache")
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads")
     p.add_argument("--device", choices=DEVICES, default=d.device, help="where the target and training compute")
     p.add_argument(
@@ -187,6 +188,8 @@ def _config(args: argparse.Namespace, argv: list[str]) -> DistillConfig:
         raise SystemExit(f"--data {args.data}: not a `specdec distill-data` folder (no held-out.jsonl.gz)")
     if args.rollout_steps < 1:
         raise SystemExit(f"--rollout-steps must be at least 1, not {args.rollout_steps}")
+    if args.data is not None and args.prompt_weight > 0:
+        raise SystemExit("--prompt-weight: a data folder stores no argmax over prompts; train with --prompt-weight 0")
     if args.data is not None and args.prompts_file is not None:
         raise SystemExit("--data and --prompts-file: pick one")
     if not 0.0 <= args.held_out_share < 1.0:

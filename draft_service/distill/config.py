@@ -108,23 +108,38 @@ class DataConfig:
     """What ``specdec distill-data`` collects and where."""
 
     target: str
+    """``default``, a Hugging Face folder or a GGUF file."""
     data: Path
+    """The data folder, created or continued (``draft_service.distill.data``)."""
     cache_dir: Path
+    """Where converted models and the compiled pass's artifacts live."""
     composed: int = 40_000
+    """Composed requests in a new corpus (before its held-out split)."""
     meta: int = 1_500
+    """Self-instruct requests to the target in a new corpus."""
     follow_up_share: float = 0.5
     """Share of the greedy chat answers (of the first ``ANSWERS_FIRST``) that get a second user turn."""
     max_new: int = 192
+    """Longest answer to a request, in tokens."""
     meta_max_new: int = 48
+    """Longest request the target writes in the self-instruct stage."""
     longest_prompt: int = 1024
+    """Longer rendered prompts are skipped."""
     width: int = 32
     """Sessions in one pass."""
     per_shard: int = 128
+    """Answers in one shard file."""
     minutes: float = 60.0
+    """No new prompt is taken after this long; running answers finish into the last shard."""
     tokens: int = 2_000_000
     """Stop once the answer stages hold this many generated tokens."""
     dtype: str = "auto"
+    """The target's dtype (``auto``: as the target service serves it)."""
     compile: bool = True
+    """Answer on the compiled pass (as the target service does by default), else the eager one."""
     threads: int = 2
+    """torch threads: 1 where other jobs share the cores."""
     seed: int = 0
+    """Seeds the corpus, the held-out split and every sampled answer."""
     progress: bool = False
+    """Draw progress bars (the CLI does on a terminal); else log a line now and then."""

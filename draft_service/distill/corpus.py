@@ -25,19 +25,21 @@ import json
 import random
 import re
 import sysconfig
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import MappingProxyType
 
 from draft_service.distill import corpus_fillers as C
 from draft_service.distill import prompts as P
 from draft_service.distill.prompts import Prompt
 
-SYSTEM_PROMPTS = [
+SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
     "You are a concise assistant. Answer briefly.",
     "You are a friendly tutor who explains things step by step.",
     "You are an expert software engineer.",
     "You are a careful assistant that answers in plain English.",
-]
+)
 
 PASSAGE_WORDS = (40, 220)
 """Passages are cut to this many words: long enough to summarise, short enough to stay cheap."""
@@ -158,7 +160,7 @@ def _dress(r: random.Random, category: str, content: str) -> Prompt:
     return Prompt(category, messages=messages)
 
 
-def _framed(r: random.Random, frames: list[str], category: str) -> Prompt:
+def _framed(r: random.Random, frames: Sequence[str], category: str) -> Prompt:
     subject, subject2 = _subjects(r)
     persona, persona2 = r.sample(C.PERSONAS, 2)
     text = r.choice(frames).format(subject=subject, subject2=subject2, persona=persona, persona2=persona2)
@@ -218,17 +220,19 @@ def templated(r: random.Random) -> Prompt:
     return Prompt("chat" if prompt.category.startswith("chat") else prompt.category, prompt.text, prompt.messages)
 
 
-MIX: dict[str, float] = {
-    "ask": 0.20,
-    "writing": 0.12,
-    "advice": 0.08,
-    "code": 0.14,
-    "passage": 0.14,
-    "translation": 0.08,
-    "maths": 0.08,
-    "templated": 0.10,
-    "stdlib": 0.06,
-}
+MIX: Mapping[str, float] = MappingProxyType(
+    {
+        "ask": 0.20,
+        "writing": 0.12,
+        "advice": 0.08,
+        "code": 0.14,
+        "passage": 0.14,
+        "translation": 0.08,
+        "maths": 0.08,
+        "templated": 0.10,
+        "stdlib": 0.06,
+    }
+)
 """Share of each composed kind; the self-instruct and follow-up requests come on top."""
 
 

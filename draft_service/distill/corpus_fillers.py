@@ -7,7 +7,7 @@ format. Their product gives far more distinct requests than the corpus needs.
 
 from __future__ import annotations
 
-PERSONAS = [
+PERSONAS = (
     "a high-school student",
     "a university student",
     "a primary-school teacher",
@@ -48,9 +48,9 @@ PERSONAS = [
     "a gardener",
     "a cyclist",
     "someone moving to a new country",
-]
+)
 
-SUBJECTS = [
+SUBJECTS = (
     "climate change",
     "renewable energy",
     "electric cars",
@@ -173,9 +173,9 @@ SUBJECTS = [
     "stretching",
     "swimming",
     "cycling to work",
-]
+)
 
-ASK_FRAMES = [
+ASK_FRAMES = (
     "Explain {subject} in simple terms.",
     "What is the most important thing to know about {subject}?",
     "Give me three surprising facts about {subject}.",
@@ -201,9 +201,9 @@ ASK_FRAMES = [
     "Give me an analogy that explains {subject}.",
     "What has changed about {subject} in the last fifty years?",
     "Write a myth-versus-fact list about {subject}.",
-]
+)
 
-WRITE_FRAMES = [
+WRITE_FRAMES = (
     "Write a short story about {persona} who discovers something about {subject}.",
     "Write a poem about {subject}.",
     "Write a haiku about {subject}.",
@@ -222,9 +222,9 @@ WRITE_FRAMES = [
     "Write a job advertisement for {persona}.",
     "Write a short review of a workshop about {subject}.",
     "Write a riddle whose answer is related to {subject}.",
-]
+)
 
-ADVICE_FRAMES = [
+ADVICE_FRAMES = (
     "I'm {persona} and I feel overwhelmed by {subject}. Any advice?",
     "How can I get better at {subject} in one month?",
     "My friend wants to try {subject}. What should I tell them?",
@@ -235,9 +235,9 @@ ADVICE_FRAMES = [
     "Help me plan a budget for {subject}.",
     "What should I consider before spending money on {subject}?",
     "Give me a checklist for {subject}.",
-]
+)
 
-LENGTHS = [
+LENGTHS = (
     "",
     "",
     " Keep it brief.",
@@ -247,9 +247,9 @@ LENGTHS = [
     " Keep it under 50 words.",
     " Use simple language.",
     " Be concise.",
-]
+)
 
-FORMATS = [
+FORMATS = (
     "",
     "",
     "",
@@ -261,9 +261,9 @@ FORMATS = [
     ' Reply in JSON with the keys "summary" and "points".',
     " Use headings.",
     " End with a question for me.",
-]
+)
 
-SELF_INSTRUCT_FRAMES = [
+SELF_INSTRUCT_FRAMES = (
     "Write one question that {persona} might ask an AI assistant about {subject}. Write only the question.",
     "Write a realistic request that {persona} could send to a chatbot about {subject}. Reply with the request only.",
     "Think of a task about {subject} that {persona} needs help with. Write it as a message to an assistant, "
@@ -271,9 +271,9 @@ SELF_INSTRUCT_FRAMES = [
     "Give me an example of a difficult question about {subject}. Only the question, please.",
     "Write a short instruction asking an assistant to write something about {subject}. Output only the instruction.",
     "Write a user message asking for advice on {subject}, as {persona} would write it. Only the message.",
-]
+)
 
-FOLLOW_UP_FRAMES = [
+FOLLOW_UP_FRAMES = (
     "Can you explain that more simply?",
     "Can you give me a concrete example?",
     "Make it shorter, please.",
@@ -292,11 +292,11 @@ FOLLOW_UP_FRAMES = [
     "Could you add a short conclusion?",
     "What sources could I read to learn more?",
     "Give me three more ideas like that.",
-]
+)
 
-LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese", "Dutch", "Chinese", "Japanese", "Russian"]
+LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Dutch", "Chinese", "Japanese", "Russian")
 
-PASSAGE_TASKS = [
+PASSAGE_TASKS = (
     "Summarise the following text in two or three sentences.\n\n{passage}",
     "Summarise this for a beginner:\n\n{passage}",
     "Read the text and list its three key points.\n\n{passage}",
@@ -311,9 +311,9 @@ PASSAGE_TASKS = [
     "{passage}\n\nTL;DR?",
     "Translate the first sentence of this text into {language}:\n\n{passage}",
     "Based only on the text below, what can you conclude?\n\n{passage}",
-]
+)
 
-CODE_LANGUAGES = [
+CODE_LANGUAGES = (
     "Python",
     "JavaScript",
     "TypeScript",
@@ -332,9 +332,9 @@ CODE_LANGUAGES = [
     "R",
     "Haskell",
     "Lua",
-]
+)
 
-CODE_FRAMES = [
+CODE_FRAMES = (
     "Write a {language} function that {task}.",
     "Show me how to {task} in {language}.",
     "In {language}, how do I {task}? Include a short example.",
@@ -343,9 +343,9 @@ CODE_FRAMES = [
     "Explain how you would {task} in {language}, then write the code.",
     "What is the most idiomatic way to {task} in {language}?",
     "Convert this idea to {language}: a program that {task}.",
-]
+)
 
-CODE_ACTIONS = [
+CODE_ACTIONS = (
     "reverses a string",
     "checks whether a word is a palindrome",
     "counts the vowels in a sentence",
@@ -386,4 +386,4 @@ CODE_ACTIONS = [
     "sums the digits of a number",
     "capitalises the first letter of every word",
     "parses command-line arguments",
-]
+)

@@ -49,25 +49,31 @@ class Paths:
 
     @property
     def corpus(self) -> Path:
+        """The composed training requests."""
         return self.root / "corpus.jsonl.gz"
 
     @property
     def held_out(self) -> Path:
+        """Held-out requests of every category, never trained on."""
         return self.root / "held-out.jsonl.gz"
 
     @property
     def meta(self) -> Path:
+        """The requests asking the target to write a user's request."""
         return self.root / "meta.jsonl.gz"
 
     @property
     def self_instruct(self) -> Path:
+        """The requests the target wrote (their training part)."""
         return self.root / "self-instruct.jsonl.gz"
 
     @property
     def follow_ups(self) -> Path:
+        """Second user turns after the target's answers (their training part)."""
         return self.root / "follow-ups.jsonl.gz"
 
     def shards(self, stage: str) -> Path:
+        """The shard folder of a stage: ``meta``, ``answers`` or ``follow-ups``."""
         return self.root / stage
 
 
@@ -168,6 +174,7 @@ def run_data(config: DataConfig, forward: Forward, loaded) -> dict[str, int]:
     first = int(config.tokens * ANSWERS_FIRST)
     made["answers"] = collect_stage(forward, answers_jobs, answers, desc="answers", token_budget=first, **common)
     if made["answers"] < first:
+        log.info("answers hold %d of the %d tokens after which follow-ups are made", made["answers"], first)
         return made
     follow = derive_follow_ups(paths, train, tokenizer, config)
     follow_jobs = jobs_for(follow, tokenizer, config, config.max_new, offset=len(train))

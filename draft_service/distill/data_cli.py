@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 from draft_service.distill.config import DataConfig
+from specdec.config import default_cache_dir
 from specdec.host import tcmalloc
-
-DEFAULT_CACHE = Path.home() / ".cache" / "specdec"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = DataConfig(target="", data=Path(), cache_dir=Path())
     p.add_argument("--target", default="default", help="'default', a HF folder or a .gguf file")
     p.add_argument("--data", type=Path, required=True, help="the data folder (created, or continued)")
-    p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--cache-dir", type=Path, default=default_cache_dir(), help="converted model cache")
     p.add_argument("--minutes", type=float, default=d.minutes, help="stop taking new prompts after this long")
     p.add_argument("--tokens", type=int, default=d.tokens, help="generated tokens to collect in all")
     p.add_argument("--composed", type=int, default=d.composed, help="composed requests in a new corpus")
@@ -88,6 +87,8 @@ def _run(config: DataConfig, reexec: bool) -> int:
     """Collects as ``config`` says; ``reexec``: first run again under tcmalloc (a command line's run)."""
     if reexec:
         _preloaded_tcmalloc()
+        # A stop (kill, a pod's termination) writes the answers that finished before it, as Ctrl-C does.
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # torch and transformers load only once the flags parse
     import torch
 
@@ -96,8 +97,6 @@ def _run(config: DataConfig, reexec: bool) -> int:
     from specdec.models import load_model
     from specdec.ragged import ragged_forward
 
-    # A stop (kill, a pod's termination) writes the answers that finished before it, as Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     torch.set_num_threads(config.threads)
     # Loaded as the target service loads it: the serving dtype and the packed, row-invariant linears.
     loaded = load_model(config.target, config.cache_dir, dtype=config.dtype, pack=True)

@@ -209,13 +209,14 @@ def run(config: DistillConfig) -> dict | None:
     t_collect = time.monotonic()
     if config.data is not None:
         # Collected beforehand (specdec distill-data): no collection here, up to --tokens of it trained on.
-        train_prompts, stored = [], []
+        train_prompts, stored, collected = [], [], 0
         for prompt, sample in training_pairs(config.data, config.seed):
-            if sum(s.generated for s in stored) >= config.tokens:
+            if collected + sample.generated > config.tokens:
                 break
             train_prompts.append(prompt)
             stored.append(sample)
-        collected = before = sum(s.generated for s in stored)
+            collected += sample.generated
+        before = collected
         generate_s, train_too_long = 0.0, 0
     else:
         collected, before, generate_s, train_prompts, train_too_long = _collect_training(

@@ -10,8 +10,8 @@ prompt's index: a resumed collection writes what an unbroken one would.
 
 A shard (``shard-NNNNN.npz``) holds finished answers only: token ids (``uint16`` where the vocabulary
 fits), each answer's prompt length, the target's argmax at every generated position, its
-temperature and its prompt's index in the corpus. Hidden states and top-k logits are recomputed at
-training time, so a million tokens take a few megabytes.
+temperature and its prompt's index in the corpus. A feature draft's training recomputes the hidden
+states (and from them the target's distribution), so a million tokens take a few megabytes.
 """
 
 from __future__ import annotations
@@ -186,9 +186,16 @@ def collect_stage(
     have = sum(s.generated for _, s in done)
     finished = {i for i, _ in done}
     todo = [j for j in jobs if j.index not in finished]
-    next_shard = len(shard_paths(folder))
+    paths = shard_paths(folder)
+    next_shard = int(paths[-1].stem.removeprefix("shard-")) + 1 if paths else 0
     progress = Progress(desc, "tok", token_budget or have + sum(j.max_new for j in todo), bar, initial=have)
-    stop = False
+
+    def over() -> bool:
+        return (deadline is not None and time.monotonic() > deadline) or (
+            token_budget is not None and have >= token_budget
+        )
+
+    stop = over()
 
     def feed() -> Iterator[Job]:
         for job in todo:
@@ -206,9 +213,7 @@ def collect_stage(
                 save_shard(folder / f"shard-{next_shard:05d}.npz", buffer, vocab_size)
                 next_shard, buffer = next_shard + 1, []
             # Stop taking new prompts; the running ones finish into the last shard.
-            stop = (deadline is not None and time.monotonic() > deadline) or (
-                token_budget is not None and have >= token_budget
-            )
+            stop = over()
     finally:
         if buffer:
             save_shard(folder / f"shard-{next_shard:05d}.npz", buffer, vocab_size)
