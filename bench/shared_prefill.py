@@ -5,8 +5,8 @@ chat prompt of ``--prompt-tokens`` tokens, sampled (temperature 0.7, seeded, so 
 ``--max-new-tokens`` tokens a choice. Each round runs, in turn (A B C, then C B A, and so on):
 
 - ``n4``: one request with n = 4: the choices share one prefill (fed once, forked three times);
-- ``4x-concurrent``: four n = 1 requests at once, seeds s .. s + 3: what n = 4 ran before forks
-  existed (four sessions side by side, each prefilling its prompt);
+- ``4x-concurrent``: four n = 1 requests at once, seeds s .. s + 3: four sessions side by side, each
+  prefilling its own prompt;
 - ``4x-sequential``: the same four requests one after another.
 
 The report gives each mode's median wall seconds, time to first token and prefill milliseconds, the
@@ -82,6 +82,8 @@ def run_mode(client: Client, mode: str, ids: list[int], options: dict, seed: int
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Runs every mode ``--rounds`` times on one local stack, alternating their order, and prints the
+    report (module docstring) as JSON, also written to ``--out`` when given; returns it."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--prompt-tokens", type=int, default=200)

@@ -116,35 +116,55 @@ def share_prefills(choices: Sequence[GenerationRequest], n: int) -> list[Generat
 class ChoiceRuns:
     """A request's choices, run side by side: each choice's chunks (or its failure) arrive on one queue,
     tagged with the choice's index. ``close`` cancels whatever still runs, which closes its round-loop
-    generator and frees its slot and lease."""
+    generator and frees its slot and lease.
+
+    However a choice's run ends, it queues an end marker after its chunks: None after its finish
+    chunk, else its failure, which the reader raises. An ending that is no ``Exception`` (such as a
+    ``CancelledError`` from inside the run) comes as a RuntimeError caused by it. So a reader never
+    waits for a choice that has stopped."""
 
     def __init__(self, runs: Sequence[AsyncGenerator[Chunk, None]]) -> None:
         # Unbounded: a choice waiting for an admission slot must not stall the others that hold one.
-        self._queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, Chunk | Exception | None]] = asyncio.Queue()
         self._tasks = [asyncio.create_task(self._pump(index, run)) for index, run in enumerate(runs)]
         self._running = len(self._tasks)
 
     async def _pump(self, index: int, run: AsyncGenerator[Chunk, None]) -> None:
-        async with aclosing(run) as chunks:
-            try:
+        end: Exception | None = None
+        try:
+            async with aclosing(run) as chunks:
                 async for chunk in chunks:
                     self._queue.put_nowait((index, chunk))
                     if chunk.finish_reason is not None:
                         return
-                raise RuntimeError("the round loop's stream ended without a finish reason")
-            except Exception as exc:  # noqa: BLE001 - the failure is the whole request's
-                self._queue.put_nowait((index, exc))
+            end = RuntimeError("the round loop's stream ended without a finish reason")
+        except Exception as exc:  # noqa: BLE001 - the failure is the whole request's
+            end = exc
+        except BaseException as exc:
+            end = RuntimeError(f"choice {index} stopped: {type(exc).__name__}")
+            end.__cause__ = exc
+            raise
+        finally:
+            self._queue.put_nowait((index, end))
+
+    async def next(self) -> tuple[int, Chunk]:
+        """The next chunk of any choice, with its index; a choice's failure is raised. Call it only
+        while some choice has not sent its finish chunk."""
+        while True:
+            index, item = await self._queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is not None:
+                return index, item
 
     async def chunks(self) -> AsyncGenerator[tuple[int, Chunk], None]:
         """Every choice's chunks with their index, as they come, until each choice has finished; the
         first failure of any choice is raised."""
         while self._running:
-            index, item = await self._queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finish_reason is not None:
+            index, chunk = await self.next()
+            if chunk.finish_reason is not None:
                 self._running -= 1
-            yield index, item
+            yield index, chunk
 
     async def close(self) -> None:
         """Stops every choice still running and waits until each has let go of its turn."""

@@ -25,7 +25,8 @@ sends back (tool calls). With tools, each choice's output is split into content 
 (``coordinator.tools``), streamed or whole. With completions' ``echo`` each choice's prompt leads its
 text (a stream's first chunk), with the prompt logprobs the round loop's first chunk brings from the
 target's prefill when logprobs are asked for. /v1/responses runs as the chat request it translates
-to (``coordinator.openai_responses``), answered in the Responses API's shapes. docs/openai.md
+to (``coordinator.openai_responses``), answered in the Responses API's shapes
+(``coordinator.openai_responses_output``). docs/openai.md
 documents the endpoints, the statuses and the ``specdec`` field.
 """
 
@@ -46,9 +47,10 @@ from opentelemetry import propagate, trace
 
 from coordinator.admission import Admission, Overloaded
 from coordinator.auth import ApiKeyInterceptor, bearer_token
-from coordinator.choices import share_prefills
+from coordinator.choices import ChoiceRuns, share_prefills
 from coordinator.identity import Caller, caller_of
-from coordinator.openai_responses import ResponseBuilder, parse_responses, responses_error, sse_event
+from coordinator.openai_responses import parse_responses, responses_error
+from coordinator.openai_responses_output import ResponseBuilder, sse_event
 from coordinator.openai_schema import (
     Answer,
     ApiError,
@@ -61,7 +63,7 @@ from coordinator.openai_schema import (
 from coordinator.openai_sessions import Conversations
 from coordinator.rounds import RoundLoop
 from coordinator.server import _BACKEND_RETRY_MS, _status
-from coordinator.tools import ToolCall, assistant_message, split_tool_calls
+from coordinator.tools import Segment, ToolCall, assistant_message, split_tool_calls
 from coordinator.turns import Chunk, ContextOverflow, GenerationRequest, SessionNotFound
 from specdec.config import CoordinatorConfig, ServerConfig
 from specdec.rpc import RunningServer
@@ -300,11 +302,11 @@ class OpenAiApi:
         parsed = parse_responses(await _json_body(request), self.model_ids, self._max_context, self._vocab_size)
         caller = _caller(request)
         core = replace(parsed.chat.choices[0], client=caller.client, owner=caller.owner)
-        runs = _Runs([self._chunks(core, caller)])
+        runs = ChoiceRuns([self._chunks(core, caller)])
         stream = web.StreamResponse(headers=_SSE_HEADERS) if parsed.stream else None
         try:
             try:
-                chunk = (await runs.next())[1]
+                chunk = (await _next(runs))[1]
             except ApiError as error:
                 raise responses_error(self._refusal(error, chat=True), parsed.origins) from error.__cause__
             built = ResponseBuilder(parsed)
@@ -319,12 +321,14 @@ class OpenAiApi:
                     events = []
                     if chunk.finish_reason is not None:
                         break
-                    chunk = (await runs.next())[1]
+                    chunk = (await _next(runs))[1]
             except ApiError as error:
+                # Named as the Responses API names its parameters, whole or streamed.
+                renamed = responses_error(error, parsed.origins)
                 if stream is None:
-                    raise
-                trace.get_current_span().set_status(trace.StatusCode.ERROR, error.message)
-                await stream.write(b"".join(sse_event(event) for event in built.fail(error)))
+                    raise renamed from error.__cause__
+                trace.get_current_span().set_status(trace.StatusCode.ERROR, renamed.message)
+                await stream.write(b"".join(sse_event(event) for event in built.fail(renamed)))
             else:
                 self._remember(core, caller, built.content, built.calls, chunk)
         finally:
@@ -340,13 +344,13 @@ class OpenAiApi:
         caller = _caller(request)
         # The choices of each prompt share its prefill (``coordinator.choices``).
         cores = share_prefills([replace(core, client=caller.client, owner=caller.owner) for core in api.choices], api.n)
-        runs = _Runs([self._chunks(core, caller) for core in cores])
+        runs = ChoiceRuns([self._chunks(core, caller) for core in cores])
         try:
             # Every choice's first chunk (or refusal) before answering: a refusal is the request's status.
             firsts: list[tuple[int, Chunk]] = []
             while len(firsts) < len(cores):
                 try:
-                    firsts.append(await runs.next())
+                    firsts.append(await _next(runs))
                 except ApiError as error:
                     raise self._refusal(error, chat) from error.__cause__
             if api.stream:
@@ -358,7 +362,7 @@ class OpenAiApi:
             echoes = [self._echo(core) if api.echo else None for core in cores]
             queued = iter(firsts)
             while any(last is None for last in lasts):
-                index, chunk = next(queued, None) or await runs.next()
+                index, chunk = next(queued, None) or await _next(runs)
                 if chunk.prompt_token_ids is not None:
                     echoes[index] = scored_echo(echoes[index], chunk)
                     continue
@@ -411,10 +415,11 @@ class OpenAiApi:
         cores: list[GenerationRequest],
         caller: Caller,
         firsts: list[tuple[int, Chunk]],
-        runs: _Runs,
+        runs: ChoiceRuns,
     ) -> web.StreamResponse:
-        """Server-sent events: one chunk per release of text (and tool calls) of a choice, each choice's
-        finish chunk with its ``specdec`` stats, the usage chunk when asked for, then ``[DONE]``."""
+        """Server-sent events: a choice's released text and tool calls in the order written
+        (``_stream_chunks``), each choice's finish chunk with its ``specdec`` stats, the usage chunk
+        when asked for, then ``[DONE]``."""
         shaper = self._shaper(api)
         response = web.StreamResponse(headers=_SSE_HEADERS)
         await response.prepare(request)
@@ -430,7 +435,7 @@ class OpenAiApi:
         queued = iter(firsts)
         try:
             while any(last is None for last in lasts):
-                index, chunk = next(queued, None) or await runs.next()
+                index, chunk = next(queued, None) or await _next(runs)
                 echo = echoes[index]
                 if echo is not None:
                     echoes[index] = None
@@ -441,18 +446,15 @@ class OpenAiApi:
                 if chunk.prompt_token_ids is not None:
                     continue  # prompt logprobs nobody echoes
                 split, finish = splits[index], chunk.finish_reason
-                text, calls = chunk.text, list[ToolCall]()
-                if split is not None:
-                    text, calls = split.feed(chunk.text, end=finish is not None)
+                if split is None:
+                    segments: list[Segment] = [chunk.text] if chunk.text else []
+                else:
+                    segments = split.feed(chunk.text, end=finish is not None)
                     finish = "tool_calls" if finish is not None and split.calls else finish
-                texts[index].append(text)
+                texts[index] += [segment for segment in segments if isinstance(segment, str)]
                 if finish is not None:
-                    assert chunk.stats is not None
                     lasts[index] = chunk
-                    finished = shaper.chunk(index, text, chunk.token_ids, finish, chunk.stats, chunk.logprobs, calls)
-                    await response.write(_sse(finished))
-                elif text or calls or chunk.logprobs or (api.return_token_ids and chunk.token_ids):
-                    piece = shaper.chunk(index, text, chunk.token_ids, logprobs=chunk.logprobs, tool_calls=calls)
+                for piece in _stream_chunks(shaper, api, index, chunk, segments, finish):
                     await response.write(_sse(piece))
             if api.include_usage:
                 await response.write(_sse(shaper.usage_chunk([last.stats for last in lasts if last and last.stats])))
@@ -511,41 +513,41 @@ def scored_echo(echo: Echo | None, chunk: Chunk) -> Echo | None:
     return replace(echo, token_ids=chunk.prompt_token_ids or (), logprobs=chunk.prompt_logprobs)
 
 
-class _Runs:
-    """A request's choices, run side by side: each choice's chunks (or its failure) arrive on one queue,
-    tagged with the choice's index. ``close`` cancels whatever still runs, which closes its round-loop
-    generator and frees its slot and lease."""
+def _stream_chunks(
+    shaper: Shaper, api: ApiRequest, index: int, chunk: Chunk, segments: list[Segment], finish: str | None
+) -> list[dict]:
+    """Choice ``index``'s stream chunks for one round-loop ``chunk`` that released ``segments``: in
+    written order, each text and each run of calls a chunk of its own, so a client sees text after a
+    call after it however the round loop cut the output. The last carries the chunk's token ids and
+    logprobs, and ``finish`` with the stats; a chunk that releases nothing is sent only when it
+    finishes or has tokens to report."""
+    deltas: list[tuple[str, list[ToolCall]]] = []
+    for segment in segments:
+        if isinstance(segment, str):
+            deltas.append((segment, []))
+        elif deltas and not deltas[-1][0]:  # texts are never empty: this one holds calls
+            deltas[-1][1].append(segment)
+        else:
+            deltas.append(("", [segment]))
+    *before, (text, calls) = deltas or [("", [])]
+    no_logprobs = None if chunk.logprobs is None else []
+    out = [shaper.chunk(index, t, [], logprobs=no_logprobs, tool_calls=c) for t, c in before]
+    if finish is not None:
+        assert chunk.stats is not None
+        out.append(shaper.chunk(index, text, chunk.token_ids, finish, chunk.stats, chunk.logprobs, calls))
+    elif text or calls or chunk.logprobs or (api.return_token_ids and chunk.token_ids):
+        out.append(shaper.chunk(index, text, chunk.token_ids, logprobs=chunk.logprobs, tool_calls=calls))
+    return out
 
-    def __init__(self, runs: list[AsyncGenerator[Chunk, None]]) -> None:
-        # Unbounded: a choice waiting for an admission slot must not stall the others that hold one.
-        self._queue: asyncio.Queue[tuple[int, Chunk | Exception]] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._pump(index, run)) for index, run in enumerate(runs)]
 
-    async def _pump(self, index: int, run: AsyncGenerator[Chunk, None]) -> None:
-        async with aclosing(run) as chunks:
-            try:
-                async for chunk in chunks:
-                    self._queue.put_nowait((index, chunk))
-                    if chunk.finish_reason is not None:
-                        return
-                raise RuntimeError("the round loop's stream ended without a finish reason")
-            except Exception as exc:  # noqa: BLE001 - every failure reaches the client in OpenAI's shape
-                self._queue.put_nowait((index, exc))
-
-    async def next(self) -> tuple[int, Chunk]:
-        """The next chunk of any choice, with its index; a failure becomes the ApiError it maps to."""
-        index, item = await self._queue.get()
-        if isinstance(item, ApiError):
-            raise item
-        if isinstance(item, Exception):
-            raise api_error(item) from item
-        return index, item
-
-    async def close(self) -> None:
-        """Stops every choice still running and waits until each has let go of its turn."""
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+async def _next(runs: ChoiceRuns) -> tuple[int, Chunk]:
+    """The next chunk of any choice, with its index; a failure becomes the ApiError it maps to."""
+    try:
+        return await runs.next()
+    except ApiError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure reaches the client in OpenAI's shape
+        raise api_error(exc) from exc
 
 
 @web.middleware

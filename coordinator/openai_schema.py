@@ -87,6 +87,15 @@ def invalid(param: str | None, message: str, code: str | None = None) -> ApiErro
     return ApiError(400, f"{param}: {message}" if param else message, param=param, code=code)
 
 
+def is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """Whether ``value`` of a parameter specdec does not serve asks for nothing: one of ``neutral``
+    (bool and int kept apart), or, where ``{}`` is neutral, an object whose every field is null
+    (``reasoning: {"effort": null}``)."""
+    if isinstance(value, dict) and {} in neutral and all(v is None for v in value.values()):
+        return True
+    return any(value == v and type(value) is type(v) for v in neutral)
+
+
 def context_length_exceeded(max_context: int, param: str, detail: str) -> ApiError:
     """The 400 OpenAI answers for a request past the model's context. litellm and LangChain know a
     context overflow by its code, and litellm also by the message's opening words, so both are OpenAI's."""
@@ -146,7 +155,7 @@ def parse_request(body: Any, chat: bool, model_ids: tuple[str, ...], max_context
     for name, neutral in _NEUTRAL.items():
         if (name == "tools" and chat) or (name == "echo" and not chat):
             continue
-        if name in body and not any(body[name] == v and type(body[name]) is type(v) for v in neutral):
+        if name in body and not is_neutral(body[name], neutral):
             raise invalid(name, "not supported by this server", "unsupported_parameter")
     tools = _tools(body) if chat else None
     if not chat and body.get("tool_choice") is not None:

@@ -15,9 +15,10 @@ on: a ``<tool_call>`` block holding one JSON object, ``{"name": ..., "arguments"
   matching each function's ``parameters`` schema. It travels as a ``response_format`` of kind ``lark``
   (``specdec.grammar``), so it masks the draft's q and the target's p alike and speculation stays
   exact. ``auto`` enforces nothing; ``none`` renders no tools and parses nothing.
-- **Parsing.** ``ToolCallSplitter`` splits the output as it streams into content and calls: it holds
-  back text that may still open a block, and releases each call once its block closes. A block that
-  is not a call of a known function stays content, so nothing the model wrote is lost.
+- **Parsing.** ``ToolCallSplitter`` splits the output as it streams into content and calls, in the
+  order they were written: it holds back text that may still open a block, and releases each call
+  once its block closes. A block that is not a call of a known function stays content, so nothing
+  the model wrote is lost.
 
 Messages keep the core's ``dict[str, str]`` shape: an assistant's calls ride as canonical JSON text
 under ``tool_calls`` and a tool result carries ``tool_call_id``, so sessions and conversation
@@ -369,17 +370,21 @@ def parse_call(body: str, names: Sequence[str], index: int = 0) -> ToolCall | No
     return ToolCall(index, "call_" + secrets.token_hex(12), value["name"], arguments_text)
 
 
+# What a splitter releases, in the order it was written: content text, and calls.
+Segment = str | ToolCall
+
+
 @dataclass
 class ToolCallSplitter:
     """Splits one choice's output, as it streams, into content and tool calls.
 
-    ``feed`` takes new text and returns what may be released now: content text, and calls whose
-    block has closed. Text that may still open a block (a prefix of ``<tool_call>``, or whitespace
-    that would sit between content and a block) is held back until it is decided. Whitespace next
-    to a block is dropped, so content is only the prose around calls. Once ``max_calls`` calls are
-    made, later text is content. A block that is no valid call, or one left open at the end, is
-    released as content verbatim. Feeding the whole output at once gives the same split as feeding
-    it piecewise.
+    ``feed`` takes new text and returns what may be released now, in the order it was written:
+    content text and calls whose block has closed. Text that may still open a block (a prefix of
+    ``<tool_call>``, or whitespace that would sit between content and a block) is held back until it
+    is decided. Whitespace next to a block is dropped, so content is only the prose around calls.
+    Once ``max_calls`` calls are made, later text is content. A block that is no valid call, or one
+    left open at the end, is released as content verbatim. Feeding the whole output at once gives
+    the same segments (adjacent texts joined) as feeding it piecewise.
     """
 
     names: tuple[str, ...]
@@ -392,10 +397,11 @@ class ToolCallSplitter:
     _in_block: bool = False
     _after_block: bool = False
 
-    def feed(self, text: str, end: bool = False) -> tuple[str, list[ToolCall]]:
-        """Released content and new calls after ``text``; ``end``: the output is complete."""
+    def feed(self, text: str, end: bool = False) -> list[Segment]:
+        """What ``text`` releases, in written order: content (no empty texts, no two texts in a row)
+        and new calls; ``end``: the output is complete."""
         self._pending += text
-        released, made = [], len(self.calls)
+        out: list[Segment] = []
         while True:
             if self._in_block:
                 close = self._pending.find(CLOSE)
@@ -405,41 +411,46 @@ class ToolCallSplitter:
                 self._in_block = False
                 call = parse_call(body.strip(), self.names, len(self.calls))
                 if call is None:
-                    released.append(self._content(self._gap + OPEN + body + CLOSE))
+                    self._release(out, self._gap + OPEN + body + CLOSE)
                 else:
                     self.calls.append(call)
+                    out.append(call)
                     self._after_block = True
                 continue
             if self.max_calls is not None and len(self.calls) >= self.max_calls:
-                released.append(self._content(self._pending))
+                self._release(out, self._pending)
                 self._pending = ""
                 break
             start = self._pending.find(OPEN)
             if start >= 0:
                 before = self._pending[:start].rstrip()
-                released.append(self._content(before))
+                self._release(out, before)
                 self._gap = self._pending[len(before) : start]
                 self._pending = self._pending[start + len(OPEN) :]
                 self._in_block = True
                 continue
             keep = _undecided_tail(self._pending)
-            released.append(self._content(self._pending[: len(self._pending) - keep]))
+            self._release(out, self._pending[: len(self._pending) - keep])
             self._pending = self._pending[len(self._pending) - keep :]
             break
         if end:
             rest = (self._gap + OPEN if self._in_block else "") + self._pending
             self._pending, self._in_block = "", False
-            released.append(self._content(rest.rstrip() if self.calls else rest))
-        text_out = "".join(released)
-        self.content += text_out
-        return text_out, self.calls[made:]
+            self._release(out, rest.rstrip() if self.calls else rest)
+        return out
 
-    def _content(self, text: str) -> str:
-        """``text`` as content: leading whitespace right after a block is dropped."""
+    def _release(self, out: list[Segment], text: str) -> None:
+        """Appends ``text`` to ``out`` as content; leading whitespace right after a block is dropped."""
         if self._after_block:
             text = text.lstrip()
             self._after_block = not text
-        return text
+        if not text:
+            return
+        self.content += text
+        if out and isinstance(out[-1], str):
+            out[-1] += text
+        else:
+            out.append(text)
 
 
 def _undecided_tail(text: str) -> int:

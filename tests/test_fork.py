@@ -26,7 +26,7 @@ from coordinator.choices import ChoiceRuns, FirstOfMany, PromptForks, SharedPref
 from coordinator.hidden_backlog import HiddenBacklog
 from coordinator.replicas import CacheRef, HiddenChunk
 from coordinator.sessions import SessionRecord
-from coordinator.turns import GenerationRequest
+from coordinator.turns import Chunk, GenerationRequest, Stats
 from draft_service.distill.features import sample_features
 from draft_service.engine import FeatureDrafter, ModelDrafter, NgramDrafter
 from draft_service.feature_draft import FeatureDraftArch, build_feature_draft
@@ -197,6 +197,57 @@ def test_first_of_many_and_the_hidden_backlog_cut():
 
 
 # --- the coordinator in process ---------------------------------------------------------------------
+
+
+class Stopped(BaseException):
+    """Not an ``Exception``: an ending that ``except Exception`` lets through."""
+
+
+@pytest.mark.parametrize("stop", [asyncio.CancelledError, Stopped])
+def test_a_choice_stopped_by_a_base_exception_fails_the_request_at_once(stop):
+    """A choice's run that ends on something other than an ``Exception`` still queues its end, so the
+    reader gets a failure at once instead of waiting for a chunk that never comes."""
+
+    async def finishing():
+        yield Chunk("s", "a", [1])
+        await asyncio.sleep(0)
+        yield Chunk("s", "b", [2], "stop", Stats())
+
+    async def stopping():
+        yield Chunk("s", "x", [1])
+        raise stop()
+
+    async def scenario() -> tuple[list[tuple[int, str]], BaseException]:
+        runs = ChoiceRuns([finishing(), stopping()])
+        seen = []
+        try:
+            with pytest.raises(RuntimeError, match="choice 1 stopped") as raised:
+                async with asyncio.timeout(10):
+                    async for index, chunk in runs.chunks():
+                        seen.append((index, chunk.text))
+        finally:
+            await runs.close()
+        return seen, raised.value
+
+    seen, error = asyncio.run(scenario())
+    assert (1, "x") in seen and isinstance(error.__cause__, stop)
+
+
+def test_choice_runs_end_when_every_choice_has_finished():
+    async def finishing(text: str):
+        yield Chunk("s", text, [1])
+        yield Chunk("s", "!", [2], "stop", Stats())
+
+    async def scenario() -> list[tuple[int, str]]:
+        runs = ChoiceRuns([finishing("a"), finishing("b")])
+        try:
+            async with asyncio.timeout(10):
+                return [(index, chunk.text) async for index, chunk in runs.chunks()]
+        finally:
+            await runs.close()
+
+    seen = asyncio.run(scenario())
+    assert sorted(seen) == [(0, "!"), (0, "a"), (1, "!"), (1, "b")]
 
 
 def test_choices_prefill_once_and_equal_their_single_requests(tiny_target, tiny_draft):

@@ -823,6 +823,20 @@ class FailingLoop:
         raise self.error
 
 
+class ScriptedLoop:
+    """A round loop stand-in that writes ``text`` in chunks of ``size`` characters, one token each,
+    as speculative rounds commit varying runs of tokens."""
+
+    def __init__(self, text: str, size: int) -> None:
+        self.pieces = [text[i : i + size] for i in range(0, len(text), size)]
+
+    async def generate(self, request, remaining_s):
+        for i, piece in enumerate(self.pieces[:-1]):
+            yield Chunk("s", piece, [i])
+        stats = Stats(prompt_tokens=3, generated_tokens=len(self.pieces), rounds=1)
+        yield Chunk("s", self.pieces[-1], [len(self.pieces) - 1], "stop", stats)
+
+
 class Facts:
     name, max_context, vocab_size = "tiny", 64, 32
 

@@ -29,6 +29,7 @@ from test_openai_api import (  # noqa: F401 - fixtures, shared with the API's ow
     NEW_TOKENS,
     Facts,
     FailingLoop,
+    ScriptedLoop,
     chat_tokenizer_dir,
     http,
     model,
@@ -44,7 +45,8 @@ from transformers import PreTrainedTokenizerFast
 
 from coordinator.admission import Admission
 from coordinator.openai_api import OpenAiApi
-from coordinator.openai_responses import ResponseBuilder, input_messages, parse_responses
+from coordinator.openai_responses import input_messages, parse_responses
+from coordinator.openai_responses_output import ResponseBuilder
 from coordinator.openai_schema import ApiError, parse_request
 from coordinator.replicas import BackendUnavailable
 from coordinator.tools import assistant_message
@@ -410,6 +412,51 @@ def test_tool_calls_become_function_call_items_and_round_trip_as_input():
     assert messages[:2] == [*request.chat.choices[0].messages, assistant_message(built.content, built.calls)]
 
 
+def output_items(response: dict) -> list:
+    """A response's output items without their random ids, as (type, text or (name, arguments))."""
+    return [
+        ("message", item["content"][0]["text"])
+        if item["type"] == "message"
+        else ("function_call", (item["name"], item["arguments"]))
+        for item in response["output"]
+    ]
+
+
+def test_text_after_a_call_is_a_message_after_it_however_rounds_cut_the_output():
+    text = f"a{CALL} b"
+    expected = [("message", "a"), ("function_call", ("get_weather", json.dumps({"city": "Paris"}))), ("message", "b")]
+    for size in (len(text), 1, 2, 5, len(CALL) + 1):
+        built = ResponseBuilder(parse({"input": "Weather?", "tools": [WEATHER]}))
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        events = [e for piece in pieces[:-1] for e in built.feed(piece)] + built.feed(pieces[-1], "stop", stats())
+        assert output_items(built.response()) == expected, size
+        added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+        assert added == ["message", "function_call", "message"]
+        assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+        assert built.content == "ab" and [c.name for c in built.calls] == ["get_weather"]
+
+
+def test_served_responses_keep_the_written_order_streamed_and_whole():
+    text = f"a{CALL} b"
+
+    async def run(size: int, stream: bool) -> list:
+        api = OpenAiApi(ScriptedLoop(text, size), Facts(), Admission(AdmissionLimits()), trace.NoOpTracer())
+        body = {"model": "tiny", "input": "Weather?", "tools": [WEATHER], "stream": stream}
+        async with TestClient(TestServer(api.app(1 << 20))) as client:
+            reply = await client.post("/v1/responses", json=body)
+            assert reply.status == 200
+            if not stream:
+                return output_items(await reply.json())
+            events = named_events(await reply.read())
+            assert events[-1]["type"] == "response.completed"
+            return output_items(events[-1]["response"])
+
+    whole = asyncio.run(run(len(text), False))
+    assert [kind for kind, _ in whole] == ["message", "function_call", "message"]
+    for size in (len(text), 1, 3, len(CALL) + 1):
+        assert asyncio.run(run(size, True)) == asyncio.run(run(size, False)) == whole, size
+
+
 def test_a_failure_after_the_start_ends_the_stream_with_error_and_failed():
     built = ResponseBuilder(parse({"input": "x", "stream": True}))
     built.start()
@@ -422,6 +469,10 @@ def test_a_failure_after_the_start_ends_the_stream_with_error_and_failed():
     )
     assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
     assert failed["response"]["error"] == {"code": "backend_unavailable", "message": "no target replica answers"}
+    # A failure without a code of its own is a server error, in the event as in the response.
+    uncoded = ApiError(500, "internal error: KeyError", "server_error")
+    error, failed = ResponseBuilder(parse({"input": "x"})).fail(uncoded)
+    assert error["code"] == failed["response"]["error"]["code"] == "server_error"
 
 
 # --- served: the tiny word stack ----------------------------------------------------------------
@@ -529,6 +580,24 @@ def test_a_failure_is_an_error_status_before_the_stream_and_error_events_after()
     assert status == 200 and [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "backend_unavailable" and events[-1]["response"]["status"] == "failed"
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "w1 w1 "
+
+
+def test_a_failure_mid_answer_names_the_responses_parameter_whole_or_streamed():
+    async def run(stream: bool) -> tuple[int, str]:
+        error = ApiError(400, "max_completion_tokens: too many for this turn", param="max_completion_tokens")
+        api = OpenAiApi(FailingLoop(error, 2), Facts(), Admission(AdmissionLimits()), trace.NoOpTracer())
+        async with TestClient(TestServer(api.app(1 << 20))) as client:
+            reply = await client.post("/v1/responses", json={"model": "tiny", "input": "w1", "stream": stream})
+            return reply.status, await reply.text()
+
+    status, body = asyncio.run(run(False))
+    error = json.loads(body)["error"]
+    assert (status, error["param"]) == (400, "max_output_tokens")
+    assert error["message"] == "max_output_tokens: too many for this turn"
+    status, body = asyncio.run(run(True))
+    event = named_events(body.encode())[-2]
+    assert (status, event["type"], event["param"]) == (200, "error", "max_output_tokens")
+    assert event["message"] == "max_output_tokens: too many for this turn"
 
 
 # --- served: tiny models over single characters (JSON and tool calls) ---------------------------

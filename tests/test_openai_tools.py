@@ -12,30 +12,37 @@ the tool grammar writes exactly what the target alone writes.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from harness import InProcessStack
 from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
+from opentelemetry import trace
 from test_openai_api import (  # noqa: F401 - fixtures, shared with the API's own tests
     CHAT,
     KEY,
     NEW_TOKENS,
+    Facts,
+    ScriptedLoop,
     chat_tokenizer_dir,
     greedy_ids,
     http,
     model,
     served,
+    sse_events,
     stack,
     sync_client,
     tokenizer,
 )
 
-from coordinator.openai_api import DEFAULT_MODEL_ID
+from coordinator.admission import Admission
+from coordinator.openai_api import DEFAULT_MODEL_ID, OpenAiApi
 from coordinator.openai_schema import parse_messages
 from coordinator.prompts import build_turn, render_chat
 from coordinator.tools import (
@@ -46,6 +53,7 @@ from coordinator.tools import (
     tool_format_key,
 )
 from draft_service.engine import NgramDrafter
+from specdec.config import AdmissionLimits
 from specdec.grammar import GrammarCompiler, ResponseFormat
 from specdec.stack import free_port
 from target_service.engine import TargetEngine
@@ -156,18 +164,65 @@ def test_splitting_streamed_piecewise_equals_splitting_whole(text, content, name
     assert all(c.id.startswith("call_") and len(c.id) == 29 for c in whole_calls)
     if names:
         assert json.loads(whole_calls[0].arguments) == {"city": "Paris"}
+    whole = written(ToolCallSplitter(spec.names), [text], content)
     for size in (1, 3, 7):
         splitter = ToolCallSplitter(spec.names)
-        released, calls = "", []
         pieces = [text[i : i + size] for i in range(0, len(text), size)]
-        for i, piece in enumerate(pieces):
-            out, new = splitter.feed(piece, end=i == len(pieces) - 1)
-            released += out
-            calls += new
-            # Nothing that could still open a call is released early.
-            assert "<tool_call" not in released or "<tool_call" in content
-        assert released == content and [c.name for c in calls] == names
-        assert [c.arguments for c in calls] == [c.arguments for c in whole_calls]
+        assert written(splitter, pieces, content) == whole
+        assert splitter.content == content and [c.name for c in splitter.calls] == names
+        assert [c.arguments for c in splitter.calls] == [c.arguments for c in whole_calls]
+
+
+def written(splitter: ToolCallSplitter, pieces: list[str], content: str = "") -> list[str | tuple[str, str]]:
+    """What ``splitter`` releases fed ``pieces`` (the last ends the output), in order, adjacent texts
+    joined and each call as (name, arguments). Checks that no segment is empty, and that nothing
+    that could still open a call is released early (unless ``content``, all the text, holds it)."""
+    out: list[str | tuple[str, str]] = []
+    for i, piece in enumerate(pieces):
+        for segment in splitter.feed(piece, end=i == len(pieces) - 1):
+            assert segment != ""
+            if not isinstance(segment, str):
+                out.append((segment.name, segment.arguments))
+            elif out and isinstance(out[-1], str):
+                out[-1] += segment
+            else:
+                out.append(segment)
+        released = "".join(s for s in out if isinstance(s, str))
+        assert "<tool_call" not in released or "<tool_call" in content
+    return out
+
+
+def test_text_after_a_call_is_released_after_it_however_the_output_is_cut():
+    spec = parse_tools({"tools": [WEATHER]})
+    assert spec is not None
+    text = f"a{CALL} b"
+    call = ("get_weather", json.dumps({"city": "Paris"}))
+    for size in (len(text), 1, 2, 5, len(CALL) + 1):
+        pieces = [text[i : i + size] for i in range(0, len(text), size)]
+        assert written(spec.splitter(), pieces) == ["a", call, "b"], size
+
+
+def test_a_chat_stream_sends_text_and_calls_in_written_order_however_rounds_cut_it():
+    text = f"a{CALL} b"
+
+    async def deltas(size: int) -> list:
+        api = OpenAiApi(ScriptedLoop(text, size), Facts(), Admission(AdmissionLimits()), trace.NoOpTracer())
+        body = {"model": "tiny", "messages": ASK, "tools": [WEATHER], "stream": True}
+        async with TestClient(TestServer(api.app(1 << 20))) as client:
+            events = sse_events(await (await client.post("/v1/chat/completions", json=body)).read())
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+        out: list = []
+        for event in events[1:-1]:  # after the role chunk
+            delta = event["choices"][0]["delta"]
+            assert not (delta.get("content") and delta.get("tool_calls"))  # one or the other: an order
+            out += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
+            if delta.get("content"):
+                out += [out.pop() + delta["content"]] if out and isinstance(out[-1], str) else [delta["content"]]
+        return out
+
+    call = ("get_weather", json.dumps({"city": "Paris"}))
+    for size in (len(text), 1, 2, 5, len(CALL) + 1):
+        assert asyncio.run(deltas(size)) == ["a", call, "b"], size
 
 
 def test_without_parallel_calls_only_the_first_is_parsed():
