@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``specdec distill-data`` to the ``specdec`` command (``distill``'s entry point registers it)."""
     p = subparsers.add_parser("distill-data", help="collect distillation data (specdec distill-data --help)")
     add_arguments(p)
-    p.set_defaults(run=lambda args: _run(config_from(args), reexec=True))
+    # The subcommand's name precedes its flags, so its first occurrence in argv is the name.
+    p.set_defaults(run=lambda args: _run(config_from(args), sys.argv[sys.argv.index("distill-data") + 1 :]))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,7 +65,7 @@ def config_from(args: argparse.Namespace) -> DataConfig:
     )
 
 
-def _preloaded_tcmalloc() -> None:
+def _preloaded_tcmalloc(flags: list[str]) -> None:
     """Runs this command again with tcmalloc preloaded when the host has it and it is not loaded yet.
 
     A pass over many sessions allocates and frees large blocks each time; glibc hands them back to
@@ -75,18 +76,14 @@ def _preloaded_tcmalloc() -> None:
     if library is None or str(library) in os.environ.get("LD_PRELOAD", ""):
         return
     env = dict(os.environ, LD_PRELOAD=" ".join(filter(None, [os.environ.get("LD_PRELOAD"), str(library)])))
-    os.execve(sys.executable, [sys.executable, "-m", "draft_service.distill.data_cli", *sys.argv[_own_args() :]], env)
+    os.execve(sys.executable, [sys.executable, "-m", "draft_service.distill.data_cli", *flags], env)
 
 
-def _own_args() -> int:
-    """Where this command's flags start in ``sys.argv`` (after ``specdec distill-data`` or the module)."""
-    return sys.argv.index("distill-data") + 1 if "distill-data" in sys.argv else 1
-
-
-def _run(config: DataConfig, reexec: bool) -> int:
-    """Collects as ``config`` says; ``reexec``: first run again under tcmalloc (a command line's run)."""
-    if reexec:
-        _preloaded_tcmalloc()
+def _run(config: DataConfig, flags: list[str] | None) -> int:
+    """Collects as ``config`` says. A command line's run passes its ``flags``: it first runs again
+    with them under tcmalloc, and a SIGTERM stops it as Ctrl-C does."""
+    if flags is not None:
+        _preloaded_tcmalloc(flags)
         # A stop (kill, a pod's termination) writes the answers that finished before it, as Ctrl-C does.
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # torch and transformers load only once the flags parse
@@ -121,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     p = argparse.ArgumentParser(prog="specdec distill-data", description=__doc__.splitlines()[0])
     add_arguments(p)
-    return _run(config_from(p.parse_args(argv)), reexec=argv is None)
+    return _run(config_from(p.parse_args(argv)), sys.argv[1:] if argv is None else None)
 
 
 if __name__ == "__main__":
