@@ -213,6 +213,11 @@ class RaggedLayout:
         the batch-invariant attention must gather (``specdec.invariance.invariant_attention``)."""
         return [has_gaps(mask) for mask in self.masks]
 
+    @functools.cached_property
+    def chain_groups(self) -> list[list[int]]:
+        """The chain sessions grouped for attention (``row_groups``), once per pass, not per layer."""
+        return row_groups([hi - lo for lo, hi in itertools.pairwise(self.bounds)], self.gaps)
+
     def masks_for(self, window: int | None) -> list[torch.Tensor | None]:
         """The sessions' masks for a layer with sliding ``window`` (None: full attention)."""
         return self.masks if window is None or self.windowed is None else self.windowed[window]
@@ -316,7 +321,7 @@ def attend_rows(
     # Chains of like length attend together in one call (each padded to the longest of its call, so a
     # prompt's rows never pad every one-row session); a tree's rows gather their ancestors' keys, one
     # session at a time.
-    for chains in row_groups([hi - lo for lo, hi in bounds], layout.gaps):
+    for chains in layout.chain_groups:
         together = attend_sessions(
             [q[:, :, lo:hi] for lo, hi in (bounds[i] for i in chains)],
             [grown[i][0] for i in chains],
