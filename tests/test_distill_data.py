@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from draft_service.distill.stream_collect import (
     next_token,
     shard_paths,
 )
+from draft_service.distill.wave_collect import wave_answer
 from draft_service.token_draft import CARD_FILE
 from specdec.ragged import ragged_forward
 from tests.tiny import EOS_ID
@@ -81,17 +83,56 @@ def test_top_p_samples_only_inside_the_nucleus():
 
 def test_a_stopped_collection_resumes_to_what_an_unbroken_one_writes(tiny_target, tmp_path):
     jobs = _jobs(12, max_new=10)
-    common = dict(width=3, per_shard=4, eos_ids=(EOS_ID,), seed=1, max_context=256, vocab_size=32)
-    whole = collect_stage(_forward(tiny_target), jobs, tmp_path / "whole", **common)
-    first = collect_stage(_forward(tiny_target), jobs, tmp_path / "split", token_budget=20, **common)
+    answers = partial(answer, _forward(tiny_target), width=3, eos_ids=(EOS_ID,), seed=1, max_context=256)
+    common = dict(per_shard=4, vocab_size=32)
+    whole = collect_stage(answers, jobs, tmp_path / "whole", **common)
+    first = collect_stage(answers, jobs, tmp_path / "split", token_budget=20, **common)
     assert 20 <= first < whole
     assert len(load_folder(tmp_path / "split")) < len(jobs)
-    again = collect_stage(_forward(tiny_target), jobs, tmp_path / "split", **common)
+    again = collect_stage(answers, jobs, tmp_path / "split", **common)
     assert again == whole
     assert sorted(load_folder(tmp_path / "split"), key=lambda p: p[0]) == sorted(
         load_folder(tmp_path / "whole"), key=lambda p: p[0]
     )
     assert all(p.suffix == ".npz" for p in shard_paths(tmp_path / "split"))
+
+
+def _waves(loaded, jobs: list[Job], width: int, seed: int = 5) -> dict[int, tuple[list[int], list[int]]]:
+    answers = wave_answer(loaded.model, jobs, width, (EOS_ID,), seed, max_context=256, pad_id=EOS_ID)
+    return {job.index: (sample.tokens, sample.labels) for job, sample in answers}
+
+
+def test_wave_answers_are_the_targets_own_greedy_and_sampled_answers(tiny_target):
+    """GPU collection's padded waves (prompts of many lengths left-padded together) give each greedy
+    prompt the target's own argmax chain, label every position with the argmax there, and sample
+    the others (within a vanishing nucleus a draw is the argmax)."""
+    jobs = _jobs(10, max_new=9)
+    waves = _waves(tiny_target, jobs, width=4)
+    assert set(waves) == {job.index for job in jobs}
+    for job in jobs:
+        tokens, labels = waves[job.index]
+        assert tokens[: len(job.tokens)] == job.tokens and 1 <= len(labels) <= job.max_new
+        with torch.inference_mode():  # the argmax at every answer position, the answer fed alone
+            logits = tiny_target.model(torch.tensor([tokens])).logits[0]
+        assert labels == logits[len(job.tokens) - 1 : -1].argmax(-1).tolist()
+        if job.temperature == 0:
+            assert tokens[len(job.tokens) :] == labels
+    assert _waves(tiny_target, jobs, width=3) != waves  # the waves' composition seeds their draws...
+    assert _waves(tiny_target, jobs, width=4) == waves  # ...and the same waves draw the same
+    narrow = [Job(j.index, j.tokens, j.max_new, temperature=1.5, top_p=1e-6) for j in jobs]
+    assert all(tokens[-len(labels) :] == labels for tokens, labels in _waves(tiny_target, narrow, 4).values())
+    wide = [Job(j.index, j.tokens, j.max_new, temperature=3.0, top_p=1.0) for j in jobs]
+    assert any(tokens[-len(labels) :] != labels for tokens, labels in _waves(tiny_target, wide, 4).values())
+
+
+def test_wave_answers_fill_shards_that_resume(tiny_target, tmp_path):
+    jobs = _jobs(9, max_new=6)
+    answers = partial(wave_answer, tiny_target.model, width=2, eos_ids=(EOS_ID,), seed=0, max_context=256, pad_id=1)
+    first = collect_stage(answers, jobs, tmp_path, per_shard=4, vocab_size=32, token_budget=10)
+    assert 10 <= first and len(load_folder(tmp_path)) < len(jobs)
+    total = collect_stage(answers, jobs, tmp_path, per_shard=4, vocab_size=32)
+    assert sorted(i for i, _ in load_folder(tmp_path)) == list(range(9))
+    assert total == sum(s.generated for _, s in load_folder(tmp_path))
 
 
 @pytest.mark.parametrize(

@@ -126,7 +126,7 @@ class DataConfig:
     longest_prompt: int = 1024
     """Longer rendered prompts are skipped."""
     width: int = 32
-    """Sessions in one pass."""
+    """Sessions in one pass (on a GPU, prompts in one wave: hundreds)."""
     per_shard: int = 128
     """Answers in one shard file."""
     minutes: float = 60.0
@@ -137,6 +137,9 @@ class DataConfig:
     """The target's dtype (``auto``: as the target service serves it)."""
     compile: bool = True
     """Answer on the compiled pass (as the target service does by default), else the eager one."""
+    device: str = "cpu"
+    """``cpu``: the serving pass, continuously batched (``stream_collect``); ``cuda``: padded waves over
+    transformers' forward (``wave_collect``)."""
     threads: int = 2
     """torch threads: 1 where other jobs share the cores."""
     seed: int = 0

@@ -25,7 +25,7 @@ from draft_service.distill import corpus
 from draft_service.distill.collect import Sample
 from draft_service.distill.config import DataConfig
 from draft_service.distill.prompts import Prompt
-from draft_service.distill.stream_collect import Forward, Job, collect_stage, load_folder
+from draft_service.distill.stream_collect import Answerer, Job, collect_stage, load_folder
 
 log = logging.getLogger(__name__)
 
@@ -147,42 +147,39 @@ def derive_follow_ups(paths: Paths, prompts: list[Prompt], tokenizer, config: Da
     return train
 
 
-def run_data(config: DataConfig, forward: Forward, loaded) -> dict[str, int]:
-    """Runs the stages in order within ``config.minutes``; returns the generated tokens per stage."""
+def run_data(config: DataConfig, answerer: Answerer, loaded) -> dict[str, int]:
+    """Runs the stages in order within ``config.minutes``, answering with ``answerer``; returns the
+    generated tokens per stage."""
     paths = Paths(config.data)
     deadline = time.monotonic() + 60 * config.minutes
     prepare_corpus(config, paths)
     tokenizer = loaded.tokenizer
     common = dict(
-        width=config.width,
         per_shard=config.per_shard,
-        eos_ids=loaded.eos_token_ids,
-        seed=config.seed,
-        max_context=loaded.max_context,
         vocab_size=loaded.vocab_size,
         deadline=deadline,
         bar=config.progress,
     )
     meta = corpus.load_prompts(paths.meta)
     meta_jobs = jobs_for(meta, tokenizer, config, config.meta_max_new)
-    made = {"meta": collect_stage(forward, meta_jobs, paths.shards("meta"), desc="meta", **common)}
+    made = {"meta": collect_stage(answerer, meta_jobs, paths.shards("meta"), desc="meta", **common)}
     if len({i for i, _ in load_folder(paths.shards("meta"))}) < len(meta_jobs):
         return made
     train = corpus.load_prompts(paths.corpus) + derive_self_instruct(paths, tokenizer, config.seed)
     answers_jobs = jobs_for(train, tokenizer, config, config.max_new)
     answers, follow_ups = paths.shards("answers"), paths.shards("follow-ups")
     first = int(config.tokens * ANSWERS_FIRST)
-    made["answers"] = collect_stage(forward, answers_jobs, answers, desc="answers", token_budget=first, **common)
+    made["answers"] = collect_stage(answerer, answers_jobs, answers, desc="answers", token_budget=first, **common)
     if made["answers"] < first:
         log.info("answers hold %d of the %d tokens after which follow-ups are made", made["answers"], first)
         return made
     follow = derive_follow_ups(paths, train, tokenizer, config)
     follow_jobs = jobs_for(follow, tokenizer, config, config.max_new, offset=len(train))
     made["follow-ups"] = collect_stage(
-        forward, follow_jobs, follow_ups, desc="follow-ups", token_budget=int(config.tokens * FOLLOW_UPS), **common
+        answerer, follow_jobs, follow_ups, desc="follow-ups", token_budget=int(config.tokens * FOLLOW_UPS), **common
     )
     rest = config.tokens - made["follow-ups"]
-    made["answers"] = collect_stage(forward, answers_jobs, answers, desc="answers", token_budget=rest, **common)
+    made["answers"] = collect_stage(answerer, answers_jobs, answers, desc="answers", token_budget=rest, **common)
     return made
 
 

@@ -13,7 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
-from draft_service.distill.config import DataConfig
+from draft_service.distill.config import DEVICES, DataConfig
 from specdec.config import default_cache_dir
 from specdec.host import tcmalloc
 
@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width", type=int, default=d.width, help="sessions in one pass")
     p.add_argument("--dtype", default=d.dtype, help="the target's dtype (auto: as the target service serves it)")
     p.add_argument("--no-compile", action="store_true", help="run the eager pass, not the compiled one")
+    p.add_argument(
+        "--device", choices=DEVICES, default=d.device, help="cuda: answer in padded waves of --width prompts on a GPU"
+    )
     p.add_argument("--threads", type=int, default=d.threads, help="torch threads (1 where other jobs share the cores)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--no-progress", action="store_true", help="log lines instead of progress bars")
@@ -59,6 +62,7 @@ def config_from(args: argparse.Namespace) -> DataConfig:
         tokens=args.tokens,
         dtype=args.dtype,
         compile=not args.no_compile,
+        device=args.device,
         threads=args.threads,
         seed=args.seed,
         progress=not args.no_progress and sys.stderr.isatty(),
@@ -90,12 +94,24 @@ def _run(config: DataConfig, flags: list[str] | None) -> int:
     import torch
 
     from draft_service.distill.data import run_data
+
+    torch.set_num_threads(config.threads)
+    loaded, answerer = _gpu_answerer(config) if config.device != "cpu" else _serving_answerer(config)
+    made = run_data(config, answerer, loaded)
+    print(" ".join(f"{stage}={tokens}" for stage, tokens in made.items()), "generated tokens in", config.data)
+    return 0
+
+
+def _serving_answerer(config: DataConfig):
+    """The target loaded as the target service loads it (the serving dtype, the packed row-invariant
+    linears) and its answerer: the compiled pass where it compiles, else the eager ragged one."""
+    from functools import partial
+
+    from draft_service.distill.stream_collect import answer
     from specdec.compiled import CompiledPass, compile_unsupported, keep_artifacts_in
     from specdec.models import load_model
     from specdec.ragged import ragged_forward
 
-    torch.set_num_threads(config.threads)
-    # Loaded as the target service loads it: the serving dtype and the packed, row-invariant linears.
     loaded = load_model(config.target, config.cache_dir, dtype=config.dtype, pack=True)
     if config.compile and compile_unsupported(loaded.model) is None:
         keep_artifacts_in(config.cache_dir)
@@ -108,9 +124,39 @@ def _run(config: DataConfig, flags: list[str] | None) -> int:
         def forward(items):
             return ragged_forward(model, items)
 
-    made = run_data(config, forward, loaded)
-    print(" ".join(f"{stage}={tokens}" for stage, tokens in made.items()), "generated tokens in", config.data)
-    return 0
+    return loaded, partial(
+        answer,
+        forward,
+        width=config.width,
+        eos_ids=loaded.eos_token_ids,
+        seed=config.seed,
+        max_context=loaded.max_context,
+    )
+
+
+def _gpu_answerer(config: DataConfig):
+    """The target on the GPU in ``config.dtype`` with PyTorch's fused attention, and its wave answerer."""
+    from functools import partial
+
+    from draft_service.distill.placement import require_device
+    from draft_service.distill.wave_collect import wave_answer
+    from specdec.models import load_model
+
+    require_device(config.device)
+    loaded = load_model(config.target, config.cache_dir, dtype=config.dtype, device=config.device)
+    # Left-padded waves need no batch invariance (each answer is its own wave row, once): the fused kernel.
+    loaded.model.set_attn_implementation("sdpa")
+    tokenizer = loaded.tokenizer
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else loaded.eos_token_ids[0]
+    return loaded, partial(
+        wave_answer,
+        loaded.model,
+        width=config.width,
+        eos_ids=loaded.eos_token_ids,
+        seed=config.seed,
+        max_context=loaded.max_context,
+        pad_id=pad_id,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,9 @@ from specdec.ragged import RaggedItem
 
 Forward = Callable[[list[RaggedItem]], tuple[list[torch.Tensor], list[torch.Tensor]]]
 """A ragged pass: ``specdec.ragged.ragged_forward`` over a model, or ``CompiledPass.forward``."""
+Answerer = Callable[[Iterable["Job"]], Iterator[tuple["Job", Sample]]]
+"""Answers jobs, yielding each as it finishes: ``answer`` on a ragged pass, or
+``wave_collect.wave_answer`` on a GPU."""
 
 
 @dataclass(frozen=True)
@@ -164,15 +167,11 @@ def load_folder(folder: Path) -> list[tuple[int, Sample]]:
 
 
 def collect_stage(
-    forward: Forward,
+    answers: Answerer,
     jobs: list[Job],
     folder: Path,
     *,
-    width: int,
     per_shard: int,
-    eos_ids: tuple[int, ...],
-    seed: int,
-    max_context: int,
     vocab_size: int,
     deadline: float | None = None,
     token_budget: int | None = None,
@@ -205,7 +204,7 @@ def collect_stage(
 
     buffer: list[tuple[int, Sample]] = []
     try:
-        for job, sample in answer(forward, feed(), width, eos_ids, seed, max_context):
+        for job, sample in answers(feed()):
             buffer.append((job.index, sample))
             have += sample.generated
             progress.update(sample.generated)
