@@ -15,7 +15,6 @@ by the seed and the wave's first prompt index, so a resumed run draws other samp
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Iterator
 from itertools import islice
 
@@ -61,9 +60,7 @@ def _wave(
     limits = [max(1, min(job.max_new, max_context - 1 - len(job.tokens))) for job in wave]
 
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-    cache, last = out.past_key_values, positions[:, -1:]  # [B, 1]
-    # transformers renamed the cache argument; the GPU images pin other versions than this project.
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache, last = out.cache, positions[:, -1:]  # [B, 1]
     answers: list[list[int]] = [[] for _ in wave]
     labels: list[list[int]] = [[] for _ in wave]
     done = [False] * b
@@ -84,8 +81,8 @@ def _wave(
             return
         mask = torch.cat([mask, mask.new_ones((b, 1))], dim=1)  # [B, P + steps]
         last = last + 1
-        out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=last, **{cache_arg: cache})
-        cache = out.past_key_values
+        out = model(input_ids=chosen[:, None], attention_mask=mask, position_ids=last, cache=cache)
+        cache = out.cache
 
 
 def _next_tokens(
