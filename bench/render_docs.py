@@ -237,8 +237,9 @@ STRUCTURED_METHOD = """\
 Twelve extraction requests of our own (`bench/structured.jsonl`), greedy, up to 96 tokens, each under
 one JSON schema (`bench/structured-format.json`, strict): the stack with speculation beside the same
 stack target-only (`k = 0`), taking turns. The grammar masks the target's p and the draft's q alike,
-so both answer the same tokens (`exact vs k = 0`); where the schema forces the text, the masked draft
-has one legal token to propose."""
+so both answer the same tokens (`exact vs k = 0`). Where the grammar allows one token at a time (keys,
+quotes and punctuation between the values), the coordinator proposes that run itself, with no draft
+call, and the target passes it whole; the draft drafts the values."""
 
 ALLOCATORS_METHOD = """\
 ## Allocator and OpenMP settings (`make bench-allocators`)

@@ -67,6 +67,8 @@ class RoundPlan:
     ahead: int = 0
     # A token tree to ask of the draft instead of a chain (``k`` is then its depth).
     tree: TreeShape | None = None
+    # ``lookup`` holds the tokens the request's grammar forces (``Turn.forced_tokens``), not a lookup's.
+    forced: bool = False
 
     def local_draft(self) -> DraftResult | None:
         """The lookup as a draft to verify. It leaves the draft's cache as it was (``committed`` 0)."""
@@ -171,6 +173,11 @@ class SpeculationPolicy:
         k = max(0, min(self._choose_k(turn, fixed, costs), room - 1))
         lookup = None
         if fixed is None and turn.sampling.greedy:
+            # Tokens the grammar allows alone cost no draft call and pass whole: a round proposes them
+            # by themselves (JSON keys and punctuation between a schema's values).
+            forced = turn.forced_tokens(min(costs.k_max, room - 1))
+            if forced:
+                return RoundPlan(0, forced, forced=True)
             lookup = self._free_lookup(turn, costs, room - 1, k)
             if lookup is not None:
                 return RoundPlan(0, lookup)

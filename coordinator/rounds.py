@@ -209,7 +209,7 @@ class RoundLoop:
                     )
                 else:
                     turn.stats.add_round(
-                        outcome.drafted, verdict.accepted, len(verdict.tokens), plan.lookup is not None
+                        outcome.drafted, verdict.accepted, len(verdict.tokens), plan.lookup is not None, plan.forced
                     )
                 released, finish = self._commit(turn, text, verdict.tokens, room, verdict.logprobs)
                 if finish is None:
@@ -236,6 +236,8 @@ class RoundLoop:
         coupled = request.seed is not None and request.temperature > 0
         sampling = request.sampling(state.seed, coupled, state.prompt_len)
         turn = Turn(request, record, resumed, sampling, stats, remaining_s, record.draft, record.target)
+        if request.response_format:
+            turn.grammar = self._turns.matcher(request.response_format)
         self.policy.start(turn)
         span.set_attributes(
             _request_attributes(
@@ -301,7 +303,8 @@ class RoundLoop:
                     "specdec.k": outcome.drafted,
                     "specdec.k_asked": plan.k,
                     "specdec.min_confidence": plan.min_confidence,
-                    "specdec.looked_up": plan.lookup is not None,
+                    "specdec.looked_up": plan.lookup is not None and not plan.forced,
+                    "specdec.forced": plan.forced,
                     "specdec.from_ahead": bool(draft is not None and draft.from_ahead),
                     "specdec.accepted": verdict.accepted,
                     "specdec.tree_nodes": outcome.drafted if outcome.accepted_ranks is not None else 0,

@@ -20,7 +20,7 @@ from coordinator.prompts import build_turn
 from coordinator.replicas import CacheRef
 from coordinator.sessions import SessionRecord, SessionStore, StoreUnavailable, TurnState, is_session_id
 from coordinator.tree_choice import TreeAcceptance
-from specdec.grammar import GrammarCompiler, ResponseFormat, compiler_for
+from specdec.grammar import GrammarCompiler, GrammarMatcher, ResponseFormat, compiler_for
 from specdec.sampling_params import Sampling, TokenLogprob, check_penalties
 from specdec.token_lists import common_prefix_len
 from specdec.trees import depths
@@ -161,10 +161,14 @@ class Stats:
     # Acceptance by depth and sibling rank of this turn's trees (a sampled turn's tree choice reads it).
     trees: TreeAcceptance = field(default_factory=TreeAcceptance)
 
-    def add_round(self, drafted: int, accepted: int, committed: int, looked_up: bool = False) -> None:
-        """Counts one finished round; ``looked_up``: the coordinator's prompt lookup drafted it."""
+    def add_round(
+        self, drafted: int, accepted: int, committed: int, looked_up: bool = False, forced: bool = False
+    ) -> None:
+        """Counts one finished round; ``looked_up``: the coordinator's prompt lookup drafted it;
+        ``forced``: the tokens the grammar forces, which say nothing of either's acceptance."""
         self._count(drafted, accepted, committed)
-        (self.lookup if looked_up else self.positions).record(drafted, accepted)
+        if not forced:
+            (self.lookup if looked_up else self.positions).record(drafted, accepted)
 
     def add_tree_round(
         self, parents: tuple[int, ...], path: tuple[int, ...], path_ranks: tuple[int, ...], committed: int
@@ -260,6 +264,8 @@ class Turn:
     # With prompt logprobs asked for, once the target's cache is placed: the logprob of each committed
     # token from the second on, as that placement's prefill computed them.
     prompt_logprobs: list[TokenLogprob] | None = None
+    # Structured output: the grammar's state over the turn's output (``forced_tokens`` advances it).
+    grammar: GrammarMatcher | None = None
 
     @property
     def committed(self) -> list[int]:
@@ -277,6 +283,20 @@ class Turn:
         """The turn's fencing token: services and the store refuse older turns' calls."""
         return self.record.fence
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The next tokens the turn's grammar allows alone, at most ``limit`` (``GrammarMatcher.forced``),
+        after the output committed so far; none without a grammar. A grammar the output has left (it
+        cannot: the services mask by the same one) is dropped rather than trusted."""
+        if self.grammar is None or limit <= 0:
+            return []
+        output = self.committed[self.state.prompt_len :]
+        try:
+            self.grammar.advance_many(output[self.grammar.consumed :])
+        except (ValueError, RuntimeError):
+            self.grammar = None
+            return []
+        return self.grammar.forced(limit)
+
     def out_of_time(self) -> bool:
         """Whether the request's own deadline has passed. A call that failed then failed on the client's
         clock, not the replica's: resting the replica would fail every other session on it."""
@@ -292,6 +312,13 @@ class Turns:
         self.store = store
         self._max_sessions_per_client = max_sessions_per_client
         self._grammars: GrammarCompiler | None = None
+
+    def matcher(self, key: str) -> GrammarMatcher:
+        """A matcher at the start of the format with this ``ResponseFormat.key()`` (checked by ``open``)."""
+        fmt = ResponseFormat.from_key(key)
+        self.check_format(fmt)
+        assert self._grammars is not None
+        return self._grammars.matcher(fmt)
 
     def check_format(self, fmt: ResponseFormat) -> None:
         """Compiles ``fmt`` for the served tokenizer (cached), so that a format the services could not

@@ -430,6 +430,26 @@ class GrammarMatcher:
             raise RuntimeError(f"grammar engine failed to roll back: {self._engine.get_error()}")
         self.consumed -= n
 
+    def forced(self, limit: int) -> list[int]:
+        """The tokens the grammar leaves no choice over from here, this state unchanged: while exactly
+        one token is allowed, that token (at most ``limit`` of them, an end token last).
+
+        A constrained target can emit nothing else there, greedy or sampled, so such a run is accepted
+        whole wherever it is proposed. Token-level, not text-level: where the forced text could be cut
+        into tokens in more than one way (llguidance's fast-forward tokens pick one cut), the grammar
+        allows each first piece and the run stops.
+        """
+        out: list[int] = []
+        probe = self.fork()
+        while len(out) < limit and not probe.ended:
+            bits = np.unpackbits(probe.bitmask().view(np.uint8), bitorder="little")  # [32 W]
+            allowed = np.flatnonzero(bits[: self.grammar.tokenizer_vocab])
+            if len(allowed) != 1:
+                break
+            out.append(int(allowed[0]))
+            probe.advance(out[-1])
+        return out
+
     def fork(self) -> GrammarMatcher:
         """An independent copy of this state (about 2 us): advancing one never moves the other."""
         return GrammarMatcher(self.grammar, self._engine.deep_copy(), self.consumed, self._ended)

@@ -147,6 +147,27 @@ def test_masks_along_equals_stepping_and_leaves_the_state(smol, smol_tokenizer):
     assert all(np.array_equal(a, s) for a, s in zip(along, stepped))
 
 
+def test_forced_tokens_are_the_runs_the_mask_leaves_one_token_in(smol, smol_tokenizer):
+    """``forced`` lists, without moving the state, exactly the next tokens whose mask allows one token,
+    up to its limit: none where a value is open (several allowed), the whole run between values."""
+    ids = smol_tokenizer.encode(NESTED_DOC, add_special_tokens=False)
+    matcher = smol.matcher(json_schema(NESTED))
+    stepped = walk(matcher.fork(), ids)
+    alone = [int(np.flatnonzero(m)[0]) if m.sum() == 1 else None for m in stepped]
+    for at in range(len(ids)):
+        run = matcher.forced(64)
+        assert matcher.consumed == at and np.array_equal(matcher.allowed(), stepped[at])
+        expected = []
+        for token in alone[at:]:
+            if token is None:
+                break
+            expected.append(token)
+        assert run == expected and matcher.forced(1) == run[:1]
+        matcher.advance(ids[at])
+    assert sum(token is not None for token in alone) >= 10  # keys and punctuation between the values
+    assert smol.matcher(json_schema(NESTED)).forced(0) == []
+
+
 def test_masks_along_stops_at_an_illegal_token(smol, smol_tokenizer):
     ids = smol_tokenizer.encode(NESTED_DOC, add_special_tokens=False)
     matcher = smol.matcher(json_schema(NESTED))

@@ -24,6 +24,7 @@ from coordinator.turns import GenerationRequest, Stats, Turn, Turns
 from draft_service.engine import ModelDrafter
 from draft_service.inprocess import InProcessDraft
 from specdec.batching import PassLoad
+from specdec.grammar import GrammarCompiler, parse_response_format
 from specdec.models import load_model
 from specdec.sampling_params import Sampling
 from target_service.engine import TargetEngine
@@ -140,6 +141,29 @@ def test_the_policy_measures_an_unknown_load_before_drafting():
     plan = policy.plan(turn, room=32)
     assert plan.k > 0 and plan.ahead == 2  # alone on the target, the draft drafts ahead
     assert policy.plan(turn, room=2).k <= 1  # never more than the room after the target's own token
+
+
+def test_tokens_the_grammar_forces_are_proposed_alone_and_teach_no_acceptance():
+    """A greedy constrained turn whose grammar allows one token next proposes the forced run itself
+    (no draft call, whatever the load), held to the room; its round feeds neither acceptance tracker.
+    Where a value is open the plan drafts as before."""
+    tokens = [b"<eos>", b"{", b"}", b'"', b"a", b"b", b":", b" ", b",", b"1", b"2"]
+    grammar = GrammarCompiler.from_token_bytes(tokens, [0], vocab_size=len(tokens))
+    schema = {"type": "object", "properties": {"ab": {"type": "integer"}}, "required": ["ab"]}
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}})
+    policy = SpeculationPolicy(SpeculationConfig(max_auto_k=4), live_targets=lambda: 1)
+    turn = make_turn(committed=(3, 4))  # its output starts after these two prompt tokens
+    turn.grammar = grammar.matcher(fmt)
+    policy.start(turn)
+    run = turn.grammar.forced(4)  # '{"ab": ' one character a token: all forced
+    assert [tokens[t] for t in run] == [b"{", b'"', b"a", b"b"]
+    assert policy.plan(turn, room=32) == RoundPlan(0, run, forced=True)
+    assert policy.plan(turn, room=3).lookup == run[:2]
+    turn.committed[2:] = run + [3, 6, 7, 9]  # '{"ab": 1': digits or the end of the object may follow
+    assert policy.plan(turn, room=32) == RoundPlan(0)  # drafts as before (no load seen yet: measures)
+    tried = list(turn.stats.positions.tried)
+    turn.stats.add_round(4, 4, 5, looked_up=True, forced=True)
+    assert turn.stats.positions.tried == tried and not turn.stats.lookup.tried and turn.stats.rounds == 1
 
 
 def test_sampled_plans_follow_fixed_priors_and_never_draft_ahead():
