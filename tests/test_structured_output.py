@@ -86,6 +86,47 @@ def test_constrained_greedy_speculation_equals_constrained_target_only(stack, ch
     assert accepted > 0  # the draft's masked proposals were accepted, not just the target's own tokens
 
 
+def test_adaptive_rounds_propose_the_grammars_forced_runs_and_stay_exact(stack, char_models, redis_url):
+    """With k chosen per round, the runs the grammar forces (the schema's keys and punctuation) are
+    proposed by the coordinator alone and pass whole, and the output is still the constrained
+    target-only one."""
+    root, target, draft = char_models
+    adaptive = InProcessStack(TargetEngine(target, 16), ModelDrafter(draft, 16, 0), root / "target", redis_url)
+    adaptive.start()
+    try:
+        with Client(stack.address, timeout=120) as fixed, Client(adaptive.address, timeout=120) as chosen:
+            for prompt in PROMPTS:
+                options = {"max_new_tokens": 60, "response_format": JSON_SCHEMA}
+                assert chosen.complete(prompt, **options).token_ids == fixed.complete(prompt, k=0, **options).token_ids
+        rounds = [s.attributes for s in adaptive.exporter.get_finished_spans() if s.name == "specdec.round"]
+    finally:
+        adaptive.close()
+    forced = [a for a in rounds if a.get("specdec.forced")]
+    assert len(forced) >= len(PROMPTS)  # at least the opening '{"name": "' of every answer
+    assert all(a["specdec.accepted"] == a["specdec.k"] > 0 and not a["specdec.looked_up"] for a in forced)
+
+
+def test_cli_generate_takes_a_response_format_and_lists_logprobs(stack, char_models, tmp_path, capsys):
+    """``specdec generate --response-format @FILE --top-logprobs N`` prints the constrained answer (the
+    SDK's, token for token), then one logprob line per generated token; a bad format is a usage error."""
+    from specdec.cli import main
+
+    _, target, _ = char_models
+    (tmp_path / "format.json").write_text(json.dumps(JSON_SCHEMA))
+    argv = ["generate", "--address", stack.address, "--raw", "a b c", "--max-new-tokens", "60", "--k", "4"]
+    main([*argv, "--response-format", f"@{tmp_path / 'format.json'}", "--top-logprobs", "2"])
+    out = capsys.readouterr().out
+    with Client(stack.address, timeout=120) as client:
+        sdk = client.complete("a b c", max_new_tokens=60, k=4, response_format=JSON_SCHEMA, top_logprobs=2)
+    assert out.startswith(sdk.text) and sdk.text.startswith("{")
+    listed = out.split("likeliest alternatives):\n", 1)[1].strip().splitlines()
+    assert [int(line.split()[0]) for line in listed] == sdk.token_ids
+    assert all(line.count(":") == 2 for line in listed)  # two alternatives, id:logprob each
+    with pytest.raises(SystemExit):
+        main([*argv, "--response-format", "[1, 2]"])
+    assert "give a JSON object" in capsys.readouterr().err
+
+
 def test_a_regex_extension_and_json_object(stack, char_models):
     _, target, _ = char_models
     tokenizer = target.tokenizer
