@@ -193,7 +193,7 @@ def run_hf_batched_level(loaded, prompts: list[BenchPrompt], level: int, max_new
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     tokenizer = loaded.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else loaded.eos_token_ids[0]
+    pad = loaded.pad_id
     eos = set(loaded.eos_token_ids)
     result = LevelResult()
     for lo in range(0, len(prompts), level):

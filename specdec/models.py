@@ -87,6 +87,13 @@ class LoadedModel:
     dtype: torch.dtype = torch.float32
     """What the weights compute in (``resolve_dtype``)."""
 
+    @property
+    def pad_id(self) -> int:
+        """The token a padded batch fills with: the tokenizer's pad token, else the first end token (a
+        causal mask or an attention mask keeps real positions from seeing it either way)."""
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        return pad if pad is not None else (self.eos_token_ids or (0,))[0]
+
     def facts(self, kind: str) -> ModelFacts:
         """The facts a service reports about this model."""
         return ModelFacts(self.name, kind, self.vocab_size, self.max_context, self.eos_token_ids, self.fingerprint)

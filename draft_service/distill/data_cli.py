@@ -7,6 +7,7 @@ where the shards end. ``specdec distill --data FOLDER`` trains on what it holds.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -105,8 +106,6 @@ def _run(config: DataConfig, flags: list[str] | None) -> int:
 def _serving_answerer(config: DataConfig):
     """The target loaded as the target service loads it (the serving dtype, the packed row-invariant
     linears) and its answerer: the compiled pass where it compiles, else the eager ragged one."""
-    from functools import partial
-
     from draft_service.distill.stream_collect import answer
     from specdec.compiled import CompiledPass, compile_unsupported, keep_artifacts_in
     from specdec.models import load_model
@@ -124,20 +123,11 @@ def _serving_answerer(config: DataConfig):
         def forward(items):
             return ragged_forward(model, items)
 
-    return loaded, partial(
-        answer,
-        forward,
-        width=config.width,
-        eos_ids=loaded.eos_token_ids,
-        seed=config.seed,
-        max_context=loaded.max_context,
-    )
+    return loaded, functools.partial(answer, forward, **_answering(config, loaded))
 
 
 def _gpu_answerer(config: DataConfig):
     """The target on the GPU in ``config.dtype`` with PyTorch's fused attention, and its wave answerer."""
-    from functools import partial
-
     from draft_service.distill.placement import require_device
     from draft_service.distill.wave_collect import wave_answer
     from specdec.models import load_model
@@ -146,17 +136,12 @@ def _gpu_answerer(config: DataConfig):
     loaded = load_model(config.target, config.cache_dir, dtype=config.dtype, device=config.device)
     # Left-padded waves need no batch invariance (each answer is its own wave row, once): the fused kernel.
     loaded.model.set_attn_implementation("sdpa")
-    tokenizer = loaded.tokenizer
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else loaded.eos_token_ids[0]
-    return loaded, partial(
-        wave_answer,
-        loaded.model,
-        width=config.width,
-        eos_ids=loaded.eos_token_ids,
-        seed=config.seed,
-        max_context=loaded.max_context,
-        pad_id=pad_id,
-    )
+    return loaded, functools.partial(wave_answer, loaded.model, pad_id=loaded.pad_id, **_answering(config, loaded))
+
+
+def _answering(config: DataConfig, loaded) -> dict:
+    """What every answerer takes besides its model: sessions at once, end tokens, seed, context."""
+    return dict(width=config.width, eos_ids=loaded.eos_token_ids, seed=config.seed, max_context=loaded.max_context)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -179,7 +179,7 @@ def run(config: DistillConfig) -> dict | None:
     target.model.to(device=placement.device, dtype=placement.dtype)
     target = replace(target, dtype=placement.dtype)
     tokenizer = target.tokenizer
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (target.eos_token_ids or (0,))[0]
+    pad_id = target.pad_id
 
     # Prompts: a collected data folder, the user's file, or a seeded built-in set; split into training and
     # held-out prompts.
