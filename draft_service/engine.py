@@ -98,10 +98,14 @@ class DraftEngine:
         *,
         budget_bytes: int = 0,
         idle_s: float = 0.0,
+        reuse_min: int = 0,
     ) -> None:
-        """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches (see CacheTable)."""
+        """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches, ``reuse_min`` sets
+        their prefix reuse (see CacheTable)."""
         self._facts = facts
-        self._caches = CacheTable(max_sessions, factory=cache_factory, budget_bytes=budget_bytes, idle_s=idle_s)
+        self._caches = CacheTable(
+            max_sessions, factory=cache_factory, budget_bytes=budget_bytes, idle_s=idle_s, reuse_min=reuse_min
+        )
 
     @property
     def facts(self) -> ModelFacts:

@@ -368,6 +368,13 @@ class FeatureSession:
         same = min(common_prefix_len(old, self.committed), len(self.committed) - 1)
         self._keep(same - self.window, same - 1 - self.window)
 
+    def reusable(self, tokens: list[int]) -> int:
+        """Positions of ``tokens`` a fork of this session holds a target feature for (its window's)."""
+        if self.features is None or not len(self.features):
+            return 0
+        same = min(common_prefix_len(self.committed, tokens), len(tokens) - 1, self.feature_end)
+        return max(0, same - self.window)
+
     def fork(self, tokens: list[int], fence: int = 0) -> FeatureSession:
         """A new session over the committed ``tokens`` with a copy of this one's features and KV pairs
         where its tokens match (then synced to ``tokens`` as any sync crops: no speculative entry, no

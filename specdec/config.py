@@ -111,6 +111,9 @@ class ModelConfig:
     kv_budget_mb: int = 0
     # Seconds after which an unused session cache is dropped (0: never).
     cache_idle_s: float = 3600.0
+    # A new session whose first this-many or more tokens another cache holds state for copies that
+    # state instead of computing it (``specdec.kvcache.CacheTable``; 0: off).
+    prefix_reuse: int = 16
     # Prepack linear weights for oneDNN: a verify pass over k+1 tokens then costs about one step.
     pack: bool = True
     # The torch device the model computes on: "cpu", or "cuda" / "cuda:N".
@@ -126,8 +129,9 @@ class ModelConfig:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {', '.join(MODEL_DTYPES)}")
 
     def cache_limits(self) -> dict[str, float]:
-        """The session cache bounds beyond ``max_sessions``, as engine keyword arguments."""
-        return {"budget_bytes": self.kv_budget_mb * 2**20, "idle_s": self.cache_idle_s}
+        """The session cache bounds beyond ``max_sessions`` and the prefix reuse, as engine keyword
+        arguments."""
+        return {"budget_bytes": self.kv_budget_mb * 2**20, "idle_s": self.cache_idle_s, "reuse_min": self.prefix_reuse}
 
 
 @dataclass(frozen=True)

@@ -225,10 +225,15 @@ class SessionCache:
         """Committed tokens not yet in the KV cache (at least the last one after a sync)."""
         return self.committed[len(self.kv_tokens) :]
 
+    def reusable(self, tokens: list[int]) -> int:
+        """Positions of ``tokens`` whose state a fork of this cache copies: its KV entries where their
+        tokens match, never the last token (a round feeds it)."""
+        return max(0, min(common_prefix_len(self.kv_tokens, tokens), len(tokens) - 1))
+
     def fork(self, tokens: list[int], fence: int = 0) -> SessionCache:
         """A new session's cache over the committed ``tokens``, holding a copy of this cache's KV
-        entries where its tokens match (never the last token: a round feeds it); the rest is pending."""
-        keep = max(0, min(common_prefix_len(self.kv_tokens, tokens), len(tokens) - 1))
+        entries where its tokens match (``reusable``); the rest is pending."""
+        keep = self.reusable(tokens)
         return SessionCache(list(tokens), copy_kv(self.kv, keep), self.kv_tokens[:keep], fence)
 
     @property
@@ -310,12 +315,25 @@ class CacheTable:
     counts as in use: when only those remain over the budget, a new cache is refused (CacheBudgetExceeded)
     rather than evicting a running session's. 0 turns a limit off. An evicted session is not lost:
     its coordinator prefills it again.
+
+    Prefix reuse (``reuse_min``, 0: off): a new cache whose first ``reuse_min`` or more tokens some
+    held cache has state for starts as a copy of that cache's state over them (``create``), so a
+    prompt sharing a system prompt, a template or a whole earlier prompt with another session computes
+    only the rest. A position's state does not depend on the pass that computed it (batch invariance),
+    so the copy is what feeding those tokens would hold, bit for bit.
     """
 
     def __init__(
-        self, capacity: int, factory=SessionCache, budget_bytes: int = 0, idle_s: float = 0.0, active_s: float = 5.0
+        self,
+        capacity: int,
+        factory=SessionCache,
+        budget_bytes: int = 0,
+        idle_s: float = 0.0,
+        active_s: float = 5.0,
+        reuse_min: int = 0,
     ) -> None:
         self._capacity = capacity
+        self._reuse_min = reuse_min
         self._factory = factory
         self._budget_bytes = budget_bytes
         self._idle_s = idle_s
@@ -342,12 +360,31 @@ class CacheTable:
         """The ids of the caches held now."""
         return set(self._caches)
 
-    def create(self, committed: list[int], fence: int = 0, cache_id: str | None = None) -> tuple[str, SessionCache]:
+    def create(
+        self, committed: list[int], fence: int = 0, cache_id: str | None = None, reuse: bool = True
+    ) -> tuple[str, SessionCache]:
         """Adds a cache for ``committed`` tokens (for a caller with fencing token ``fence``), under
-        ``cache_id`` or a fresh id, evicting the least recently used if full."""
-        cache = self._factory(committed=list(committed))
-        cache.fence = fence
+        ``cache_id`` or a fresh id, evicting the least recently used if full. With ``reuse`` (and
+        ``reuse_min`` set), it copies the state of the held cache that covers the longest prefix of
+        ``committed`` (``prefix_source``), as a fork would; its ``copied_end`` says how far."""
+        source = self.prefix_source(committed) if reuse else None
+        if source is not None:
+            cache = self._caches[source].fork(committed, fence)
+        else:
+            cache = self._factory(committed=list(committed))
+            cache.fence = fence
         return self._add(cache, cache_id), cache
+
+    def prefix_source(self, tokens: list[int]) -> str | None:
+        """The held cache with state for the longest prefix of ``tokens``, at least ``reuse_min``
+        positions (the least recently used of equals), or None."""
+        best, longest = None, max(self._reuse_min, 1) - 1
+        if not self._reuse_min or len(tokens) <= longest:
+            return None
+        for cache_id, cache in self._caches.items():
+            if cache.committed[:1] == tokens[:1] and (n := cache.reusable(tokens)) > longest:
+                best, longest = cache_id, n
+        return best
 
     def fork(
         self, source_id: str, committed: list[int], fence: int = 0, cache_id: str | None = None

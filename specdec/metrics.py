@@ -238,6 +238,7 @@ class PassStats(Protocol):
     prompt_rows: int
     prefill_rows: int
     forked_rows: int
+    reused_rows: int
 
 
 class _PassCollector(Collector):
@@ -256,6 +257,7 @@ class _PassCollector(Collector):
         prompt_rows: float,
         prefill_rows: float = 0,
         forked_rows: float = 0,
+        reused_rows: float = 0,
     ) -> Iterator[Metric]:
         yield CounterMetricFamily(f"{PREFIX}target_passes", "Batched forward passes of the target.", value=passes)
         yield CounterMetricFamily(f"{PREFIX}target_rounds_verified", "Rounds verified in those passes.", value=rounds)
@@ -280,6 +282,12 @@ class _PassCollector(Collector):
             "(the choices of a request for several share its prompt's prefill).",
             value=forked_rows,
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}target_reused_rows",
+            "Prompt rows copied from a cache holding the same prefix instead of computing them (prefix reuse: "
+            "a shared system prompt, template or earlier prompt).",
+            value=reused_rows,
+        )
 
     def describe(self) -> Iterator[Metric]:
         """The families this collector yields."""
@@ -289,7 +297,14 @@ class _PassCollector(Collector):
         """Current totals, read from the engine now."""
         e = self._engine
         return self._families(
-            e.passes, e.verified, e.pass_seconds, e.round_rows, e.prompt_rows, e.prefill_rows, e.forked_rows
+            e.passes,
+            e.verified,
+            e.pass_seconds,
+            e.round_rows,
+            e.prompt_rows,
+            e.prefill_rows,
+            e.forked_rows,
+            e.reused_rows,
         )
 
 

@@ -215,12 +215,14 @@ class TargetEngine:
         *,
         budget_bytes: int = 0,
         idle_s: float = 0.0,
+        reuse_min: int = 0,
         compiled: CompiledPass | None = None,
     ) -> None:
-        """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches (see CacheTable);
-        ``compiled`` takes over the passes once ready (see the class docstring)."""
+        """``max_sessions``, ``budget_bytes`` and ``idle_s`` bound the session caches, ``reuse_min`` sets
+        their prefix reuse (see CacheTable); ``compiled`` takes over the passes once ready (see the
+        class docstring)."""
         self._loaded = loaded
-        self._caches = CacheTable(max_sessions, budget_bytes=budget_bytes, idle_s=idle_s)
+        self._caches = CacheTable(max_sessions, budget_bytes=budget_bytes, idle_s=idle_s, reuse_min=reuse_min)
         unsupported = ragged_unsupported(loaded.model.config)
         self._ragged = unsupported is None
         if unsupported is not None:
@@ -243,10 +245,10 @@ class TargetEngine:
         """Totals since warm-up, read by the metrics scrape (``specdec.metrics.PassStats``): batched
         passes run, rounds verified in them, the most rounds one pass held, the passes' seconds, and
         the rows they fed for rounds (pending token + draft tokens) and for prompts (folded, chunked);
-        besides them, the prompt rows prefills fed in passes of their own and the KV rows forks copied
-        instead of computing (``fork``)."""
+        besides them, the prompt rows prefills fed in passes of their own and the KV rows copied
+        instead of computed, by forks (``fork``) and by prefix reuse (``prefill``)."""
         self.passes = self.verified = self.largest_pass = self.round_rows = self.prompt_rows = 0
-        self.prefill_rows = self.forked_rows = 0
+        self.prefill_rows = self.forked_rows = self.reused_rows = 0
         self.pass_seconds = 0.0
 
     @property
@@ -329,10 +331,14 @@ class TargetEngine:
         With ``defer`` nothing is fed yet: the session's first verify pass feeds the prompt beside the
         other sessions' rows (and returns its hidden states), instead of a pass of its own that every
         other session waits for. The reply then carries no hidden states.
+
+        A prefix another cache holds is copied, not fed (``CacheTable`` prefix reuse): the hidden
+        states then start after it.
         """
         self._switch_when_compiled()
         side_layers = self._check_prefill(tokens, side_layers)
         cache_id, cache = self._caches.create(tokens, fence, cache_id)
+        self.reused_rows += len(cache.kv_tokens)
         if defer:
             return cache_id, len(cache.committed), None
         hidden = self._feed_prompt(cache, with_hidden, side_layers)
@@ -362,7 +368,7 @@ class TargetEngine:
             raise ValueError(f"prompt_logprobs: must lie in [0, {MAX_TOP_LOGPROBS}]")
         self._switch_when_compiled()
         side_layers = self._check_prefill(tokens, side_layers)
-        cache_id, cache = self._caches.create(tokens, fence)
+        cache_id, cache = self._caches.create(tokens, fence, reuse=False)  # every position is scored
         try:
             rows = self._feed_prompt(cache, True, side_layers if with_hidden else ())
             assert rows is not None  # asked for
@@ -403,12 +409,13 @@ class TargetEngine:
         return check_side_layers(side_layers, self._loaded.model.config.num_hidden_layers)
 
     def _feed_prompt(self, cache: SessionCache, with_hidden: bool, side_layers: tuple[int, ...]) -> HiddenRows | None:
-        """Caches a new session's committed tokens but the last (``SessionCache.prefill``), through the
-        compiled pass once switched."""
-        self.prefill_rows += max(0, len(cache.committed) - 1)
-        if not self._switched or len(cache.committed) <= 1:
+        """Caches a new session's committed tokens but the last (``SessionCache.prefill``: those its
+        cache does not hold yet), through the compiled pass once switched."""
+        self.prefill_rows += len(cache.pending()) - 1
+        if not self._switched or len(cache.pending()) <= 1:
             return cache.prefill(self._loaded.model, with_hidden, side_layers)
-        start, fed = len(cache.kv_tokens), cache.committed[:-1]
+        start = len(cache.kv_tokens)
+        fed = cache.committed[start:-1]
         _, hidden = self.forward([RaggedItem(cache.kv, fed, 0, side_layers if with_hidden else ())])
         cache.kv_tokens.extend(fed)
         return HiddenRows(start, hidden[0]) if with_hidden else None

@@ -125,8 +125,10 @@ class TargetScheduler:
             self._prefilling -= not plan.defer
         if plan.chunked:
             leave = self.fold_rows if plan.deferred else 1  # pending tokens left to the first round
+            cache = self._engine.caches.peek(cache_id)
+            pending = len(cache.pending()) if cache is not None else len(tokens)  # after a reused prefix
             try:
-                rows = await self._feed_chunks(cache_id, len(tokens), leave, return_hidden, side_layers=side_layers)
+                rows = await self._feed_chunks(cache_id, pending, leave, return_hidden, side_layers=side_layers)
             except BaseException:
                 self._executor.submit(self._engine.release, cache_id)  # a half-fed cache serves no one
                 raise

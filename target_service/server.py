@@ -259,7 +259,11 @@ def main(config: TargetConfig) -> None:
     def build() -> tuple[TargetEngine, TargetEngine | LeaderEngine]:
         loaded = load_shard(config)
         compiled = compiled_pass(config, loaded) if tp.world_size == 1 else None
-        core = TargetEngine(loaded, config.model.max_sessions, **config.model.cache_limits(), compiled=compiled)
+        limits = config.model.cache_limits()
+        if tp.world_size > 1:
+            # Every rank must run the same passes; a follower copies no prefix, so rank 0 copies none either.
+            limits["reuse_min"] = 0
+        core = TargetEngine(loaded, config.model.max_sessions, **limits, compiled=compiled)
         engine = LeaderEngine(core) if tp.world_size > 1 else core
         try:
             engine.warmup()
