@@ -31,6 +31,7 @@ same attention: ``use_invariant_attention`` registers it as the model's attentio
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -246,37 +247,72 @@ def invariant_attention(
     return torch.stack(outs)
 
 
-def attend_sessions(
-    queries: list[torch.Tensor],
-    keys: list[torch.Tensor],
-    values: list[torch.Tensor],
+@dataclass(frozen=True)
+class BatchPlan:
+    """How several sessions' chain rows (no mask with gaps) attend in one call (``attend_batch``): the
+    same for every layer of a pass, so a pass builds it once (``batch_plan``), not once per layer.
+
+    Each session's rows are padded to ``rows`` and its keys to ``padded``; a padding row repeats one of
+    its session's queries and sees one key, so its (discarded) output stays finite. A row's bits are
+    those it gets alone: the products are row-invariant, and extra keys are whole masked blocks.
+    """
+
+    rows: int
+    padded: int
+    gather: torch.Tensor | slice
+    """``[S rows]``: the pass block's row each padded row reads, or the slice of the block they are."""
+    visible: torch.Tensor
+    """``[S G, rows, padded]`` bool: the keys each row of each session's key group sees."""
+
+
+def batch_plan(
+    starts: list[int],
+    counts: list[int],
+    keys: list[int],
     masks: list[torch.Tensor | None],
-    scale: float,
-) -> list[torch.Tensor]:
-    """``invariant_attention`` of several sessions' chain rows (no mask with gaps) in one call: queries
-    ``[1, Hq, n_i, hd]`` over their own keys and values ``[1, Hkv, T_i, hd]``, each session's rows and
-    keys padded to the longest (padded rows see one key, padded keys none). A row's bits are those it
-    gets alone: the products are row-invariant, and extra keys are whole masked blocks."""
-    dtype, device = queries[0].dtype, queries[0].device
-    if len(queries) == 1 or not batched_products_invariant(dtype, str(device)):
-        return [invariant_attention(q, k, v, m, scale) for q, k, v, m in zip(queries, keys, values, masks)]
-    heads, dim = queries[0].shape[1], queries[0].shape[3]
-    groups = keys[0].shape[1]
-    rows = max(q.shape[2] for q in queries)
-    padded = round_up(max(k.shape[2] for k in keys))
+    groups: int,
+    device: torch.device | str,
+) -> BatchPlan:
+    """The plan for sessions whose ``counts`` rows start at block rows ``starts``, attending over
+    ``keys`` keys each (their rows included) under ``masks`` (None: causal), with ``groups`` key heads."""
+    rows = max(counts)
+    padded = round_up(max(keys))
     seen = []
-    for q, k, mask in zip(queries, keys, masks):
-        visible = _visible(mask, q.shape[2], k.shape[2], padded, device)  # [n_i, Tp]
-        filler = torch.zeros(rows - q.shape[2], padded, dtype=torch.bool, device=device)
-        filler[:, 0] = True  # a padded row sees one key, so its (unused) softmax stays finite
+    for n, length, mask in zip(counts, keys, masks):
+        visible = _visible(mask, n, length, padded, device)  # [n, Tp]
+        filler = torch.zeros(rows - n, padded, dtype=torch.bool, device=device)
+        filler[:, 0] = True
         seen.append(torch.cat([visible, filler]))
     visible = torch.stack(seen)[:, None].expand(-1, groups, -1, -1).reshape(-1, rows, padded)  # [S G, n, Tp]
-    q = torch.cat([F.pad(q, (0, 0, 0, rows - q.shape[2])) for q in queries])  # [S, Hq, n, hd]
-    k = torch.cat([padded_keys(k, padded) for k in keys]).reshape(-1, padded, dim)  # [S G, Tp, hd]
-    v = torch.cat([padded_keys(v, padded) for v in values]).reshape(-1, padded, dim)
-    out = _products(q.reshape(-1, heads // groups, rows, dim), k, v, visible, scale, True)  # [S G, P, n, hd]
-    out = out.reshape(len(queries), heads, rows, dim)
-    return [out[i : i + 1, :, : q.shape[2]] for i, q in enumerate(queries)]
+    gather = [start + min(j, n - 1) for start, n in zip(starts, counts) for j in range(rows)]
+    if gather == list(range(starts[0], starts[0] + len(gather))):
+        return BatchPlan(rows, padded, slice(starts[0], starts[0] + len(gather)), visible)
+    return BatchPlan(rows, padded, torch.tensor(gather, device=device), visible)
+
+
+def attend_batch(
+    query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], plan: BatchPlan, scale: float
+) -> torch.Tensor:
+    """``invariant_attention`` of several sessions' chain rows in one call, as ``plan`` lays them out:
+    ``query [1, Hq, N, hd]`` holds every row of the pass, ``keys`` and ``values`` ``[1, Hkv, T_i, hd]``
+    each session's own. Returns ``[S rows, Hq hd]``, session by session, padding rows included.
+    Callers check ``batched_products_invariant`` first (else one session at a time)."""
+    heads, dim = query.shape[1], query.shape[3]
+    sessions, groups = len(keys), keys[0].shape[1]
+    if isinstance(plan.gather, slice):
+        rows = query[0, :, plan.gather]  # [Hq, S n, hd]
+    else:
+        rows = query[0].index_select(1, plan.gather)
+    q = rows.reshape(heads, sessions, plan.rows, dim).transpose(0, 1)  # [S, Hq, n, hd]
+    q = q.reshape(sessions * groups, heads // groups, plan.rows, dim)  # [S G, P, n, hd]
+    if sessions == 1:  # the cache's own buffer, widened in place: no copy
+        k = padded_keys(keys[0], plan.padded).reshape(groups, plan.padded, dim)
+        v = padded_keys(values[0], plan.padded).reshape(groups, plan.padded, dim)
+    else:
+        k = torch.cat([padded_keys(t, plan.padded) for t in keys]).reshape(-1, plan.padded, dim)  # [S G, Tp, hd]
+        v = torch.cat([padded_keys(t, plan.padded) for t in values]).reshape(-1, plan.padded, dim)
+    out = _products(q, k, v, plan.visible, scale, True)  # [S G, P, n, hd]
+    return out.reshape(sessions, heads, plan.rows, dim).transpose(1, 2).reshape(sessions * plan.rows, heads * dim)
 
 
 def _hf_attention(

@@ -57,7 +57,14 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from specdec.invariance import attend_sessions, has_gaps, invariant_attention
+from specdec.invariance import (
+    BatchPlan,
+    attend_batch,
+    batch_plan,
+    batched_products_invariant,
+    has_gaps,
+    invariant_attention,
+)
 from specdec.side_layers import with_sides
 from specdec.tree_verify import tree_mask
 from specdec.trees import depths
@@ -218,6 +225,46 @@ class RaggedLayout:
         """The chain sessions grouped for attention (``row_groups``), once per pass, not per layer."""
         return row_groups([hi - lo for lo, hi in itertools.pairwise(self.bounds)], self.gaps)
 
+    @functools.cached_property
+    def tree_sessions(self) -> list[int]:
+        """The sessions whose rows end with a token tree (attending one at a time)."""
+        return [i for i, gap in enumerate(self.gaps) if gap]
+
+    @functools.cached_property
+    def plans(self) -> dict[tuple[int, int | None], BatchPlan]:
+        """Per chain group and sliding window: its batched attention's plan, made by the pass's first
+        layer of that window and read by the others (every layer's keys grow alike)."""
+        return {}
+
+    @functools.cached_property
+    def _orders(self) -> dict[bool, torch.Tensor | None]:
+        return {}
+
+    def row_order(self, batched: bool) -> torch.Tensor | None:
+        """Where each of the pass's rows lies among the attention's parts (``attend_rows``: the chain
+        groups, padded to their longest session when ``batched``, then the trees), or None when the
+        parts hold them in order already; worked out once per pass."""
+        if batched not in self._orders:
+            self._orders[batched] = self._row_order(batched)
+        return self._orders[batched]
+
+    def _row_order(self, batched: bool) -> torch.Tensor | None:
+        sizes = [hi - lo for lo, hi in itertools.pairwise(self.bounds)]
+        where: list[list[int]] = [[] for _ in sizes]
+        at = 0
+        for chains in self.chain_groups:
+            width = max(sizes[i] for i in chains) if batched else None
+            for i in chains:
+                where[i] = list(range(at, at + sizes[i]))
+                at += width or sizes[i]
+        for i in self.tree_sessions:
+            where[i] = list(range(at, at + sizes[i]))
+            at += sizes[i]
+        order = [r for rows in where for r in rows]
+        if order == list(range(at)):
+            return None
+        return torch.tensor(order, device=self.positions.device)
+
     def masks_for(self, window: int | None) -> list[torch.Tensor | None]:
         """The sessions' masks for a layer with sliding ``window`` (None: full attention)."""
         return self.masks if window is None or self.windowed is None else self.windowed[window]
@@ -317,25 +364,44 @@ def attend_rows(
     masks = layout.masks_for(window)
     bounds = list(itertools.pairwise(layout.bounds))
     grown = [cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx) for cache, (lo, hi) in zip(caches, bounds)]
-    outs: list[torch.Tensor | None] = [None] * len(caches)
+    parts: list[torch.Tensor] = []  # [rows, Hq hd] each, in the order of ``layout.part_sessions``
     # Chains of like length attend together in one call (each padded to the longest of its call, so a
-    # prompt's rows never pad every one-row session); a tree's rows gather their ancestors' keys, one
-    # session at a time.
-    for chains in layout.chain_groups:
-        together = attend_sessions(
-            [q[:, :, lo:hi] for lo, hi in (bounds[i] for i in chains)],
-            [grown[i][0] for i in chains],
-            [grown[i][1] for i in chains],
-            [masks[i] for i in chains],
-            attn.scaling,
-        )
-        for i, out in zip(chains, together):
-            outs[i] = out
-    for i in range(len(caches)):
-        if outs[i] is None:
-            lo, hi = bounds[i]
-            outs[i] = invariant_attention(q[:, :, lo:hi], *grown[i], masks[i], attn.scaling, True)
-    return torch.cat([out[0].transpose(0, 1).reshape(hi - lo, -1) for out, (lo, hi) in zip(outs, bounds)])
+    # prompt's rows never pad every one-row session), laid out once per pass; a tree's rows gather
+    # their ancestors' keys, one session at a time.
+    batched = batched_products_invariant(q.dtype, str(q.device))
+    for group, chains in enumerate(layout.chain_groups):
+        if not batched:
+            parts.extend(_attend_alone(attn, q, grown[i], masks[i], bounds[i]) for i in chains)
+            continue
+        plan = layout.plans.get((group, window))
+        if plan is None:
+            plan = layout.plans[(group, window)] = batch_plan(
+                [bounds[i][0] for i in chains],
+                [bounds[i][1] - bounds[i][0] for i in chains],
+                [grown[i][0].shape[2] for i in chains],
+                [masks[i] for i in chains],
+                k.shape[1],
+                q.device,
+            )
+        parts.append(attend_batch(q, [grown[i][0] for i in chains], [grown[i][1] for i in chains], plan, attn.scaling))
+    parts.extend(_attend_alone(attn, q, grown[i], masks[i], bounds[i], gaps=True) for i in layout.tree_sessions)
+    block = parts[0] if len(parts) == 1 else torch.cat(parts)
+    order = layout.row_order(batched)
+    return block if order is None else block.index_select(0, order)
+
+
+def _attend_alone(
+    attn: nn.Module,
+    q: torch.Tensor,
+    grown: tuple[torch.Tensor, torch.Tensor],
+    mask: torch.Tensor | None,
+    rows: tuple[int, int],
+    gaps: bool = False,
+) -> torch.Tensor:
+    """One session's rows ``rows`` of ``q`` over its cache's keys and values ``grown``: ``[n, Hq hd]``."""
+    lo, hi = rows
+    out = invariant_attention(q[:, :, lo:hi], *grown, mask, attn.scaling, gaps)  # [1, Hq, n, hd]
+    return out[0].transpose(0, 1).reshape(hi - lo, -1)
 
 
 def finish_layer(
