@@ -264,7 +264,7 @@ def run_bench(args: argparse.Namespace) -> None:
         for i, kind in enumerate(kinds if spec_modes else []):
             address = args.address
             if address is None:
-                config = stack_config(args, 0, kind)
+                config = replace(stack_config(args, 0, kind), prefix_reuse=0)  # the modes repeat each prompt
                 if i == 0 and "specdec-http" in modes:
                     config = replace(config, http_port=0)
                 started = time.perf_counter()
@@ -350,7 +350,8 @@ def run_load(args: argparse.Namespace) -> None:
         stack = None
         address = args.address
         if address is None:
-            stack = LocalStack(stack_config(args, 0, args.draft_kind.split(",")[0])).start()
+            config = stack_config(args, 0, args.draft_kind.split(",")[0])
+            stack = LocalStack(replace(config, prefix_reuse=0)).start()  # the modes and levels repeat each prompt
             address = stack.address
         try:
             for level in args.concurrency:

@@ -96,7 +96,8 @@ def main() -> None:
     runs = []
     for chunk in (int(c) for c in args.chunks.split(",")):
         with (
-            LocalStack(StackConfig(prefill_chunk=chunk, cache_dir=args.cache_dir)) as stack,
+            # Each trial sends the same prompt, so none may copy an earlier trial's cache.
+            LocalStack(StackConfig(prefill_chunk=chunk, cache_dir=args.cache_dir, prefix_reuse=0)) as stack,
             Client(stack.address, timeout=600) as client,
         ):
             client.complete(RUNNING[0], max_new_tokens=4)  # the first request pays one-time costs

@@ -159,7 +159,9 @@ multi-turn chat, summarisation, QA, maths and translation; the first N are used)
   by the acceptance seen so far; `--trees`, by default 5x3 and 15x6), whether or not it pays: what
   verifying a tree of that size does by itself, to tokens per target pass and to speed.
 
-The modes take turns prompt by prompt in A B B A order. Per speculative mode the report gives rounds,
+The modes take turns prompt by prompt in A B B A order, and the stack runs with `--prefix-reuse 0`:
+every mode sends the same prompts, and a copied prompt would spare whichever mode sends it second its
+prefill. Per speculative mode the report gives rounds,
 the per-round time split (draft, verify, other: the coordinator's own overhead, mean and median; the
 prompt's prefill counted apart), acceptance by position, and the speedup over `specdec-k0` that the
 standard formula predicts from the measured acceptance and round costs:

@@ -95,7 +95,11 @@ def main(argv: list[str] | None = None) -> dict:
     ids = prompt_ids(args.cache_dir, args.prompt_tokens)
     metrics_port = free_port()
     config = StackConfig(
-        cache_dir=args.cache_dir, compile="off", target_metrics_port=metrics_port, target_threads=args.target_threads
+        cache_dir=args.cache_dir,
+        compile="off",
+        target_metrics_port=metrics_port,
+        target_threads=args.target_threads,
+        prefix_reuse=0,  # the modes repeat each prompt: only forks may share its prefill here
     )
     options = dict(max_new_tokens=args.max_new_tokens, temperature=0.7)
     results: dict[str, dict[str, list[float]]] = {m: {"wall_s": [], "ttft_ms": [], "prefill_ms": []} for m in MODES}

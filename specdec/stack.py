@@ -79,6 +79,9 @@ class StackConfig:
     chat_template: str | None = None
     # The target's --metrics-port (Prometheus over HTTP; 0 picks a free one); None serves none.
     target_metrics_port: int | None = None
+    # Target's and draft's --prefix-reuse; None: their default. Benchmarks that send the same prompt
+    # in several modes set 0, or whichever mode runs a prompt second would skip its prefill.
+    prefix_reuse: int | None = None
     # A library the model services preload: tcmalloc where the host has it (``specdec.host.tcmalloc``),
     # which makes an eager pass's many small allocations cheaper. None: the system allocator.
     preload: Path | None = None
@@ -212,6 +215,7 @@ class LocalStack:
         common = ["--cache-dir", str(c.cache_dir)] + (["--otlp-endpoint", c.otlp_endpoint] if c.otlp_endpoint else [])
         dtype = ["--dtype", c.dtype] if c.dtype else []
         compile_mode = ["--compile", c.compile] if c.compile else []
+        reuse = [] if c.prefix_reuse is None else ["--prefix-reuse", str(c.prefix_reuse)]
         try:
             self._start_redis()
             # Ports are chosen here so that the coordinators can start beside the services: each waits
@@ -237,6 +241,7 @@ class LocalStack:
                     *([] if c.target_metrics_port is None else ["--metrics-port", str(c.target_metrics_port)]),
                     *dtype,
                     *compile_mode,
+                    *reuse,
                     *common,
                 ],
                 c.target_threads,
@@ -259,6 +264,7 @@ class LocalStack:
                     "--threads",
                     "auto" if c.draft_threads is None else str(c.draft_threads),
                     *dtype,
+                    *reuse,
                     *common,
                 ],
                 # Auto may take every core: the OpenMP default must not cap what the draft then sets.
