@@ -54,8 +54,9 @@ class GrowableLayer(DynamicLayer):
         return like.new_zeros((batch, heads, round_up(capacity), dim))  # [B, H, capacity, D]
 
     def _expose(self) -> None:
-        self.keys = self._key_buf[:, :, : self._length]  # [B, H, T, D]
-        self.values = self._value_buf[:, :, : self._length]
+        # narrow, not [:, :, :T]: one op instead of three, and a pass makes this call per session and layer
+        self.keys = self._key_buf.narrow(2, 0, self._length)  # [B, H, T, D]
+        self.values = self._value_buf.narrow(2, 0, self._length)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -69,8 +70,8 @@ class GrowableLayer(DynamicLayer):
                 new = self._alloc(old, capacity)
                 new[:, :, : self._length].copy_(old[:, :, : self._length])
                 setattr(self, name, new)
-        self._key_buf[:, :, self._length : end].copy_(key_states)
-        self._value_buf[:, :, self._length : end].copy_(value_states)
+        self._key_buf.narrow(2, self._length, end - self._length).copy_(key_states)
+        self._value_buf.narrow(2, self._length, end - self._length).copy_(value_states)
         self._length = end
         self._expose()
         return self.keys, self.values

@@ -363,7 +363,10 @@ def attend_rows(
     then attends to (within ``window``). Returns ``[N, Hq hd]``."""
     masks = layout.masks_for(window)
     bounds = list(itertools.pairwise(layout.bounds))
-    grown = [cache.update(k[:, :, lo:hi], v[:, :, lo:hi], layer_idx) for cache, (lo, hi) in zip(caches, bounds)]
+    grown = [
+        cache.update(k.narrow(2, lo, hi - lo), v.narrow(2, lo, hi - lo), layer_idx)
+        for cache, (lo, hi) in zip(caches, bounds)
+    ]
     parts: list[torch.Tensor] = []  # [rows, Hq hd] each, in the order of ``layout.part_sessions``
     # Chains of like length attend together in one call (each padded to the longest of its call, so a
     # prompt's rows never pad every one-row session), laid out once per pass; a tree's rows gather
