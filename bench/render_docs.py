@@ -187,7 +187,9 @@ Closed loop: at each level C, C clients each send their next request as soon as 
 A level sends the first N prompts rounded up to a multiple of C, so every client sends as many requests
 and no level ends in a half-empty wave. Modes: `hf-batched` (transformers `generate` over batches of C
 left-padded prompts), `specdec-k0`, `specdec-chain` (chains only) and `specdec` (trees where they
-pay). `--repeats 2` runs each specdec mode twice per level in A B B A order and sums the runs. Per
+pay). `--repeats 2` runs each specdec mode twice per level in A B B A order and sums the runs; as in
+the single-stream bench, the stack runs with `--prefix-reuse 0`, since every mode and level sends the
+same prompts (`make bench-peers` shows the default, reuse on, beside vLLM's prefix caching). Per
 mode and level: aggregate tokens/s, time to first token and per-token latency (p50 / p95), mean k,
 acceptance, and how many outputs are token-identical to target-only decoding. Scaling is a mode's
 tokens/s over its own at C = 1.
