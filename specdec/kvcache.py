@@ -379,11 +379,11 @@ class CacheTable:
     def prefix_source(self, tokens: list[int]) -> str | None:
         """The held cache with state for the longest prefix of ``tokens``, at least ``reuse_min``
         positions (the least recently used of equals), or None."""
-        best, longest = None, max(self._reuse_min, 1) - 1
-        if not self._reuse_min or len(tokens) <= longest:
+        if not self._reuse_min:
             return None
+        best, longest = None, self._reuse_min - 1
         for cache_id, cache in self._caches.items():
-            if cache.committed[:1] == tokens[:1] and (n := cache.reusable(tokens)) > longest:
+            if (n := cache.reusable(tokens)) > longest:
                 best, longest = cache_id, n
         return best
 

@@ -25,7 +25,7 @@ from test_fork import (  # noqa: F401 - feature_draft: a fixture shared with the
 
 from draft_service.distill.features import sample_features
 from draft_service.engine import FeatureDrafter
-from specdec.kvcache import CacheTable, HiddenRows, SessionCache
+from specdec.kvcache import CacheTable, HiddenRows
 from specdec.sampling import Sampling
 from target_service.engine import TargetEngine
 from target_service.scheduler import PrefillPlan, TargetScheduler
@@ -114,4 +114,4 @@ def test_the_scheduler_feeds_only_what_the_copy_lacks(tiny_target):
     cache_id, committed, hidden = asyncio.run(main())
     assert committed == 120 and engine.prompt_rows - before == 19
     assert hidden is not None and hidden.start == 100 and len(hidden.rows) == 19
-    assert isinstance(engine.caches.get(cache_id), SessionCache)
+    assert engine.caches.get(cache_id).kv_tokens == OTHER_IDS[:119]  # copied, then fed up to the last token
