@@ -39,6 +39,8 @@ from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from specdec.attention_kernel import kernel_applies, ragged_attention
+
 ATTENTION_NAME = "specdec_invariant"
 """The attention implementation name ``use_invariant_attention`` registers with transformers."""
 KEY_BLOCK = 256
@@ -234,6 +236,8 @@ def invariant_attention(
     """
     batch, heads, rows, dim = query.shape
     groups, length = key.shape[1], key.shape[2]
+    if kernel_applies(query):
+        return _kernel_attention(query, key, value, mask, scale)
     padded = round_up(length)
     key, value = padded_keys(key, padded), padded_keys(value, padded)  # [B, Hkv, Tp, hd]
     visible = _visible(mask, rows, length, padded, query.device)
@@ -245,6 +249,29 @@ def invariant_attention(
         q = query[b].reshape(groups, heads // groups, rows, dim)  # head h reads key group h // (Hq / Hkv)
         outs.append(products(q, key[b], value[b], seen, scale, batched).reshape(heads, rows, dim))
     return torch.stack(outs)
+
+
+def _kernel_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """``invariant_attention`` on the compiled kernel (``specdec.attention_kernel``): each batch entry
+    one session of ``n`` rows. Returns ``[B, Hq, n, hd]``."""
+    batch, heads, rows, dim = query.shape
+    if mask is not None and mask.dtype != torch.bool:  # an additive float mask: -inf (or the min) hides a key
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    if mask is not None and mask.dim() == 4:  # [B or 1, 1, n, T]: each entry's own
+        masks = [mask[b if mask.shape[0] > 1 else 0, 0] for b in range(batch)]
+    else:
+        masks = [mask] * batch
+    out = ragged_attention(
+        query.transpose(1, 2).reshape(batch * rows, heads, dim),  # [B n, Hq, hd]
+        [key[b : b + 1] for b in range(batch)],
+        [value[b : b + 1] for b in range(batch)],
+        list(range(0, (batch + 1) * rows, rows)),
+        masks,
+        scale,
+    )  # [B n, Hq hd]
+    return out.view(batch, rows, heads, dim).transpose(1, 2)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from specdec.attention_kernel import kernel_applies, ragged_attention
 from specdec.invariance import (
     BatchPlan,
     attend_batch,
@@ -367,6 +368,10 @@ def attend_rows(
         cache.update(k.narrow(2, lo, hi - lo), v.narrow(2, lo, hi - lo), layer_idx)
         for cache, (lo, hi) in zip(caches, bounds)
     ]
+    if kernel_applies(q):  # every session's rows in one call, straight from the caches' buffers
+        return ragged_attention(
+            q[0].transpose(0, 1), [g[0] for g in grown], [g[1] for g in grown], layout.bounds, masks, attn.scaling
+        )
     parts: list[torch.Tensor] = []  # [rows, Hq hd] each, in the order of ``layout.part_sessions``
     # Chains of like length attend together in one call (each padded to the longest of its call, so a
     # prompt's rows never pad every one-row session), laid out once per pass; a tree's rows gather

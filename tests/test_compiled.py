@@ -87,8 +87,13 @@ def test_the_compiled_pass_computes_what_the_eager_pass_does(compiled):
     got, _ = runner.forward([RaggedItem(GrowableCache(), tokens, len(tokens))])
     want, _ = ragged_forward(loaded.model, [RaggedItem(GrowableCache(), tokens, len(tokens))])
     tolerance = 0.1 if loaded.dtype == torch.bfloat16 else 1e-3
-    assert (got[0] - want[0]).abs().max() < tolerance * want[0].abs().max()
-    assert torch.equal(got[0].argmax(-1), want[0].argmax(-1))
+    error = (got[0] - want[0]).abs().max()
+    assert error < tolerance * want[0].abs().max()
+    # The same greedy token wherever the top two are further apart than the rounding could move them.
+    top2 = want[0].topk(2, dim=-1).values  # [T, 2]
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * error
+    assert clear.sum() >= len(tokens) // 2
+    assert torch.equal(got[0].argmax(-1)[clear], want[0].argmax(-1)[clear])
 
 
 def _loop(target: TargetEngine, target_model, draft_model) -> RoundLoop:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -81,16 +82,25 @@ def invariance_failures(model, past: int, forward: Forward | None = None) -> lis
     return failures
 
 
+@pytest.fixture(params=["kernel", "torch-ops"])
+def attention(request, monkeypatch):
+    """Runs a test on the compiled attention kernel, then on the torch-op attention (GPUs, no compiler)."""
+    if request.param == "torch-ops":
+        for module in (specdec.ragged, invariance):
+            monkeypatch.setattr(module, "kernel_applies", lambda q: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("past", [20, KEY_BLOCK - 3])  # the second: chains cross a key block
-def test_the_tiny_pass_is_batch_invariant(tiny_dir, dtype, past):
+def test_the_tiny_pass_is_batch_invariant(tiny_dir, dtype, past, attention):
     loaded = load_model(str(tiny_dir / "target"), tiny_dir, dtype=dtype, pack=True)
     assert invariance_failures(loaded.model, past) == []
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_the_default_targets_pass_is_batch_invariant(dtype):
+def test_the_default_targets_pass_is_batch_invariant(dtype, attention):
     model = _default(dtype)  # packed, as the target service runs it
     assert invariance_failures(model, KEY_BLOCK - 3) == []
 
@@ -99,15 +109,34 @@ def _default(dtype: torch.dtype):
     return load_model("default", Path.home() / ".cache" / "specdec", dtype=dtype, pack=True).model
 
 
+def _sdpa_rows(q, keys, values, bounds, masks, scale):
+    """``specdec.attention_kernel.ragged_attention``'s contract on SDPA, one session at a time."""
+    outs = []
+    for (lo, hi), k, v, mask in zip(itertools.pairwise(bounds), keys, values, masks):
+        if mask is None:
+            mask = torch.arange(k.shape[2])[None, :] <= torch.arange(k.shape[2] - (hi - lo), k.shape[2])[:, None]
+        rows = q[lo:hi].transpose(0, 1)[None]  # [1, Hq, n, hd]
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        outs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))
+    return torch.cat(outs)
+
+
 @pytest.mark.slow
-def test_the_check_fails_with_sdpa_in_place_of_the_invariant_attention(default_model, monkeypatch):
-    """SDPA's CPU kernel changes a row's bits once a chain has 8 or more rows: the check must see it."""
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch-ops"])
+def test_the_check_fails_with_sdpa_in_place_of_the_invariant_attention(monkeypatch, kernel):
+    """SDPA's CPU kernel changes a row's bits once a chain has 8 or more rows: the check must see it,
+    on the packed bf16 default target, whose linears alone keep every row's bits."""
+    model = _default(torch.bfloat16)
+    if kernel:
+        monkeypatch.setattr(specdec.ragged, "ragged_attention", _sdpa_rows)
+    else:
 
-    def sdpa(q, k, v, mask, scale, gaps=False):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        def sdpa(q, k, v, mask, scale, gaps=False):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
-    monkeypatch.setattr(specdec.ragged, "invariant_attention", sdpa)
-    assert invariance_failures(default_model.model, KEY_BLOCK - 3) != []
+        monkeypatch.setattr(specdec.ragged, "kernel_applies", lambda q: False)
+        monkeypatch.setattr(specdec.ragged, "invariant_attention", sdpa)
+    assert invariance_failures(model, KEY_BLOCK - 3) != []
 
 
 class _BatchCoupled(torch.nn.Module):

@@ -1,0 +1,76 @@
+"""A compiled CPU kernel for batch-invariant attention over many sessions at once (``csrc/ragged_attention.cpp``).
+
+The torch-op attention (``specdec.invariance``) keeps a row's bits by padding keys to whole blocks and
+batching only where a probe found a kernel row-invariant; on a CPU it spends most of its time on the
+~25 small ops a layer and, for a batch of sessions, on copying every session's keys into one padded
+block. This kernel computes each (row, key head) as its own work item straight from the sessions' cache
+buffers: no padding, no copy, one call a layer for every session, chains and token trees alike. Each
+item's arithmetic is fixed (scores in key order, a float32 softmax, values summed in key order), so a
+position gets the same bits alone, in a chain, as a tree node or beside other sessions, by construction.
+
+torch builds it on first use with the machine's C++ compiler (``torch.utils.cpp_extension``, ~30 s,
+then cached under ``~/.cache/torch_extensions``) for the CPU it runs on. Where it cannot be built
+(no compiler) or the tensors are not on a CPU, attention runs on torch ops (``specdec.invariance``).
+A process decides once, so every pass of a process, and its reference forward, computes alike.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "ragged_attention.cpp"
+
+
+@functools.cache
+def attention_kernel() -> ModuleType | None:
+    """The built kernel module, or None where it cannot be built (logged once)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        if shutil.which("ninja") is None:  # the pip-installed ninja, beside this interpreter
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+
+        return load(
+            "specdec_ragged_attention",
+            [str(SOURCE)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as error:  # noqa: BLE001 - any build failure means: use the torch-op attention
+        log.warning("the attention kernel could not be built (%s); attention runs on torch ops", error)
+        return None
+
+
+def kernel_applies(q: torch.Tensor) -> bool:
+    """Whether attention over ``q`` runs on the kernel: a CPU tensor, and the kernel built."""
+    return q.device.type == "cpu" and attention_kernel() is not None
+
+
+def ragged_attention(
+    q: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    bounds: list[int],
+    masks: list[torch.Tensor | None],
+    scale: float,
+) -> torch.Tensor:
+    """Attention of rows ``q [N, Hq, hd]``: session i's rows ``bounds[i] .. bounds[i + 1]`` over its keys and
+    values ``[1, Hkv, T_i, hd]`` (its new rows' included), under ``masks[i]`` (bool ``[n_i, T_i]``, True:
+    attend) or None (causal: its rows are the last of its keys). Returns ``[N, Hq hd]`` in ``q``'s dtype."""
+    kernel = attention_kernel()
+    assert kernel is not None, "kernel_applies() first"
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+    masks = [None if m is None else m.contiguous() for m in masks]
+    kernel.ragged_attention(q, keys, values, bounds, masks, scale, out)
+    return out

@@ -1,0 +1,71 @@
+"""The compiled attention kernel (``specdec.attention_kernel``): right numbers, and each row's bits its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.attention_kernel import attention_kernel, ragged_attention
+
+pytestmark = pytest.mark.skipif(attention_kernel() is None, reason="no C++ compiler to build the kernel")
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Reference: rows ``q [n, Hq, hd]`` over ``k``, ``v`` ``[1, Hkv, T, hd]``; returns ``[n, Hq hd]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None].float(), k.float(), v.float(), attn_mask=mask, scale=0.3, enable_gqa=True
+    )
+    return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sessions_of_different_lengths_match_sdpa(dtype):
+    gen = torch.Generator().manual_seed(0)
+    lengths, rows = [7, 40, 1], [3, 5, 1]
+    # Keys as a cache holds them: views of the valid prefix of a longer buffer.
+    keys = [torch.randn(1, 2, 64, 16, generator=gen).to(dtype)[:, :, :t] for t in lengths]
+    values = [torch.randn(1, 2, 64, 16, generator=gen).to(dtype)[:, :, :t] for t in lengths]
+    q = torch.randn(sum(rows), 6, 16, generator=gen).to(dtype)
+    bounds = [0, 3, 8, 9]
+    out = ragged_attention(q, keys, values, bounds, [None] * 3, 0.3)
+    for i, (t, n) in enumerate(zip(lengths, rows)):
+        causal = torch.arange(t)[None, :] <= torch.arange(t - n, t)[:, None]
+        want = _sdpa(q[bounds[i] : bounds[i + 1]], keys[i], values[i], causal)
+        tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(out[bounds[i] : bounds[i + 1]].float(), want, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_row_keeps_its_bits_alone_in_a_chain_in_a_tree_and_beside_others(dtype):
+    gen = torch.Generator().manual_seed(1)
+    k, v = torch.randn(1, 3, 50, 64, generator=gen).to(dtype), torch.randn(1, 3, 50, 64, generator=gen).to(dtype)
+    q = torch.randn(6, 9, 64, generator=gen).to(dtype)
+    alone = ragged_attention(q[:1], [k[:, :, :45]], [v[:, :, :45]], [0, 1], [None], 0.125)
+    chain = ragged_attention(q[:5], [k[:, :, :49]], [v[:, :, :49]], [0, 5], [None], 0.125)
+    assert torch.equal(chain[:1], alone)
+    # A tree node at position 47 whose parent is at 44 sees keys 0..44 and itself, not 45 and 46.
+    tree_mask = torch.zeros(3, 48, dtype=torch.bool)
+    tree_mask[:, :45] = True
+    tree_mask[0, 45:] = False
+    tree_mask[2, 47] = True
+    tree_k = k[:, :, :48].clone()
+    tree_k[:, :, 47] = k[:, :, 45]  # the node's own key, as a chain at position 45 computed it
+    tree_v = v[:, :, :48].clone()
+    tree_v[:, :, 47] = v[:, :, 45]
+    node = ragged_attention(q[[0, 1, 1]], [tree_k], [tree_v], [0, 3], [tree_mask], 0.125)
+    second = ragged_attention(q[1:2], [k[:, :, :46]], [v[:, :, :46]], [0, 1], [None], 0.125)
+    assert torch.equal(node[2:3], second)
+    rows = torch.cat([q[3:6], q[:1]])
+    keys, values = [k[:, :, :20], k[:, :, :45]], [v[:, :, :20], v[:, :, :45]]
+    beside = ragged_attention(rows, keys, values, [0, 3, 4], [None] * 2, 0.125)
+    assert torch.equal(beside[3:], alone)
+
+
+def test_bad_shapes_are_refused_not_read_past():
+    q = torch.randn(2, 4, 8)
+    k = torch.randn(1, 2, 5, 8)
+    with pytest.raises(RuntimeError, match="mask"):
+        ragged_attention(q, [k], [k], [0, 2], [torch.ones(2, 4, dtype=torch.bool)], 1.0)
+    with pytest.raises(RuntimeError, match="causal"):
+        ragged_attention(torch.randn(7, 4, 8), [k], [k], [0, 7], [None], 1.0)
