@@ -64,13 +64,22 @@ def ragged_attention(
     bounds: list[int],
     masks: list[torch.Tensor | None],
     scale: float,
+    lengths: list[int] | None = None,
+    new: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rows: int | None = None,
 ) -> torch.Tensor:
-    """Attention of rows ``q [N, Hq, hd]``: session i's rows ``bounds[i] .. bounds[i + 1]`` over its keys and
-    values ``[1, Hkv, T_i, hd]`` (its new rows' included), under ``masks[i]`` (bool ``[n_i, T_i]``, True:
-    attend) or None (causal: its rows are the last of its keys). Returns ``[N, Hq hd]`` in ``q``'s dtype."""
+    """Attention of rows ``q [N, Hq, hd]``: session i's rows ``bounds[i] .. bounds[i + 1]`` over the first
+    ``lengths[i]`` (by default all) of its keys and values ``[1, Hkv, C_i, hd]``, its new rows' included,
+    under ``masks[i]`` (bool ``[n_i, lengths[i]]``, True: attend) or None (causal: its rows are the last
+    of its keys). ``new``: the rows' keys and values ``[1, Hkv, N, hd]``, written first into each
+    session's buffers at its last ``n_i`` positions (a cache's ``GrowableLayer.claim``). Returns
+    ``[rows or N, Hq hd]`` in ``q``'s dtype; rows past ``N`` are zeros (a compiled pass's padding)."""
     kernel = attention_kernel()
     assert kernel is not None, "kernel_applies() first"
-    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+    total = q.shape[0] if rows is None else rows
+    out = (torch.empty if total == q.shape[0] else torch.zeros)(total, q.shape[1] * q.shape[2], dtype=q.dtype)
+    lengths = [k.shape[2] for k in keys] if lengths is None else lengths
     masks = [None if m is None else m.contiguous() for m in masks]
-    kernel.ragged_attention(q, keys, values, bounds, masks, scale, out)
+    new_keys, new_values = new if new is not None else (None, None)
+    kernel.ragged_attention(q, keys, values, bounds, lengths, masks, scale, out, new_keys, new_values)
     return out

@@ -228,18 +228,7 @@ class CompiledPass:
         ``q [1, Hq, P, hd]``, ``k``, ``v`` ``[1, Hkv, P, hd]``; returns ``[P, Hq hd]``."""
         ctx = self._context
         assert ctx is not None, "the attention op runs only inside CompiledPass.forward"
-        n = ctx.layout.bounds[-1]  # the real rows; the rest up to the bucket are padding
-        rows = attend_rows(
-            self._layers[layer].self_attn,
-            q[:, :, :n],
-            k[:, :, :n],
-            v[:, :, :n],
-            ctx.caches,
-            ctx.layout,
-            layer,
-            self._windows[layer],
-        )
-        return F.pad(rows, (0, 0, 0, q.shape[2] - n))
+        return attend_rows(self._layers[layer].self_attn, q, k, v, ctx.caches, ctx.layout, layer, self._windows[layer])
 
     @torch.inference_mode()
     def forward(

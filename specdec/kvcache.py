@@ -62,19 +62,37 @@ class GrowableLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self._length + key_states.shape[-2]
-        capacity = self._key_buf.shape[-2]
-        if end > capacity:
-            capacity = max(2 * capacity, end)
-            for name in ("_key_buf", "_value_buf"):
-                old = getattr(self, name)
-                new = self._alloc(old, capacity)
-                new[:, :, : self._length].copy_(old[:, :, : self._length])
-                setattr(self, name, new)
+        self._grow(end)
         self._key_buf.narrow(2, self._length, end - self._length).copy_(key_states)
         self._value_buf.narrow(2, self._length, end - self._length).copy_(value_states)
         self._length = end
         self._expose()
         return self.keys, self.values
+
+    def claim(self, like: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Counts ``n`` more entries in, shaped like ``like [1, H, *, hd]``, without writing them: returns
+        the key and value buffers ``[1, H, capacity, hd]`` and the first new entry's position, for a
+        caller that writes the entries itself before anything reads them (the attention kernel,
+        ``specdec.attention_kernel``), saving ``update``'s per-layer copies and views."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        start = self._length
+        self._grow(start + n)
+        self._length = start + n
+        self._expose()
+        return self._key_buf, self._value_buf, start
+
+    def _grow(self, end: int) -> None:
+        """Doubles the buffers (at least to ``end`` entries) when ``end`` would not fit."""
+        capacity = self._key_buf.shape[-2]
+        if end <= capacity:
+            return
+        capacity = max(2 * capacity, end)
+        for name in ("_key_buf", "_value_buf"):
+            old = getattr(self, name)
+            new = self._alloc(old, capacity)
+            new[:, :, : self._length].copy_(old[:, :, : self._length])
+            setattr(self, name, new)
 
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
@@ -130,6 +148,12 @@ class GrowableCache(DynamicCache):
 
     def __init__(self) -> None:
         Cache.__init__(self, layer_class_to_replicate=GrowableLayer)
+
+    def layer(self, index: int) -> GrowableLayer:
+        """Layer ``index``'s keys and values, created (empty) with the layers before it if missing."""
+        while len(self.layers) <= index:
+            self.layers.append(GrowableLayer())
+        return self.layers[index]
 
 
 def copy_kv(kv: Cache, keep: int) -> GrowableCache:

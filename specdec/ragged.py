@@ -53,6 +53,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
@@ -66,6 +67,7 @@ from specdec.invariance import (
     has_gaps,
     invariant_attention,
 )
+from specdec.kvcache import GrowableCache
 from specdec.side_layers import with_sides
 from specdec.tree_verify import tree_mask
 from specdec.trees import depths
@@ -216,6 +218,11 @@ class RaggedLayout:
         return cls(bounds, masks, positions, windowed or None)
 
     @functools.cached_property
+    def sizes(self) -> list[int]:
+        """Rows each session feeds."""
+        return [hi - lo for lo, hi in itertools.pairwise(self.bounds)]
+
+    @functools.cached_property
     def gaps(self) -> list[bool]:
         """Per session: whether its mask hides keys between visible ones (a token tree's rows), which
         the batch-invariant attention must gather (``specdec.invariance.invariant_attention``)."""
@@ -359,16 +366,35 @@ def attend_rows(
     layer_idx: int,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The attention of a ragged block's rows, before the output projection: queries ``q [1, Hq, N, hd]``,
-    keys and values ``[1, Hkv, N, hd]`` (rotated), each session's appended to its own cache, which it
-    then attends to (within ``window``). Returns ``[N, Hq hd]``."""
+    """The attention of a ragged block's rows, before the output projection: queries ``q [1, Hq, N', hd]``,
+    keys and values ``[1, Hkv, N', hd]`` (rotated), each session's appended to its own cache, which it
+    then attends to (within ``window``). Returns ``[N', Hq hd]``: rows past the layout's N (a compiled
+    pass's padding) attend to nothing and come back as zeros."""
     masks = layout.masks_for(window)
+    if kernel_applies(q) and all(isinstance(cache, GrowableCache) for cache in caches):
+        # Every session's rows in one call, which also writes their keys and values into the caches.
+        claims = [cache.layer(layer_idx).claim(k, n) for cache, n in zip(caches, layout.sizes)]
+        return ragged_attention(
+            q[0, :, : layout.bounds[-1]].transpose(0, 1),  # [N, Hq, hd]
+            [claim[0] for claim in claims],
+            [claim[1] for claim in claims],
+            layout.bounds,
+            masks,
+            attn.scaling,
+            lengths=[start + n for (_, _, start), n in zip(claims, layout.sizes)],
+            new=(k, v),
+            rows=q.shape[2],
+        )
+    n = layout.bounds[-1]
+    if q.shape[2] > n:  # a compiled pass's padding rows
+        out = attend_rows(attn, q[:, :, :n], k[:, :, :n], v[:, :, :n], caches, layout, layer_idx, window)
+        return F.pad(out, (0, 0, 0, q.shape[2] - n))
     bounds = list(itertools.pairwise(layout.bounds))
     grown = [
         cache.update(k.narrow(2, lo, hi - lo), v.narrow(2, lo, hi - lo), layer_idx)
         for cache, (lo, hi) in zip(caches, bounds)
     ]
-    if kernel_applies(q):  # every session's rows in one call, straight from the caches' buffers
+    if kernel_applies(q):  # caches of another kind: they grow first, then the kernel reads them
         return ragged_attention(
             q[0].transpose(0, 1), [g[0] for g in grown], [g[1] for g in grown], layout.bounds, masks, attn.scaling
         )

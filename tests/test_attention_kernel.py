@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.attention_kernel import attention_kernel, ragged_attention
+from specdec.kvcache import GrowableCache
 
 pytestmark = pytest.mark.skipif(attention_kernel() is None, reason="no C++ compiler to build the kernel")
 
@@ -67,5 +68,39 @@ def test_bad_shapes_are_refused_not_read_past():
     k = torch.randn(1, 2, 5, 8)
     with pytest.raises(RuntimeError, match="mask"):
         ragged_attention(q, [k], [k], [0, 2], [torch.ones(2, 4, dtype=torch.bool)], 1.0)
-    with pytest.raises(RuntimeError, match="causal"):
+    with pytest.raises(RuntimeError, match="rows among its keys"):
         ragged_attention(torch.randn(7, 4, 8), [k], [k], [0, 7], [None], 1.0)
+
+
+def test_new_rows_are_written_into_claimed_cache_room_then_attended():
+    """The pass's path: each session claims room in its cache layer, the kernel writes the rows' keys and
+    values there and attends, as growing the cache first and attending after does."""
+    gen = torch.Generator().manual_seed(3)
+    pasts, rows = [5, 300], [2, 1]  # the second session's buffer must double past 256
+    written, grown = [GrowableCache() for _ in pasts], [GrowableCache() for _ in pasts]
+    for cache_a, cache_b, past in zip(written, grown, pasts):
+        k, v = torch.randn(1, 2, past, 16, generator=gen), torch.randn(1, 2, past, 16, generator=gen)
+        cache_a.update(k, v, 0)
+        cache_b.update(k, v, 0)
+    q = torch.randn(3, 4, 16, generator=gen)
+    new_k, new_v = torch.randn(1, 2, 3, 16, generator=gen), torch.randn(1, 2, 3, 16, generator=gen)
+    claims = [cache.layer(0).claim(new_k, n) for cache, n in zip(written, rows)]
+    got = ragged_attention(
+        q,
+        [c[0] for c in claims],
+        [c[1] for c in claims],
+        [0, 2, 3],
+        [None, None],
+        0.25,
+        lengths=[start + n for (_, _, start), n in zip(claims, rows)],
+        new=(new_k, new_v),
+        rows=5,
+    )
+    views = [
+        cache.update(new_k[:, :, lo:hi], new_v[:, :, lo:hi], 0) for cache, (lo, hi) in zip(grown, [(0, 2), (2, 3)])
+    ]
+    want = ragged_attention(q, [w[0] for w in views], [w[1] for w in views], [0, 2, 3], [None, None], 0.25)
+    assert torch.equal(got[:3], want) and torch.equal(got[3:], torch.zeros(2, 64))
+    for cache_a, cache_b in zip(written, grown):
+        assert torch.equal(cache_a.layers[0].keys, cache_b.layers[0].keys)
+        assert torch.equal(cache_a.layers[0].values, cache_b.layers[0].values)

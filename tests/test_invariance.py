@@ -109,16 +109,22 @@ def _default(dtype: torch.dtype):
     return load_model("default", Path.home() / ".cache" / "specdec", dtype=dtype, pack=True).model
 
 
-def _sdpa_rows(q, keys, values, bounds, masks, scale):
+def _sdpa_rows(q, keys, values, bounds, masks, scale, lengths=None, new=None, rows=None):
     """``specdec.attention_kernel.ragged_attention``'s contract on SDPA, one session at a time."""
+    lengths = lengths or [k.shape[2] for k in keys]
     outs = []
-    for (lo, hi), k, v, mask in zip(itertools.pairwise(bounds), keys, values, masks):
+    for (lo, hi), k, v, length, mask in zip(itertools.pairwise(bounds), keys, values, lengths, masks):
+        if new is not None:  # the rows' keys and values go into the session's buffers first
+            k[:, :, length - (hi - lo) : length] = new[0][:, :, lo:hi]
+            v[:, :, length - (hi - lo) : length] = new[1][:, :, lo:hi]
+        k, v = k[:, :, :length], v[:, :, :length]
         if mask is None:
-            mask = torch.arange(k.shape[2])[None, :] <= torch.arange(k.shape[2] - (hi - lo), k.shape[2])[:, None]
-        rows = q[lo:hi].transpose(0, 1)[None]  # [1, Hq, n, hd]
-        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            mask = torch.arange(length)[None, :] <= torch.arange(length - (hi - lo), length)[:, None]
+        block = q[lo:hi].transpose(0, 1)[None]  # [1, Hq, n, hd]
+        out = F.scaled_dot_product_attention(block, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         outs.append(out[0].transpose(0, 1).reshape(hi - lo, -1))
-    return torch.cat(outs)
+    out = torch.cat(outs)
+    return F.pad(out, (0, 0, 0, (rows or len(out)) - len(out)))
 
 
 @pytest.mark.slow

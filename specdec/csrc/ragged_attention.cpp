@@ -1,11 +1,12 @@
 // Batch-invariant attention of many sessions' rows in one call (specdec/attention_kernel.py).
 //
-// Every (row, key head) is one work item computed on its own, in a fixed order: its query heads'
-// scores over the keys it sees, in key order; a float32 softmax; the values summed in key order. No
-// item's arithmetic depends on how many rows, sessions or threads share the call, so a position gets
+// Every (row, query head) is computed on its own, in a fixed order: its scores over the keys it sees,
+// in key order; a float32 softmax; the values summed in key order. No row's arithmetic depends on
+// how many rows, sessions or threads share the call, so a position gets
 // the same bits alone, in a chain, as a tree node (its ancestors' keys, the same numbers in the same
 // order) or beside other sessions. Dot products run in fixed lanes (kLanes partial sums, then a fixed
-// tree), which the compiler vectorises without reordering anything.
+// tree), which the compiler vectorises without reordering anything. A work item is up to kChunk rows
+// of one session under one key head, which share one widening of their keys and values to float32.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -47,6 +48,8 @@ struct Session {
   const bool* mask;    // [hi - lo, T] row-major, or null: causal, the rows being the last keys
 };
 
+constexpr int64_t kChunk = 1;  // rows an item takes: one row balances two threads best
+
 template <typename T>
 void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std::vector<int64_t>& first_item,
             int64_t groups, double scale_, at::Tensor& out) {
@@ -57,80 +60,122 @@ void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std
   const float scale = static_cast<float>(scale_);
   const int64_t items = first_item.back();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(per_group * dim), acc(per_group * dim), row_buf(dim), scores, weights;
-    std::vector<int64_t> seen;
+    std::vector<float> query(kChunk * per_group * dim), acc(kChunk * per_group * dim), keys, values, scores;
+    std::vector<int64_t> first(kChunk), last(kChunk), counts(kChunk);
     int64_t s = 0;
     for (int64_t item = begin; item < end; ++item) {
       while (first_item[s + 1] <= item) ++s;
       const Session& session = sessions[s];
       const int64_t local = item - first_item[s];
-      const int64_t r = local / groups, g = local % groups, n = session.hi - session.lo;
-      const int64_t row = session.lo + r;
-      // The keys this row sees, in order.
-      seen.clear();
-      if (session.mask != nullptr) {
-        const bool* visible = session.mask + r * session.length;
-        for (int64_t t = 0; t < session.length; ++t) {
-          if (visible[t]) seen.push_back(t);
+      const int64_t n = session.hi - session.lo;
+      const int64_t g = local % groups, r0 = (local / groups) * kChunk, rows = std::min(kChunk, n - r0);
+      // Each row's visible keys lie in [first, last]; a mask may hide some between.
+      int64_t span = 0;
+      for (int64_t i = 0; i < rows; ++i) {
+        const int64_t r = r0 + i;
+        if (session.mask == nullptr) {
+          first[i] = 0;
+          last[i] = session.length - n + r;
+        } else {
+          const bool* visible = session.mask + r * session.length;
+          first[i] = 0;
+          while (first[i] < session.length && !visible[first[i]]) ++first[i];
+          last[i] = session.length - 1;
+          while (last[i] >= 0 && !visible[last[i]]) --last[i];
         }
-      } else {
-        const int64_t last = session.length - n + r;
-        for (int64_t t = 0; t <= last; ++t) seen.push_back(t);
-      }
-      const int64_t count = static_cast<int64_t>(seen.size());
-      for (int64_t p = 0; p < per_group; ++p) {
-        widen(q_data + row * q_row + (g * per_group + p) * q_head, &query[p * dim], dim);
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      if (count > 0) {
-        scores.resize(per_group * count);
-        const T* keys = static_cast<const T*>(session.keys) + g * session.key_head;
-        for (int64_t j = 0; j < count; ++j) {
-          widen(keys + seen[j] * session.key_row, row_buf.data(), dim);
-          for (int64_t p = 0; p < per_group; ++p) scores[p * count + j] = dot(&query[p * dim], row_buf.data(), dim) * scale;
-        }
-        weights.resize(per_group * count);
+        span = std::max(span, last[i] + 1);
         for (int64_t p = 0; p < per_group; ++p) {
-          float* score = &scores[p * count];
-          float top = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < count; ++j) top = std::max(top, score[j]);
-          float total = 0.f;
-          for (int64_t j = 0; j < count; ++j) {
-            score[j] = std::exp(score[j] - top);
-            total += score[j];
-          }
-          for (int64_t j = 0; j < count; ++j) weights[p * count + j] = score[j] / total;
+          widen(q_data + (session.lo + r) * q_row + (g * per_group + p) * q_head, &query[(i * per_group + p) * dim], dim);
         }
-        const T* values = static_cast<const T*>(session.values) + g * session.value_head;
-        for (int64_t j = 0; j < count; ++j) {
-          widen(values + seen[j] * session.value_row, row_buf.data(), dim);
-          for (int64_t p = 0; p < per_group; ++p) {
-            const float w = weights[p * count + j];
-            float* a = &acc[p * dim];
-            for (int64_t d = 0; d < dim; ++d) a[d] += w * row_buf[d];
+      }
+      // The keys and values any of the rows sees, widened once for all of them.
+      keys.resize(span * dim);
+      values.resize(span * dim);
+      const T* key_src = static_cast<const T*>(session.keys) + g * session.key_head;
+      const T* value_src = static_cast<const T*>(session.values) + g * session.value_head;
+      for (int64_t t = 0; t < span; ++t) {
+        widen(key_src + t * session.key_row, &keys[t * dim], dim);
+        widen(value_src + t * session.value_row, &values[t * dim], dim);
+      }
+      scores.resize(rows * per_group * std::max<int64_t>(span, 1));
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t i = 0; i < rows; ++i) {
+        const bool* visible = session.mask == nullptr ? nullptr : session.mask + (r0 + i) * session.length;
+        for (int64_t p = 0; p < per_group; ++p) {
+          const float* qp = &query[(i * per_group + p) * dim];
+          float* score = &scores[(i * per_group + p) * span];
+          float* a = &acc[(i * per_group + p) * dim];
+          // Scores in key order, a float32 softmax over the visible ones, values summed in key order.
+          float top = -std::numeric_limits<float>::infinity();
+          for (int64_t t = first[i]; t <= last[i]; ++t) {
+            if (visible != nullptr && !visible[t]) continue;
+            score[t] = dot(qp, &keys[t * dim], dim) * scale;
+            top = std::max(top, score[t]);
+          }
+          float total = 0.f;
+          for (int64_t t = first[i]; t <= last[i]; ++t) {
+            if (visible != nullptr && !visible[t]) continue;
+            score[t] = std::exp(score[t] - top);
+            total += score[t];
+          }
+          for (int64_t t = first[i]; t <= last[i]; ++t) {
+            if (visible != nullptr && !visible[t]) continue;
+            const float w = score[t] / total;
+            const float* v = &values[t * dim];
+            for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
           }
         }
       }
-      T* dst = out_data + row * heads * dim + g * per_group * dim;
-      for (int64_t i = 0; i < per_group * dim; ++i) dst[i] = static_cast<T>(acc[i]);
+      for (int64_t i = 0; i < rows; ++i) {
+        T* dst = out_data + (session.lo + r0 + i) * heads * dim + g * per_group * dim;
+        const float* a = &acc[i * per_group * dim];
+        for (int64_t j = 0; j < per_group * dim; ++j) dst[j] = static_cast<T>(a[j]);
+      }
     }
   });
 }
 
 }  // namespace
 
-// q [N, Hq, hd] (last dim contiguous); keys[i], values[i] [1, Hkv, T_i, hd] (last dim contiguous);
-// bounds [S + 1]: session i's rows are bounds[i] .. bounds[i + 1]; masks[i] bool [n_i, T_i] or None
-// (causal, its rows the last of its keys). Writes out [N, Hq hd] (contiguous).
+// Writes session i's new keys and values, rows bounds[i] .. bounds[i + 1] of new_keys / new_values
+// [1, Hkv, N, hd], into its buffers at the last n_i of its lengths[i] positions.
+template <typename T>
+void write_new(const at::Tensor& new_keys, const at::Tensor& new_values, const std::vector<Session>& sessions) {
+  const int64_t groups = new_keys.size(1), dim = new_keys.size(3);
+  for (const Session& session : sessions) {
+    const int64_t n = session.hi - session.lo, past = session.length - n;
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t j = 0; j < n; ++j) {
+        const T* k = new_keys.data_ptr<T>() + g * new_keys.stride(1) + (session.lo + j) * new_keys.stride(2);
+        const T* v = new_values.data_ptr<T>() + g * new_values.stride(1) + (session.lo + j) * new_values.stride(2);
+        T* key = const_cast<T*>(static_cast<const T*>(session.keys)) + g * session.key_head + (past + j) * session.key_row;
+        T* value =
+            const_cast<T*>(static_cast<const T*>(session.values)) + g * session.value_head + (past + j) * session.value_row;
+        std::copy(k, k + dim, key);
+        std::copy(v, v + dim, value);
+      }
+    }
+  }
+}
+
+// q [N, Hq, hd] (last dim contiguous); keys[i], values[i] [1, Hkv, C_i, hd] (last dim contiguous), of
+// which session i sees the first lengths[i]; bounds [S + 1]: session i's rows are bounds[i] ..
+// bounds[i + 1]; masks[i] bool [n_i, lengths[i]] or None (causal, its rows the last of its keys).
+// With new_keys / new_values [1, Hkv, N, hd], each session's rows' keys and values are first written
+// into its buffers (the last n_i of its lengths[i]). Writes out [N, Hq hd] (contiguous).
 void ragged_attention(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& values,
-                      const std::vector<int64_t>& bounds, const std::vector<std::optional<at::Tensor>>& masks,
-                      double scale, at::Tensor& out) {
+                      const std::vector<int64_t>& bounds, const std::vector<int64_t>& lengths,
+                      const std::vector<std::optional<at::Tensor>>& masks, double scale, at::Tensor& out,
+                      const std::optional<at::Tensor>& new_keys, const std::optional<at::Tensor>& new_values) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [N, Hq, hd] with contiguous rows of hd");
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type(), "out must be contiguous, of q's dtype");
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == q.scalar_type() && out.size(0) >= q.size(0),
+              "out must be contiguous, of q's dtype, with a row per query row");
   const int64_t count = static_cast<int64_t>(keys.size());
   TORCH_CHECK(static_cast<int64_t>(values.size()) == count && static_cast<int64_t>(masks.size()) == count &&
-                  static_cast<int64_t>(bounds.size()) == count + 1,
-              "one key, value and mask per session, and bounds around them");
+                  static_cast<int64_t>(lengths.size()) == count && static_cast<int64_t>(bounds.size()) == count + 1,
+              "one key, value, length and mask per session, and bounds around them");
+  TORCH_CHECK(count == 0 || bounds[count] <= q.size(0), "bounds past q's rows");
+  TORCH_CHECK(new_keys.has_value() == new_values.has_value(), "new keys and new values come together");
   const int64_t groups = count ? keys[0].size(1) : 1;
   std::vector<Session> sessions;
   std::vector<int64_t> first_item{0};
@@ -140,21 +185,34 @@ void ragged_attention(const at::Tensor& q, const std::vector<at::Tensor>& keys, 
     const at::Tensor& v = values[i];
     TORCH_CHECK(k.dim() == 4 && k.size(0) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && k.sizes() == v.sizes(),
                 "keys and values must be [1, Hkv, T, hd] with contiguous rows of hd");
+    TORCH_CHECK(k.size(1) == groups && k.size(3) == q.size(2) && q.size(1) % groups == 0,
+                "every session's key heads must divide the query heads, at q's head width");
     TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "keys of q's dtype");
-    const bool* mask = nullptr;
     const int64_t n = bounds[i + 1] - bounds[i];
+    TORCH_CHECK(n >= 0 && lengths[i] >= n && lengths[i] <= k.size(2), "a session needs its rows among its keys");
+    const bool* mask = nullptr;
     if (masks[i].has_value()) {
       const at::Tensor& m = *masks[i];
       TORCH_CHECK(m.scalar_type() == at::kBool && m.is_contiguous() && m.dim() == 2 && m.size(0) == n &&
-                      m.size(1) == k.size(2),
+                      m.size(1) == lengths[i],
                   "a mask must be contiguous bool [rows, keys]");
       mask = m.data_ptr<bool>();
-    } else {
-      TORCH_CHECK(k.size(2) >= n, "a causal session needs its rows among its keys");
     }
     sessions.push_back(Session{k.data_ptr(), v.data_ptr(), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
-                               k.size(2), bounds[i], bounds[i + 1], mask});
-    first_item.push_back(first_item.back() + n * groups);
+                               lengths[i], bounds[i], bounds[i + 1], mask});
+    first_item.push_back(first_item.back() + (n + kChunk - 1) / kChunk * groups);
+  }
+  if (new_keys.has_value()) {
+    const at::Tensor& nk = *new_keys;
+    const at::Tensor& nv = *new_values;
+    TORCH_CHECK(nk.dim() == 4 && nk.size(0) == 1 && nk.size(1) == groups && nk.size(3) == q.size(2) &&
+                    nk.stride(3) == 1 && nv.sizes() == nk.sizes() && nv.stride(3) == 1 &&
+                    nk.scalar_type() == q.scalar_type() && nv.scalar_type() == q.scalar_type() &&
+                    (count == 0 || nk.size(2) >= bounds[count]),
+                "new keys and values must be [1, Hkv, N, hd] of q's dtype, with contiguous rows of hd");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "write_new", [&] {
+      write_new<scalar_t>(nk, nv, sessions);
+    });
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "ragged_attention", [&] {
     attend<scalar_t>(q, sessions, first_item, groups, scale, out);
