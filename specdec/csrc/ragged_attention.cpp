@@ -11,6 +11,11 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -20,8 +25,16 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 
-// Fixed-lane dot product of two float rows: kLanes partial sums, then a fixed tree.
+// Fixed-lane dot product of two float rows: kLanes partial sums, then a fixed tree (lanes l and
+// l + 8, then l + 4, l + 2, l + 1), the order _mm512_reduce_add_ps adds in.
 inline float dot(const float* a, const float* b, int64_t dim) {
+#if defined(__AVX512F__)
+  if (dim % kLanes == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t d = 0; d < dim; d += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
   float lanes[kLanes] = {0.f};
   int64_t d = 0;
   for (; d + kLanes <= dim; d += kLanes) {
@@ -32,6 +45,67 @@ inline float dot(const float* a, const float* b, int64_t dim) {
     for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
   }
   return lanes[0];
+}
+
+// dot(a, b + j dim) for j = 0 .. 3, each summed exactly as dot() sums it; four independent sums keep
+// the core's multiply-add units busy where one waits on its own latency.
+inline void dot4(const float* a, const float* b, int64_t dim, float* out) {
+#if defined(__AVX512F__)
+  if (dim % kLanes == 0) {
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (int64_t d = 0; d < dim; d += kLanes) {
+      const __m512 x = _mm512_loadu_ps(a + d);
+      acc0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + d), acc0);
+      acc1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + dim + d), acc1);
+      acc2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + 2 * dim + d), acc2);
+      acc3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + 3 * dim + d), acc3);
+    }
+    out[0] = _mm512_reduce_add_ps(acc0);
+    out[1] = _mm512_reduce_add_ps(acc1);
+    out[2] = _mm512_reduce_add_ps(acc2);
+    out[3] = _mm512_reduce_add_ps(acc3);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < 4; ++j) out[j] = dot(a, b + j * dim, dim);
+}
+
+// out[d] = sum over visible keys t, in key order, of weight[t] * values[t dim + d]: each element a
+// chain of multiply-adds in key order; with AVX-512 the chains of a row's 64 or 128 elements run in
+// registers side by side.
+inline void weighted_sum(const float* weight, const float* values, int64_t first, int64_t last, const bool* visible,
+                         int64_t dim, float* out) {
+#if defined(__AVX512F__)
+  if (dim == 64 || dim == 128) {
+    __m512 acc[8];
+    const int64_t blocks = dim / kLanes;
+    for (int64_t b = 0; b < 8; ++b) acc[b] = _mm512_setzero_ps();
+    for (int64_t t = first; t <= last; ++t) {
+      if (visible != nullptr && !visible[t]) continue;
+      const __m512 w = _mm512_set1_ps(weight[t]);
+      const float* v = values + t * dim;
+      acc[0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), acc[0]);
+      acc[1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), acc[1]);
+      acc[2] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), acc[2]);
+      acc[3] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), acc[3]);
+      if (blocks == 8) {
+        acc[4] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 64), acc[4]);
+        acc[5] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 80), acc[5]);
+        acc[6] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 96), acc[6]);
+        acc[7] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 112), acc[7]);
+      }
+    }
+    for (int64_t b = 0; b < blocks; ++b) _mm512_storeu_ps(out + b * kLanes, acc[b]);
+    return;
+  }
+#endif
+  std::fill(out, out + dim, 0.f);
+  for (int64_t t = first; t <= last; ++t) {
+    if (visible != nullptr && !visible[t]) continue;
+    const float w = weight[t];
+    const float* v = values + t * dim;
+    for (int64_t d = 0; d < dim; ++d) out[d] = std::fma(w, v[d], out[d]);
+  }
 }
 
 template <typename T>
@@ -98,7 +172,6 @@ void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std
         widen(value_src + t * session.value_row, &values[t * dim], dim);
       }
       scores.resize(rows * per_group * std::max<int64_t>(span, 1));
-      std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t i = 0; i < rows; ++i) {
         const bool* visible = session.mask == nullptr ? nullptr : session.mask + (r0 + i) * session.length;
         for (int64_t p = 0; p < per_group; ++p) {
@@ -107,23 +180,28 @@ void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std
           float* a = &acc[(i * per_group + p) * dim];
           // Scores in key order, a float32 softmax over the visible ones, values summed in key order.
           float top = -std::numeric_limits<float>::infinity();
-          for (int64_t t = first[i]; t <= last[i]; ++t) {
+          int64_t t = first[i];
+          if (visible == nullptr) {
+            for (; t + 4 <= last[i] + 1; t += 4) dot4(qp, &keys[t * dim], dim, &score[t]);
+          }
+          for (; t <= last[i]; ++t) {
+            if (visible == nullptr || visible[t]) score[t] = dot(qp, &keys[t * dim], dim);
+          }
+          for (t = first[i]; t <= last[i]; ++t) {
             if (visible != nullptr && !visible[t]) continue;
-            score[t] = dot(qp, &keys[t * dim], dim) * scale;
+            score[t] *= scale;
             top = std::max(top, score[t]);
           }
           float total = 0.f;
-          for (int64_t t = first[i]; t <= last[i]; ++t) {
+          for (t = first[i]; t <= last[i]; ++t) {
             if (visible != nullptr && !visible[t]) continue;
             score[t] = std::exp(score[t] - top);
             total += score[t];
           }
-          for (int64_t t = first[i]; t <= last[i]; ++t) {
-            if (visible != nullptr && !visible[t]) continue;
-            const float w = score[t] / total;
-            const float* v = &values[t * dim];
-            for (int64_t d = 0; d < dim; ++d) a[d] += w * v[d];
+          for (t = first[i]; t <= last[i]; ++t) {
+            if (visible == nullptr || visible[t]) score[t] /= total;
           }
+          weighted_sum(score, values.data(), first[i], last[i], visible, dim, a);
         }
       }
       for (int64_t i = 0; i < rows; ++i) {
