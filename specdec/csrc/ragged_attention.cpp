@@ -70,6 +70,32 @@ inline void dot4(const float* a, const float* b, int64_t dim, float* out) {
   for (int64_t j = 0; j < 4; ++j) out[j] = dot(a, b + j * dim, dim);
 }
 
+// x[j] = exp(x[j] - top) for j < count, reading and writing x up to the next multiple of kLanes (the
+// caller's buffer has the room). With AVX-512 every element goes through the same 16-lane code, a
+// tail included, so a key's weight never depends on where it falls in a row: Cephes' expf (range
+// reduction by ln 2 in two parts, a degree-5 polynomial, exact scaling by 2^n), about 1 ulp.
+inline void exp_shifted(float* x, int64_t count, float top) {
+#if defined(__AVX512F__)
+  const __m512 shift = _mm512_set1_ps(top), lowest = _mm512_set1_ps(-88.f), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.f);
+  for (int64_t j = 0; j < count; j += kLanes) {
+    const __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + j), shift), lowest);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, ln2_lo, _mm512_fnmadd_ps(n, ln2_hi, v));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), one);
+    _mm512_storeu_ps(x + j, _mm512_scalef_ps(y, n));
+  }
+#else
+  for (int64_t j = 0; j < count; ++j) x[j] = std::exp(x[j] - top);
+#endif
+}
+
 // out[d] = sum over visible keys t, in key order, of weight[t] * values[t dim + d]: each element a
 // chain of multiply-adds in key order; with AVX-512 the chains of a row's 64 or 128 elements run in
 // registers side by side.
@@ -171,12 +197,13 @@ void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std
         widen(key_src + t * session.key_row, &keys[t * dim], dim);
         widen(value_src + t * session.value_row, &values[t * dim], dim);
       }
-      scores.resize(rows * per_group * std::max<int64_t>(span, 1));
+      const int64_t stride = span + kLanes;  // a row's scores, with room for exp_shifted's last lanes
+      scores.resize(rows * per_group * stride);
       for (int64_t i = 0; i < rows; ++i) {
         const bool* visible = session.mask == nullptr ? nullptr : session.mask + (r0 + i) * session.length;
         for (int64_t p = 0; p < per_group; ++p) {
           const float* qp = &query[(i * per_group + p) * dim];
-          float* score = &scores[(i * per_group + p) * span];
+          float* score = &scores[(i * per_group + p) * stride];
           float* a = &acc[(i * per_group + p) * dim];
           // Scores in key order, a float32 softmax over the visible ones, values summed in key order.
           float top = -std::numeric_limits<float>::infinity();
@@ -192,11 +219,10 @@ void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std
             score[t] *= scale;
             top = std::max(top, score[t]);
           }
+          if (last[i] >= first[i]) exp_shifted(score + first[i], last[i] - first[i] + 1, top);
           float total = 0.f;
           for (t = first[i]; t <= last[i]; ++t) {
-            if (visible != nullptr && !visible[t]) continue;
-            score[t] = std::exp(score[t] - top);
-            total += score[t];
+            if (visible == nullptr || visible[t]) total += score[t];
           }
           for (t = first[i]; t <= last[i]; ++t) {
             if (visible == nullptr || visible[t]) score[t] /= total;
