@@ -161,7 +161,7 @@ void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std
   const int64_t items = first_item.back();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> query(kChunk * per_group * dim), acc(kChunk * per_group * dim), keys, values, scores;
-    std::vector<int64_t> first(kChunk), last(kChunk), counts(kChunk);
+    std::vector<int64_t> first(kChunk), last(kChunk);
     int64_t s = 0;
     for (int64_t item = begin; item < end; ++item) {
       while (first_item[s + 1] <= item) ++s;
