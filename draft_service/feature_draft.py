@@ -51,6 +51,7 @@ from draft_service.token_draft import (
 )
 from specdec.config import FEATURE_KIND
 from specdec.kvcache import GrowableCache, check_sync, common_prefix_len, copy_kv
+from specdec.packed_linear import invariant_product, pack_linears
 from specdec.ragged import RaggedLayout, layer_ropes, ragged_decoder_layer
 
 KIND = FEATURE_KIND
@@ -114,7 +115,7 @@ class FeatureDraft(nn.Module):
         self.vocab_size = int(embedding.weight.shape[0])
         # Kept out of the module tree so the target's matrix is neither trained nor saved with the draft.
         self.__dict__["embedding"] = embedding
-        self.__dict__["_int8_head"] = None
+        self.__dict__["_head_kernel"] = None  # a faster kernel for the head, once chosen (quantized or packed)
         self.embed_scale = embed_scale(embedding)
         self.feature_width = dim * (1 + len(arch.side_layers))
         """Width of the rows the target sends: f_i, then its side layers' outputs."""
@@ -195,8 +196,8 @@ class FeatureDraft(nn.Module):
 
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Reduced-vocabulary logits ``[..., N]`` of (predicted or true) features ``[..., D]``."""
-        if self._int8_head is not None:
-            return self._int8_head(features)
+        if self._head_kernel is not None:
+            return self._head_kernel(features)
         return nn.functional.linear(features, self.head_weight, self.head_bias)
 
     def quantize_head_int8(self) -> FeatureDraft:
@@ -211,7 +212,16 @@ class FeatureDraft(nn.Module):
         head = nn.Linear(self.hidden_size, len(self.head_ids))
         head.weight.data.copy_(self.head_weight)
         head.bias.data.copy_(self.head_bias.detach())
-        self.__dict__["_int8_head"] = quantize_linears(head)
+        self.__dict__["_head_kernel"] = quantize_linears(head)
+        return self
+
+    def pack_for_cpu(self) -> FeatureDraft:
+        """Inference only, on a CPU: the layer's, ``fc``'s and the head's products on oneDNN-prepacked
+        kernels (``specdec.packed_linear``), as the target runs its own; a draft step is a handful of
+        small products, whose plain bf16 kernels cost up to twice the packed ones. Keeps an int8 head."""
+        pack_linears(self)
+        if self._head_kernel is None:
+            self.__dict__["_head_kernel"] = invariant_product(self.head_weight.detach(), self.head_bias.detach())
         return self
 
     def full_logits(self, features: torch.Tensor) -> torch.Tensor:

@@ -145,6 +145,8 @@ def load_feature_drafter(config: DraftConfig) -> FeatureDrafter:
     draft = load_feature_draft(path, target.model, weights_hash)
     if config.int8_head and _prepacks(config, dtype) and dtype == torch.float32:  # int8 kernels take fp32 rows
         draft.quantize_head_int8()
+    if config.model.pack and _prepacks(config, dtype):
+        draft.pack_for_cpu()
     facts = replace(target.facts(FEATURE_KIND), name=str(path))
     drafter = FeatureDrafter(
         draft,

@@ -283,6 +283,24 @@ def test_int8_head_keeps_the_contract(draft, tiny_target):
     assert (a[torch.isfinite(a)] - b[torch.isfinite(b)]).abs().max() < 0.25
 
 
+def test_a_draft_packed_for_the_cpu_predicts_what_the_plain_one_does(draft, tiny_target):
+    """pack_for_cpu swaps the layer's, fc's and the head's kernels, not what they compute (to rounding)."""
+    import copy
+
+    from specdec.packed_linear import ProjectionSlice
+
+    packed = copy.deepcopy(draft).pack_for_cpu()
+    assert isinstance(packed.layer.self_attn.q_proj, ProjectionSlice) and packed._head_kernel is not None
+    r = random.Random(5)
+    tokens = [r.randrange(4, 30) for _ in range(20)]
+    feats = sample_features(tiny_target.model, [tokens])[0].float()
+    with torch.no_grad():
+        a = draft.full_logits(draft.predict(feats[None, :-1], torch.tensor([tokens[1:]]))[0])  # [T-1, V]
+        b = packed.full_logits(packed.predict(feats[None, :-1], torch.tensor([tokens[1:]]))[0])
+    assert torch.equal(torch.isinf(a), torch.isinf(b))  # q stays zero outside the head
+    torch.testing.assert_close(a[torch.isfinite(a)], b[torch.isfinite(b)], atol=1e-4, rtol=1e-4)
+
+
 def test_prompt_lookup_goes_first_when_it_finds_a_whole_continuation(draft, tiny_target):
     from draft_service.engine import FeatureDrafter
     from specdec.sampling import Sampling
