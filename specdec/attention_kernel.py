@@ -52,9 +52,15 @@ def attention_kernel() -> ModuleType | None:
         return None
 
 
-def kernel_applies(q: torch.Tensor) -> bool:
-    """Whether attention over ``q`` runs on the kernel: a CPU tensor, and the kernel built."""
-    return q.device.type == "cpu" and attention_kernel() is not None
+def kernel_applies(q: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether attention over ``q`` (and keys, values ``others``) runs on the kernel: CPU tensors of one
+    dtype, none needing a gradient (the kernel has no backward: training attends on torch ops), and
+    the kernel built."""
+    tensors = (q, *others)
+    return (
+        all(t.device.type == "cpu" and t.dtype == q.dtype and not t.requires_grad for t in tensors)
+        and attention_kernel() is not None
+    )
 
 
 def ragged_attention(

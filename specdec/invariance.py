@@ -236,7 +236,7 @@ def invariant_attention(
     """
     batch, heads, rows, dim = query.shape
     groups, length = key.shape[1], key.shape[2]
-    if kernel_applies(query):
+    if kernel_applies(query, key, value):
         return _kernel_attention(query, key, value, mask, scale)
     padded = round_up(length)
     key, value = padded_keys(key, padded), padded_keys(value, padded)  # [B, Hkv, Tp, hd]

@@ -371,7 +371,7 @@ def attend_rows(
     then attends to (within ``window``). Returns ``[N', Hq hd]``: rows past the layout's N (a compiled
     pass's padding) attend to nothing and come back as zeros."""
     masks = layout.masks_for(window)
-    if kernel_applies(q) and all(isinstance(cache, GrowableCache) for cache in caches):
+    if kernel_applies(q, k, v) and all(isinstance(cache, GrowableCache) for cache in caches):
         # Every session's rows in one call, which also writes their keys and values into the caches.
         claims = [cache.layer(layer_idx).claim(k, n) for cache, n in zip(caches, layout.sizes)]
         return ragged_attention(
@@ -394,7 +394,7 @@ def attend_rows(
         cache.update(k.narrow(2, lo, hi - lo), v.narrow(2, lo, hi - lo), layer_idx)
         for cache, (lo, hi) in zip(caches, bounds)
     ]
-    if kernel_applies(q):  # caches of another kind: they grow first, then the kernel reads them
+    if kernel_applies(q, k, v):  # caches of another kind: they grow first, then the kernel reads them
         return ragged_attention(
             q[0].transpose(0, 1), [g[0] for g in grown], [g[1] for g in grown], layout.bounds, masks, attn.scaling
         )

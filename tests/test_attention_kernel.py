@@ -104,3 +104,17 @@ def test_new_rows_are_written_into_claimed_cache_room_then_attended():
     for cache_a, cache_b in zip(written, grown):
         assert torch.equal(cache_a.layers[0].keys, cache_b.layers[0].keys)
         assert torch.equal(cache_a.layers[0].values, cache_b.layers[0].values)
+
+
+def test_attention_that_needs_a_gradient_or_mixes_dtypes_runs_on_torch_ops():
+    """The kernel has no backward and takes one dtype: training, and mixed inputs under autocast (a
+    bf16 draft's training step), attend on torch ops."""
+    from specdec.invariance import invariant_attention
+
+    q = torch.randn(1, 4, 3, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    invariant_attention(q, k, v, None, 0.3).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = invariant_attention(q.detach(), k.bfloat16(), v.bfloat16(), None, 0.3)
+    assert torch.isfinite(mixed).all()

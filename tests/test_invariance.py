@@ -87,7 +87,7 @@ def attention(request, monkeypatch):
     """Runs a test on the compiled attention kernel, then on the torch-op attention (GPUs, no compiler)."""
     if request.param == "torch-ops":
         for module in (specdec.ragged, invariance):
-            monkeypatch.setattr(module, "kernel_applies", lambda q: False)
+            monkeypatch.setattr(module, "kernel_applies", lambda *tensors: False)
     return request.param
 
 
@@ -140,7 +140,7 @@ def test_the_check_fails_with_sdpa_in_place_of_the_invariant_attention(monkeypat
         def sdpa(q, k, v, mask, scale, gaps=False):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
-        monkeypatch.setattr(specdec.ragged, "kernel_applies", lambda q: False)
+        monkeypatch.setattr(specdec.ragged, "kernel_applies", lambda *tensors: False)
         monkeypatch.setattr(specdec.ragged, "invariant_attention", sdpa)
     assert invariance_failures(model, KEY_BLOCK - 3) != []
 
