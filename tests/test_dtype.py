@@ -104,7 +104,7 @@ def test_a_bfloat16_stack_with_a_bfloat16_feature_draft_equals_generate(half_dir
             model=ModelConfig(model=str(draft_folder), cache_dir=half_dir, dtype="bfloat16"),
         )
     )
-    assert drafter._draft_model.fc.weight.dtype == torch.bfloat16
+    assert drafter._draft_model.norm.weight.dtype == torch.bfloat16
     references = [hf_greedy(target, p, NEW_TOKENS) for p in PROMPTS]
     stack = InProcessStack(TargetEngine(target, 16), drafter, target_folder, redis_url).start()
     try:
