@@ -10,8 +10,9 @@ position gets the same bits alone, in a chain, as a tree node or beside other se
 
 torch builds it on first use with the machine's C++ compiler (``torch.utils.cpp_extension``, ~30 s,
 then cached under ``~/.cache/torch_extensions``) for the CPU it runs on. Where it cannot be built
-(no compiler) or the tensors are not on a CPU, attention runs on torch ops (``specdec.invariance``).
-A process decides once, so every pass of a process, and its reference forward, computes alike.
+(no compiler), off the CPU, and where a gradient or autocast's mixed dtypes are involved (training a
+draft), attention runs on torch ops (``specdec.invariance``), with the same invariance. A process
+builds it once, so its passes and its reference forward compute alike.
 """
 
 from __future__ import annotations

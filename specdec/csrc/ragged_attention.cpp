@@ -2,11 +2,11 @@
 //
 // Every (row, query head) is computed on its own, in a fixed order: its scores over the keys it sees,
 // in key order; a float32 softmax; the values summed in key order. No row's arithmetic depends on
-// how many rows, sessions or threads share the call, so a position gets
-// the same bits alone, in a chain, as a tree node (its ancestors' keys, the same numbers in the same
-// order) or beside other sessions. Dot products run in fixed lanes (kLanes partial sums, then a fixed
-// tree), which the compiler vectorises without reordering anything. A work item is up to kChunk rows
-// of one session under one key head, which share one widening of their keys and values to float32.
+// how many rows, sessions or threads share the call, so a position gets the same bits alone, in a
+// chain, as a tree node (its ancestors' keys, the same numbers in the same order) or beside other
+// sessions. Dot products run in fixed lanes (kLanes partial sums, then a fixed tree); with AVX-512
+// the lanes are one register, the value sums stay in registers and exp runs 16 lanes at a time, every
+// lane alike. A work item is kChunk rows of one session under one key head.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
