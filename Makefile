@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-structured bench-peers bench-load bench-own-models bench-long-prompt pass-grid pass-curve bench-allocators tree-ceiling clean
+.PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-structured bench-peers bench-peers-k0 bench-load bench-own-models bench-long-prompt pass-grid pass-curve bench-allocators tree-ceiling clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -88,6 +88,11 @@ $(VLLM_VENV)/.installed:
 PEERS_ARGS ?= --n 12 --max-new-tokens 64
 bench-peers: install $(VLLM_VENV)/.installed
 	$(PY) -m bench.peers --vllm-python $(VLLM_VENV)/bin/python --cache-dir $(CACHE_DIR) $(PEERS_ARGS) --out reports/peers.json
+
+# The same with speculation off (`specdec up --default-k 0`): the engine alone beside vLLM's.
+bench-peers-k0: install $(VLLM_VENV)/.installed
+	$(PY) -m bench.peers --vllm-python $(VLLM_VENV)/bin/python --cache-dir $(CACHE_DIR) $(PEERS_ARGS) \
+		--specdec-arg=--default-k --specdec-arg=0 --out reports/peers-k0.json
 
 # Throughput and latency as concurrent sessions grow (closed loop): hf-batched, specdec-k0, specdec.
 LOAD_ARGS ?= --concurrency 1,2,4,8,16 --n 24 --max-new-tokens 48 --repeats 2

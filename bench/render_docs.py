@@ -658,7 +658,7 @@ def own_models_section(files: list[tuple[str, dict]]) -> list[str]:
     return lines + table(headers, rows) + [""]
 
 
-def peers_section(report: dict | None) -> list[str]:
+def peers_section(report: dict | None, k0_report: dict | None = None) -> list[str]:
     lines = PEERS_METHOD.splitlines() + [""]
     summary = (report or {}).get("summary")
     if not isinstance(summary, dict) or not summary:
@@ -679,6 +679,20 @@ def peers_section(report: dict | None) -> list[str]:
     lines += table(headers, rows) + [""]
     for pair, value in (report or {}).get("ratios", {}).items():
         lines.append(f"- `{pair}`: " + ", ".join(f"{k.replace('_', ' ')} **{num(v)}×**" for k, v in value.items()))
+    k0 = (k0_report or {}).get("summary", {})
+    if isinstance(k0, dict) and "specdec" in k0:
+        ours, peers = k0["specdec"], [name for name in k0 if name != "specdec"]
+        ratios = (k0_report or {}).get("ratios", {})
+        lines.append(
+            "- With speculation off (`make bench-peers-k0`, `reports/peers-k0.json`, a run of its own): specdec "
+            f"{num(ours.get('one_stream', {}).get('tok_s'), 1)} tok/s at one stream and "
+            f"{num(ours.get('streams', {}).get('tok_s'), 1)} at 8"
+            + "".join(
+                f"; `{pair}` " + ", ".join(f"{k.replace('_', ' ')} **{num(v)}×**" for k, v in value.items())
+                for pair, value in ratios.items()
+            )
+            + (f" ({', '.join(peers)} in the same run)." if peers else ".")
+        )
     return lines + [""]
 
 
@@ -863,6 +877,7 @@ def gather(root: Path, reports: Path, drafts: Path) -> dict:
         "curve": (label(reports / "pass-curve.json", root), load(reports / "pass-curve.json")),
         "allocators": (label(reports / "allocators.json", root), load(reports / "allocators.json")),
         "peers": (label(reports / "peers.json", root), load(reports / "peers.json")),
+        "peers-k0": (label(reports / "peers-k0.json", root), load(reports / "peers-k0.json")),
         "sampled": (label(reports / "bench-sampled.json", root), load(reports / "bench-sampled.json")),
         "structured": (label(reports / "bench-structured.json", root), load(reports / "bench-structured.json")),
         "long": [(label(p, root), r) for p in long_files if (r := load(p)) is not None],
@@ -881,13 +896,13 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines += speculation_section(data["structured"][1], STRUCTURED_METHOD, "bench-structured.json", "bench-structured")
     lines += curve_section(data["curve"][1])
     lines += allocators_section(data["allocators"][1])
-    lines += peers_section(data["peers"][1])
+    lines += peers_section(data["peers"][1], data["peers-k0"][1])
     lines += own_models_section(data["own"])
     lines += grid_section(data["grid"][1])
     lines += tree_ceiling_section(data["trees"][1])
     lines += long_section(data["long"])
     lines += drafts_section(data["cards"])
-    keys = ("bench", "sampled", "structured", "load", "curve", "allocators", "peers", "grid", "trees")
+    keys = ("bench", "sampled", "structured", "load", "curve", "allocators", "peers", "peers-k0", "grid", "trees")
     named = [data[key] for key in keys]
     lines += files_section(named + data["long"] + data["own"])
     while lines and not lines[-1]:

@@ -244,3 +244,22 @@ def test_committed_pages_are_fresh_against_the_committed_reports(tmp_path):
     stale = "is stale against reports/*.json: run `make docs` (python bench/render_docs.py)"
     assert out.read_text() == (ROOT / "docs" / "benchmarks.md").read_text(), f"docs/benchmarks.md {stale}"
     assert readme.read_text() == (ROOT / "README.md").read_text(), f"README.md's results table {stale}"
+
+
+def test_the_peers_section_adds_the_speculation_off_run_when_its_report_exists():
+    """``reports/peers-k0.json`` (``make bench-peers-k0``) is a run of its own: one line, its own ratios."""
+
+    def report(ours: float, theirs: float) -> dict:
+        one = {"tok_s": ours, "per_turn_tok_s": [ours]}
+        return {
+            "summary": {
+                "specdec": {"one_stream": one, "streams": one, "ready_s": [26.0], "identity_streams_vs_one": {}},
+                "vllm-bf16": {"one_stream": {"tok_s": theirs}, "streams": {"tok_s": theirs}, "ready_s": [80.0]},
+            },
+            "ratios": {"specdec/vllm-bf16": {"one_stream": round(ours / theirs, 3)}},
+        }
+
+    alone = "\n".join(render_docs.peers_section(report(50.0, 50.0)))
+    both = "\n".join(render_docs.peers_section(report(50.0, 50.0), report(42.0, 50.0)))
+    assert "speculation off" not in alone
+    assert "With speculation off" in both and "specdec 42.0 tok/s" in both and "**0.84×**" in both
