@@ -78,6 +78,11 @@ def padded_keys(t: torch.Tensor, length: int) -> torch.Tensor:
     return F.pad(t, (0, 0, 0, length - have))
 
 
+def bool_mask(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as bool (True: attend): an additive float mask hides a key with -inf or its dtype's min."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 def _visible(mask: torch.Tensor | None, rows: int, keys: int, padded: int, device) -> torch.Tensor:
     """``[..., rows, padded]`` bool: which keys each query row sees. ``mask`` (``[..., rows, keys]``,
     True: attend) or, when None, causal with the queries at the end of the keys."""
@@ -85,9 +90,7 @@ def _visible(mask: torch.Tensor | None, rows: int, keys: int, padded: int, devic
         key_pos = torch.arange(padded, device=device)
         query_pos = torch.arange(keys - rows, keys, device=device)
         return key_pos[None, :] <= query_pos[:, None]  # [rows, padded]; the padding lies past every query
-    if mask.dtype != torch.bool:  # an additive float mask: -inf (or the dtype's min) hides a key
-        mask = mask > torch.finfo(mask.dtype).min / 2
-    return F.pad(mask, (0, padded - keys), value=False)
+    return F.pad(bool_mask(mask), (0, padded - keys), value=False)
 
 
 @functools.cache
@@ -257,8 +260,7 @@ def _kernel_attention(
     """``invariant_attention`` on the compiled kernel (``specdec.attention_kernel``): each batch entry
     one session of ``n`` rows. Returns ``[B, Hq, n, hd]``."""
     batch, heads, rows, dim = query.shape
-    if mask is not None and mask.dtype != torch.bool:  # an additive float mask: -inf (or the min) hides a key
-        mask = mask > torch.finfo(mask.dtype).min / 2
+    mask = None if mask is None else bool_mask(mask)
     if mask is not None and mask.dim() == 4:  # [B or 1, 1, n, T]: each entry's own
         masks = [mask[b if mask.shape[0] > 1 else 0, 0] for b in range(batch)]
     else:
@@ -357,8 +359,7 @@ def _hf_attention(
         raise ValueError(f"{ATTENTION_NAME} attention has no logit soft-capping or attention sinks")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if attention_mask is not None:
-        if attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+        attention_mask = bool_mask(attention_mask)
         # A left-padded batch's padding rows see no key: let them see every key, as transformers' SDPA
         # fix does, so their (unused) outputs and cached keys stay finite instead of NaN, which a zero
         # attention weight would carry into the real rows.

@@ -231,7 +231,7 @@ class RaggedLayout:
     @functools.cached_property
     def chain_groups(self) -> list[list[int]]:
         """The chain sessions grouped for attention (``row_groups``), once per pass, not per layer."""
-        return row_groups([hi - lo for lo, hi in itertools.pairwise(self.bounds)], self.gaps)
+        return row_groups(self.sizes, self.gaps)
 
     @functools.cached_property
     def tree_sessions(self) -> list[int]:
@@ -257,7 +257,7 @@ class RaggedLayout:
         return self._orders[batched]
 
     def _row_order(self, batched: bool) -> torch.Tensor | None:
-        sizes = [hi - lo for lo, hi in itertools.pairwise(self.bounds)]
+        sizes = self.sizes
         where: list[list[int]] = [[] for _ in sizes]
         at = 0
         for chains in self.chain_groups:

@@ -6,7 +6,7 @@
 // chain, as a tree node (its ancestors' keys, the same numbers in the same order) or beside other
 // sessions. Dot products run in fixed lanes (kLanes partial sums, then a fixed tree); with AVX-512
 // the lanes are one register, the value sums stay in registers and exp runs 16 lanes at a time, every
-// lane alike. A work item is kChunk rows of one session under one key head.
+// lane alike.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -148,8 +148,9 @@ struct Session {
   const bool* mask;    // [hi - lo, T] row-major, or null: causal, the rows being the last keys
 };
 
-constexpr int64_t kChunk = 1;  // rows an item takes: one row balances two threads best
-
+// A work item is one row of one session under one key head: items of one size keep the two halves
+// of at::parallel_for's static split even (four rows an item, sharing one widening of their keys, ran
+// slower on two threads).
 template <typename T>
 void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std::vector<int64_t>& first_item,
             int64_t groups, double scale_, at::Tensor& out) {
@@ -160,35 +161,25 @@ void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std
   const float scale = static_cast<float>(scale_);
   const int64_t items = first_item.back();
   at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(kChunk * per_group * dim), acc(kChunk * per_group * dim), keys, values, scores;
-    std::vector<int64_t> first(kChunk), last(kChunk);
+    std::vector<float> query(per_group * dim), acc(per_group * dim), keys, values, scores;
     int64_t s = 0;
     for (int64_t item = begin; item < end; ++item) {
       while (first_item[s + 1] <= item) ++s;
       const Session& session = sessions[s];
       const int64_t local = item - first_item[s];
-      const int64_t n = session.hi - session.lo;
-      const int64_t g = local % groups, r0 = (local / groups) * kChunk, rows = std::min(kChunk, n - r0);
-      // Each row's visible keys lie in [first, last]; a mask may hide some between.
-      int64_t span = 0;
-      for (int64_t i = 0; i < rows; ++i) {
-        const int64_t r = r0 + i;
-        if (session.mask == nullptr) {
-          first[i] = 0;
-          last[i] = session.length - n + r;
-        } else {
-          const bool* visible = session.mask + r * session.length;
-          first[i] = 0;
-          while (first[i] < session.length && !visible[first[i]]) ++first[i];
-          last[i] = session.length - 1;
-          while (last[i] >= 0 && !visible[last[i]]) --last[i];
-        }
-        span = std::max(span, last[i] + 1);
-        for (int64_t p = 0; p < per_group; ++p) {
-          widen(q_data + (session.lo + r) * q_row + (g * per_group + p) * q_head, &query[(i * per_group + p) * dim], dim);
-        }
+      const int64_t n = session.hi - session.lo, g = local % groups, r = local / groups;
+      // The row's visible keys lie in [first, last]; a mask may hide some between.
+      const bool* visible = session.mask == nullptr ? nullptr : session.mask + r * session.length;
+      int64_t first = 0, last = session.length - n + r;
+      if (visible != nullptr) {
+        while (first < session.length && !visible[first]) ++first;
+        last = session.length - 1;
+        while (last >= 0 && !visible[last]) --last;
       }
-      // The keys and values any of the rows sees, widened once for all of them.
+      const int64_t span = last + 1;
+      for (int64_t p = 0; p < per_group; ++p) {
+        widen(q_data + (session.lo + r) * q_row + (g * per_group + p) * q_head, &query[p * dim], dim);
+      }
       keys.resize(span * dim);
       values.resize(span * dim);
       const T* key_src = static_cast<const T*>(session.keys) + g * session.key_head;
@@ -197,44 +188,36 @@ void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std
         widen(key_src + t * session.key_row, &keys[t * dim], dim);
         widen(value_src + t * session.value_row, &values[t * dim], dim);
       }
-      const int64_t stride = span + kLanes;  // a row's scores, with room for exp_shifted's last lanes
-      scores.resize(rows * per_group * stride);
-      for (int64_t i = 0; i < rows; ++i) {
-        const bool* visible = session.mask == nullptr ? nullptr : session.mask + (r0 + i) * session.length;
-        for (int64_t p = 0; p < per_group; ++p) {
-          const float* qp = &query[(i * per_group + p) * dim];
-          float* score = &scores[(i * per_group + p) * stride];
-          float* a = &acc[(i * per_group + p) * dim];
-          // Scores in key order, a float32 softmax over the visible ones, values summed in key order.
-          float top = -std::numeric_limits<float>::infinity();
-          int64_t t = first[i];
-          if (visible == nullptr) {
-            for (; t + 4 <= last[i] + 1; t += 4) dot4(qp, &keys[t * dim], dim, &score[t]);
-          }
-          for (; t <= last[i]; ++t) {
-            if (visible == nullptr || visible[t]) score[t] = dot(qp, &keys[t * dim], dim);
-          }
-          for (t = first[i]; t <= last[i]; ++t) {
-            if (visible != nullptr && !visible[t]) continue;
-            score[t] *= scale;
-            top = std::max(top, score[t]);
-          }
-          if (last[i] >= first[i]) exp_shifted(score + first[i], last[i] - first[i] + 1, top);
-          float total = 0.f;
-          for (t = first[i]; t <= last[i]; ++t) {
-            if (visible == nullptr || visible[t]) total += score[t];
-          }
-          for (t = first[i]; t <= last[i]; ++t) {
-            if (visible == nullptr || visible[t]) score[t] /= total;
-          }
-          weighted_sum(score, values.data(), first[i], last[i], visible, dim, a);
+      scores.resize(span + kLanes);  // room for exp_shifted's last lanes
+      float* score = scores.data();
+      for (int64_t p = 0; p < per_group; ++p) {
+        const float* qp = &query[p * dim];
+        // Scores in key order, a float32 softmax over the visible ones, values summed in key order.
+        float top = -std::numeric_limits<float>::infinity();
+        int64_t t = first;
+        if (visible == nullptr) {
+          for (; t + 4 <= last + 1; t += 4) dot4(qp, &keys[t * dim], dim, &score[t]);
         }
+        for (; t <= last; ++t) {
+          if (visible == nullptr || visible[t]) score[t] = dot(qp, &keys[t * dim], dim);
+        }
+        for (t = first; t <= last; ++t) {
+          if (visible != nullptr && !visible[t]) continue;
+          score[t] *= scale;
+          top = std::max(top, score[t]);
+        }
+        if (last >= first) exp_shifted(score + first, last - first + 1, top);
+        float total = 0.f;
+        for (t = first; t <= last; ++t) {
+          if (visible == nullptr || visible[t]) total += score[t];
+        }
+        for (t = first; t <= last; ++t) {
+          if (visible == nullptr || visible[t]) score[t] /= total;
+        }
+        weighted_sum(score, values.data(), first, last, visible, dim, &acc[p * dim]);
       }
-      for (int64_t i = 0; i < rows; ++i) {
-        T* dst = out_data + (session.lo + r0 + i) * heads * dim + g * per_group * dim;
-        const float* a = &acc[i * per_group * dim];
-        for (int64_t j = 0; j < per_group * dim; ++j) dst[j] = static_cast<T>(a[j]);
-      }
+      T* dst = out_data + (session.lo + r) * heads * dim + g * per_group * dim;
+      for (int64_t j = 0; j < per_group * dim; ++j) dst[j] = static_cast<T>(acc[j]);
     }
   });
 }
@@ -304,7 +287,7 @@ void ragged_attention(const at::Tensor& q, const std::vector<at::Tensor>& keys, 
     }
     sessions.push_back(Session{k.data_ptr(), v.data_ptr(), k.stride(1), k.stride(2), v.stride(1), v.stride(2),
                                lengths[i], bounds[i], bounds[i + 1], mask});
-    first_item.push_back(first_item.back() + (n + kChunk - 1) / kChunk * groups);
+    first_item.push_back(first_item.back() + n * groups);
   }
   if (new_keys.has_value()) {
     const at::Tensor& nk = *new_keys;
