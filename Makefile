@@ -25,8 +25,8 @@ $(STAMP): requirements.txt requirements-dev.txt pyproject.toml
 
 $(MODEL_STAMP): | $(STAMP)
 	$(PY) -c "from pathlib import Path; from specdec.vocab import resolve_model_path; resolve_model_path('default', Path('$(CACHE_DIR)'))"
-	# The attention kernel (specdec/csrc), built once for this CPU (~30 s) so no first pass waits for it.
-	$(PY) -c "from specdec.attention_kernel import attention_kernel; attention_kernel()"
+	# The C++ kernels (specdec/csrc), built once for this CPU (~1 min) so no first pass waits for them.
+	$(PY) -c "from specdec.attention_kernel import attention_kernel; from specdec.product_kernel import product_kernel; attention_kernel(); product_kernel()"
 
 .PHONY: redis
 redis:

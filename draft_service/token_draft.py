@@ -79,7 +79,7 @@ def target_weights_hash(model: nn.Module) -> str:
     hashed to a different value. ``target_parts.checkpoint_weights_hash`` gives the same digest from
     the checkpoint files without building the model.
     """
-    if any(type(m).__name__ == "PackedLinear" for m in model.modules()):
+    if any(hasattr(m, "packed_weight") for m in model.modules()):
         raise ValueError("target_weights_hash needs the unpacked target (load it with pack=False)")
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):

@@ -9,49 +9,27 @@ padding, no copy, one call a layer for every session, chains and token trees ali
 item's arithmetic is fixed (scores in key order, a float32 softmax, values summed in key order), so a
 position gets the same bits alone, in a chain, as a tree node or beside other sessions, by construction.
 
-torch builds it on first use with the machine's C++ compiler (``torch.utils.cpp_extension``, ~30 s,
-then cached under ``~/.cache/torch_extensions``) for the CPU it runs on. Where it cannot be built
-(no compiler), off the CPU, and where a gradient or autocast's mixed dtypes are involved (training a
-draft), attention runs on torch ops (``specdec.invariance``), with the same invariance. A process
+torch builds it on first use for the CPU it runs on (``specdec.native``, ~30 s, then cached). Where it
+cannot be built (no compiler), off the CPU, and where a gradient or autocast's mixed dtypes are
+involved (training a draft), attention runs on torch ops (``specdec.invariance``), with the same
+invariance. A process
 builds it once, so its passes and its reference forward compute alike.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import os
-import shutil
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("csrc") / "ragged_attention.cpp"
+from specdec.native import build
 
 
 @functools.cache
 def attention_kernel() -> ModuleType | None:
     """The built kernel module, or None where it cannot be built (logged once)."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        if shutil.which("ninja") is None:  # the pip-installed ninja, beside this interpreter
-            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-
-        return load(
-            "specdec_ragged_attention",
-            [str(SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as error:  # noqa: BLE001 - any build failure means: use the torch-op attention
-        log.warning("the attention kernel could not be built (%s); attention runs on torch ops", error)
-        return None
+    return build("specdec_ragged_attention", "ragged_attention.cpp")
 
 
 def kernel_applies(q: torch.Tensor, *others: torch.Tensor) -> bool:

@@ -1,0 +1,135 @@
+// Row-invariant bf16 weight products for a few rows at a time (specdec/product_kernel.py).
+//
+// out[r, n] = sum over input pairs p of (x[r, 2p] w[n, 2p] + x[r, 2p + 1] w[n, 2p + 1]), accumulated in
+// float32 in pair order by one AVX-512 BF16 dot-product instruction per pair, plus the bias, rounded
+// to bf16. Every (row, output) runs that same chain of instructions whatever the call's row count or
+// tiling, so a row's bits never depend on the rows beside it. The chain has no horizontal sum: a
+// register holds 16 outputs' accumulators, fed one broadcast pair of the row's inputs at a time.
+//
+// A decode pass is a few rows against every weight once, so it is bound by reading the weights:
+// they are packed once into blocks of kBlock outputs whose input pairs lie contiguously, so each
+// thread streams its blocks front to back, and up to kTile rows share each weight load.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kVectors = 2;              // 16-output registers per block
+constexpr int64_t kBlock = 16 * kVectors;    // outputs per packed block
+constexpr int64_t kTile = 8;                 // rows sharing one pass over a block
+
+// Weight [N, K] -> [ceil(N / kBlock), ceil(K / 2), kBlock, 2], zero-padded: block b's pair p holds
+// inputs 2p and 2p + 1 of outputs b kBlock .. (b + 1) kBlock, adjacent, as the dot instruction reads.
+torch::Tensor pack(const torch::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == torch::kBFloat16, "pack: a 2-D bf16 weight");
+  const int64_t n = weight.size(0), k = weight.size(1);
+  const int64_t blocks = (n + kBlock - 1) / kBlock, pairs = (k + 1) / 2;
+  auto padded = torch::zeros({blocks * kBlock, pairs * 2}, weight.options());
+  padded.narrow(0, 0, n).narrow(1, 0, k).copy_(weight);
+  return padded.view({blocks, kBlock, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+#if defined(__AVX512BF16__)
+
+// The pair of row x's inputs 2p, 2p + 1 as one 32-bit lane (the last pair of an odd K is padded with 0).
+inline int32_t input_pair(const c10::BFloat16* x, int64_t p, int64_t k) {
+  int32_t pair = 0;
+  if (2 * p + 1 < k) {
+    std::memcpy(&pair, x + 2 * p, 4);
+  } else {
+    std::memcpy(&pair, x + 2 * p, 2);
+  }
+  return pair;
+}
+
+// Rows 0 .. R of x [R, k] against one packed block; writes outputs n0 .. n0 + kBlock (those below n).
+template <int R>
+void tile(const c10::BFloat16* x, int64_t k, const uint16_t* block, int64_t pairs, const float* bias,
+          c10::BFloat16* out, int64_t n, int64_t n0) {
+  __m512 acc[R][kVectors];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512i w[kVectors];
+    for (int v = 0; v < kVectors; ++v) w[v] = _mm512_loadu_si512(block + (p * kBlock + v * 16) * 2);
+    for (int r = 0; r < R; ++r) {
+      const __m512i pair = _mm512_set1_epi32(input_pair(x + r * k, p, k));
+      for (int v = 0; v < kVectors; ++v)
+        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], reinterpret_cast<__m512bh>(pair), reinterpret_cast<__m512bh>(w[v]));
+    }
+  }
+  for (int v = 0; v < kVectors; ++v) {
+    const int64_t first = n0 + v * 16;
+    if (first >= n) break;
+    const __mmask16 mask = n - first >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - first)) - 1);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + first) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], b));
+      _mm256_mask_storeu_epi16(out + r * n + first, mask, reinterpret_cast<__m256i>(rounded));
+    }
+  }
+}
+
+using TileFn = void (*)(const c10::BFloat16*, int64_t, const uint16_t*, int64_t, const float*, c10::BFloat16*,
+                        int64_t, int64_t);
+constexpr TileFn kTiles[kTile + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>, &tile<4>,
+                                      &tile<5>, &tile<6>, &tile<7>, &tile<8>};
+
+#endif
+
+bool supported() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+// x [M, K] bf16 times the packed weight of `n` outputs, plus bias (float32 [n] or None): [M, n] bf16.
+torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const std::optional<torch::Tensor>& bias,
+                      int64_t n) {
+  TORCH_CHECK(supported(), "row_product: built for a CPU without AVX-512 BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
+  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.size(2) == kBlock && packed.size(3) == 2,
+              "packed: a weight from pack()");
+  const int64_t m = x.size(0), k = x.size(1), blocks = packed.size(0), pairs = packed.size(1);
+  TORCH_CHECK(pairs == (k + 1) / 2, "x has ", k, " inputs; the weight ", 2 * pairs);
+  TORCH_CHECK(n > 0 && n <= blocks * kBlock && n > (blocks - 1) * kBlock, "n does not match the packed weight");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == n),
+              "bias: contiguous float32 [n]");
+  auto out = torch::empty({m, n}, x.options());
+#if defined(__AVX512BF16__)
+  const auto* xs = x.data_ptr<c10::BFloat16>();
+  const auto* weights = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto* outs = out.data_ptr<c10::BFloat16>();
+  // Threads split the blocks, never a row's reduction: the split changes no bit.
+  at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t blk = lo; blk < hi; ++blk) {
+      const uint16_t* block = weights + blk * pairs * kBlock * 2;
+      for (int64_t r = 0; r < m; r += kTile) {
+        const int64_t rows = std::min(kTile, m - r);
+        kTiles[rows](xs + r * k, k, block, pairs, b, outs + r * n, n, blk * kBlock);
+      }
+    }
+  });
+#endif
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("pack", &pack, "a bf16 weight [N, K] in the product's blocked layout");
+  m.def("product", &product, "row-invariant bf16 product of rows and a packed weight");
+  m.def("supported", &supported, "whether this build computes (the CPU has AVX-512 BF16)");
+}

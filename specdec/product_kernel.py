@@ -1,0 +1,44 @@
+"""A compiled CPU kernel for row-invariant bf16 weight products (``csrc/row_product.cpp``).
+
+A verify pass multiplies a few rows (one to a few dozen) by every weight of the model once, so its
+time is the time to read the weights. oneDNN's bf16 kernels read them at about a third of this
+machine's memory bandwidth for such skinny products, and keep a row's bits at every row count only
+from two rows on. This kernel streams weights packed once into contiguous blocks, shares each load
+among up to eight rows, and accumulates each (row, output) in one fixed chain of AVX-512 BF16
+dot-product instructions, so a row gets the same bits alone, in a chain, in a tree or beside other
+sessions, by construction.
+
+It is built for CPUs with AVX-512 BF16 (``specdec.native``); elsewhere, and where it cannot be built,
+``specdec.packed_linear`` keeps oneDNN's kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+from specdec.native import build
+
+
+@functools.cache
+def product_kernel() -> ModuleType | None:
+    """The built kernel module where it computes on this CPU (AVX-512 BF16), else None."""
+    kernel = build("specdec_row_product", "row_product.cpp")
+    return kernel if kernel is not None and kernel.supported() else None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` (bf16) in the kernel's blocked layout (a copy)."""
+    kernel = product_kernel()
+    assert kernel is not None, "product_kernel() first"
+    return kernel.pack(weight.detach().contiguous())
+
+
+def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """Rows ``x [M, K]`` (bf16) times a ``pack``-ed weight of ``out_features`` outputs, plus ``bias``
+    (float32 ``[out_features]`` or None): ``[M, out_features]`` bf16."""
+    kernel = product_kernel()
+    assert kernel is not None, "product_kernel() first"
+    return kernel.product(x.contiguous(), packed, bias, out_features)
