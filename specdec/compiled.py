@@ -282,7 +282,12 @@ class CompiledPass:
             tables.extend(per_layer[self._table_of.index(table)])
         self._context = _Pass(caches, layout)
         try:
-            return self._graph(ids, tables)
+            if not self.ready:  # while compiling, dynamo checks every guard and builds what is missing
+                return self._graph(ids, tables)
+            # Built: the graphs differ only in their bucket's row count, so dynamo needs to check only
+            # the guards that tell them apart, not all of the model's (about 0.45 ms a pass).
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._graph(ids, tables)
         finally:
             self._context = None
 
