@@ -103,6 +103,11 @@ class _Replica:
         """Drops a cache (best effort)."""
         await self._call(self._stub.Release, common_pb2.ReleaseRequest(cache_id=cache_id), remaining_s)
 
+    async def idle(self, cache_id: str, remaining_s: float | None = None) -> None:
+        """The session's turn ended (``ReleaseRequest.keep_cache``): the replica stops waiting for it."""
+        request = common_pb2.ReleaseRequest(cache_id=cache_id, keep_cache=True)
+        await self._call(self._stub.Release, request, remaining_s)
+
     async def facts(self, remaining_s: float | None = None) -> ModelFacts:
         """The replica's model facts."""
         return facts_from_pb(await self._call(self._stub.GetModelInfo, common_pb2.ModelInfoRequest(), remaining_s))

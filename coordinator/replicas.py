@@ -288,6 +288,10 @@ class Replica(Protocol):
     async def release(self, cache_id: str, remaining_s: float | None = None) -> None:
         """Drops a cache (best effort)."""
 
+    async def idle(self, cache_id: str, remaining_s: float | None = None) -> None:
+        """Tells the replica that the session holding ``cache_id`` has no round in flight (its turn
+        ended), so its batched passes stop waiting for it; the cache stays (best effort)."""
+
     async def facts(self, remaining_s: float | None = None) -> ModelFacts:
         """The replica's model facts."""
 

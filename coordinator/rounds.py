@@ -212,6 +212,8 @@ class RoundLoop:
                         outcome.drafted, verdict.accepted, len(verdict.tokens), plan.lookup is not None, plan.forced
                     )
                 released, finish = self._commit(turn, text, verdict.tokens, room, verdict.logprobs)
+                if finish is not None:
+                    self.router.turn_ended(turn.draft, turn.target)
                 if finish is None:
                     # The checkpoint goes out before the tokens do, so a resume never starts ahead of them.
                     self._checkpoint(checkpoints, turn)

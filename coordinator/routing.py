@@ -382,6 +382,14 @@ class Router:
         if replica is not None:
             self._in_background(_release(replica, left.cache_id))
 
+    def turn_ended(self, draft: CacheRef | None, target: CacheRef | None) -> None:
+        """Tells the replicas holding a finished turn's caches, in the background and best effort, that
+        its session has no round in flight: their next batched pass does not wait for it (a whole
+        gathering window otherwise, at every request's end)."""
+        for replicas, ref in ((self.drafts, draft), (self.targets, target)):
+            if ref is not None and (replica := replicas.find(ref.address)) is not None:
+                self._in_background(_idle(replica, ref.cache_id))
+
     def _in_background(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
         self._background.add(task)
@@ -420,6 +428,13 @@ class Holding:
 
     def __exit__(self, *exc) -> None:
         self.update(None, None)
+
+
+async def _idle(replica, cache_id: str) -> None:
+    try:
+        await replica.idle(cache_id, PROBE_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - the replica waits one window for it instead
+        log.debug("could not tell %s that cache %s is idle: %s", replica.address, cache_id, exc)
 
 
 async def _release(replica, cache_id: str) -> None:

@@ -102,6 +102,9 @@ class InProcessDraft:
         """Drops a cache."""
         self._engine.release(cache_id)
 
+    async def idle(self, cache_id: str, remaining_s: float | None = None) -> None:
+        """Nothing to tell: in process, calls run as they come and never wait for other sessions."""
+
     async def facts(self, remaining_s: float | None = None) -> ModelFacts:
         """The draft's model facts."""
         return self._engine.facts

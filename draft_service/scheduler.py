@@ -44,6 +44,10 @@ class DraftScheduler:
             asyncio.get_running_loop().run_in_executor(self._executor, self._draft_ahead, call)
         return proposal
 
+    def idle(self, cache_id: str) -> None:
+        """The session of ``cache_id`` ended its turn: the next batch does not wait for it."""
+        self._batcher.idle(cache_id)
+
     def _draft_ahead(self, call: ProposeCall) -> None:
         """Drafts ahead for ``call``; a failure costs only the tokens ahead (the cache may be gone)."""
         try:

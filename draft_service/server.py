@@ -75,6 +75,10 @@ class DraftServicer(CacheServicer, draft_pb2_grpc.DraftServiceServicer):
         self._draft = engine
         self._scheduler = DraftScheduler(engine, self._executor, max_batch_rows)
 
+    def session_idle(self, cache_id: str) -> None:
+        """The session's turn ended: the next draft batch does not wait for it."""
+        self._scheduler.idle(cache_id)
+
     async def _propose(self, request: draft_pb2.ProposeRequest) -> Proposal:
         """Decodes a request inside the guarded call (its hidden states may be malformed) and drafts it."""
         return await self._scheduler.propose(propose_call_from_pb(request, self._draft.hidden_size))

@@ -13,7 +13,8 @@ round instead of one, and the two groups stay out of step for good. So after a p
 sessions (or one during which another call arrived), the next pass waits until each of them has a
 call waiting again (calls that arrived during the pass are already there), or until the window
 closes, whichever comes first. A lone session never waits, and a session that does not come back
-within the window is not waited for again.
+within the window is not waited for again. A session whose turn ended is not waited for at all once
+its coordinator says so (``idle``): a request's end would otherwise hold the next pass a whole window.
 """
 
 from __future__ import annotations
@@ -118,6 +119,13 @@ class PassBatcher(Generic[C, R]):
             self._draining = True
             asyncio.get_running_loop().create_task(self._drain())
         return await future
+
+    def idle(self, cache_id: str) -> None:
+        """The session of ``cache_id`` has no call coming (its turn ended): the next pass does not wait
+        for it."""
+        if cache_id in self._expected:
+            self._expected.discard(cache_id)
+            self._arrived.set()
 
     def _take(self) -> list[tuple[C, asyncio.Future, float]]:
         """The oldest waiting calls whose rows fit the budget (always at least one)."""

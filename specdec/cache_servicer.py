@@ -75,8 +75,16 @@ class CacheServicer:
             )
             return common_pb2.PrefillReply(cache_id=cache_id, committed=committed)
 
+    def session_idle(self, cache_id: str) -> None:
+        """The session of ``cache_id`` has no round in flight (its turn ended); a service that batches
+        rounds stops waiting for it."""
+
     async def Release(self, request: common_pb2.ReleaseRequest, context) -> common_pb2.ReleaseReply:
-        """Drops a session cache."""
+        """Drops a session cache; with ``keep_cache``, keeps it and only notes that its session's turn
+        ended (``session_idle``)."""
+        if request.keep_cache:
+            self.session_idle(request.cache_id)
+            return common_pb2.ReleaseReply(released=False)
         released = await call_core(context, self._executor, lambda: self._engine.release(request.cache_id))
         return common_pb2.ReleaseReply(released=released)
 

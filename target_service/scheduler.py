@@ -156,6 +156,10 @@ class TargetScheduler:
             outcome = replace(outcome, hidden=joined)
         return outcome
 
+    def idle(self, cache_id: str) -> None:
+        """The session of ``cache_id`` ended its turn: the next pass does not wait for it."""
+        self._batcher.idle(cache_id)
+
     def next_chunk(self) -> int:
         """Rows of a prompt's next chunk: the configured chunk while sessions are running (a round in
         flight, or one that ended within RUNNING_WINDOW_S), else the whole pass budget. With no one to

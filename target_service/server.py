@@ -84,6 +84,10 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         super().__init__(engine, tracer, "TargetService", executor)
         self._scheduler = TargetScheduler(engine, self._executor, max_batch_rows, fold_prefills, prefill_chunk)
 
+    def session_idle(self, cache_id: str) -> None:
+        """The session's turn ended: the next verify pass does not wait for it."""
+        self._scheduler.idle(cache_id)
+
     async def Prefill(self, request: common_pb2.PrefillRequest, context) -> common_pb2.PrefillReply:
         """Creates a session cache over a prompt, fed now or in shared passes as the scheduler plans,
         or (``fork_of``) copied from another cache."""

@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -532,6 +533,32 @@ def test_batcher_merges_calls_that_arrive_together(tiny_target):
     assert [r.tokens for r in results] == expected
     # All eight arrive before the first pass starts: 8 x 2 rows go in passes of at most 6 rows.
     assert engine.passes == 3 and engine.largest_pass == 3
+
+
+def test_a_session_whose_turn_ended_is_not_waited_for():
+    """After a pass of two sessions the next pass waits for both (up to the gathering window, here a
+    minute), unless the missing one is declared idle: then it starts at once."""
+    passes: list[list[str]] = []
+
+    def run_pass(calls):
+        passes.append([call.cache_id for call in calls])
+        return [call.cache_id for call in calls]
+
+    async def run():
+        batcher = PassBatcher(
+            run_pass, ThreadPoolExecutor(max_workers=1), lambda call: 1, max_batch_rows=8, gather_ms=60_000
+        )
+        a, b = SimpleNamespace(cache_id="a"), SimpleNamespace(cache_id="b")
+        await asyncio.gather(batcher.submit(a), batcher.submit(b))
+        again = asyncio.ensure_future(batcher.submit(a))
+        await asyncio.sleep(0.3)
+        waited = not again.done()  # b was in the last pass: the next one waits for it
+        batcher.idle("b")
+        return waited, await asyncio.wait_for(again, 10)
+
+    waited, result = asyncio.run(run())
+    assert waited and result == "a"
+    assert passes == [["a", "b"], ["a"]]
 
 
 def test_pass_costs_interpolate_and_extrapolate():

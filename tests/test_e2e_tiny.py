@@ -20,7 +20,7 @@ from specdec import Client, InvalidArgument, SessionNotFound, Unavailable
 from specdec.chat_templates import resolve_chat_template
 from specdec.models import load_model
 from specdec.sampling import Sampling, warp_probs
-from specdec.v1 import common_pb2, draft_pb2_grpc
+from specdec.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from target_service.engine import TargetEngine
 
 PROMPTS = ["w1 w2 w3", "w7 w7 w8 w9 w10", "w20 w3 w3 w3", "w5", "w11 w12 w13 w11 w12"]
@@ -299,6 +299,23 @@ def test_dropped_draft_cache_still_exact(stack, client, redis_url, tiny_target):
     full = "w1 w2 " + tiny_target.tokenizer.decode(first.token_ids) + " w9 w4"
     assert second.token_ids == hf_greedy(tiny_target, full, 10)
     assert [t for c in chunks for t in c.token_ids] == hf_greedy(tiny_target, "w5 w6 w7", 30)
+
+
+def test_a_release_that_keeps_the_cache_only_says_the_turn_ended(stack, client, redis_url, tiny_target):
+    """``keep_cache``: the replicas keep the session's caches (its next turn reuses them, exactly)."""
+    first = client.complete("w1 w2", max_new_tokens=10, k=3)
+    record = _record(redis_url, first.session_id)
+    keep = common_pb2.ReleaseRequest(keep_cache=True)
+    with grpc.insecure_channel(stack.target_address) as target, grpc.insecure_channel(stack.draft_address) as draft:
+        keep.cache_id = record.target.cache_id
+        assert not target_pb2_grpc.TargetServiceStub(target).Release(keep).released
+        keep.cache_id = record.draft.cache_id
+        assert not draft_pb2_grpc.DraftServiceStub(draft).Release(keep).released
+    second = client.complete("w9 w4", max_new_tokens=10, k=3, session_id=first.session_id)
+    again = _record(redis_url, first.session_id)
+    assert (again.target.cache_id, again.draft.cache_id) == (record.target.cache_id, record.draft.cache_id)
+    full = "w1 w2 " + tiny_target.tokenizer.decode(first.token_ids) + " w9 w4"
+    assert second.token_ids == hf_greedy(tiny_target, full, 10)
 
 
 def test_stop_string_is_never_streamed(client, tiny_target):

@@ -361,3 +361,55 @@ def test_a_fresh_coordinator_drafts_as_far_as_a_warm_one(tmp_path):
     warm = sum(generated[10:]) / sum(rounds[10:])
     assert warm >= 5.0  # warm, it drafts long: the comparison below means something
     assert fresh >= 0.9 * warm, (generated, rounds)
+
+
+class IdleTarget(InProcessTarget):
+    """Records the sessions it is told have ended their turn."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.idled: list[str] = []
+
+    async def idle(self, cache_id: str, remaining_s: float | None = None) -> None:
+        self.idled.append(cache_id)
+
+
+class IdleDraft(InProcessDraft):
+    """Records the sessions it is told have ended their turn."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.idled: list[str] = []
+
+    async def idle(self, cache_id: str, remaining_s: float | None = None) -> None:
+        self.idled.append(cache_id)
+
+
+def test_a_finished_turn_tells_its_replicas_that_its_session_is_idle(tiny_target, tiny_draft):
+    """Batching replicas wait for the sessions of their last pass; a turn that ended must say so, or
+    every request's end would hold the next pass a whole gathering window."""
+    target_engine, draft_engine = TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64)
+    target, draft = IdleTarget(target_engine), IdleDraft(draft_engine)
+    router = Router([draft], [target])
+    policy = SpeculationPolicy(SpeculationConfig(), live_targets=lambda: 1)
+    facts = tiny_target.facts("target")
+    loop = RoundLoop(
+        tiny_target.tokenizer,
+        facts,
+        router,
+        policy,
+        Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600)),
+        trace.NoOpTracer(),
+    )
+
+    async def turn():
+        chunks = [chunk async for chunk in loop.generate(request(k=3, max_new_tokens=12), lambda: None)]
+        for _ in range(3):  # the notices go out in the background
+            await asyncio.sleep(0)
+        return chunks
+
+    chunks = asyncio.run(turn())
+    assert chunks[-1].finish_reason == "length"
+    # Each replica heard of the one cache it holds for the session, once.
+    assert target.idled == list(target_engine.caches.ids())
+    assert draft.idled == list(draft_engine.caches.ids())

@@ -130,10 +130,12 @@ class HiddenStates(_message.Message):
     def __init__(self, start: _Optional[int] = ..., dim: _Optional[int] = ..., fp16: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("cache_id",)
+    __slots__ = ("cache_id", "keep_cache")
     CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEP_CACHE_FIELD_NUMBER: _ClassVar[int]
     cache_id: str
-    def __init__(self, cache_id: _Optional[str] = ...) -> None: ...
+    keep_cache: bool
+    def __init__(self, cache_id: _Optional[str] = ..., keep_cache: _Optional[bool] = ...) -> None: ...
 
 class ReleaseReply(_message.Message):
     __slots__ = ("released",)
