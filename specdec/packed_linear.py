@@ -164,7 +164,9 @@ def invariant_product(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Mod
     for kind in ((RowProduct,) if own else ()) + (PackedLinear, PairedPackedLinear, SplitPackedLinear):
         if kind is SplitPackedLinear and weight.shape[1] <= SPLIT_INPUTS:
             continue
-        if kernel_invariant(kind, tuple(weight.shape), bias is not None, weight.dtype):
+        # specdec's own kernel is row-invariant by construction (``tests/test_product_kernel.py``): no
+        # probe, whose random weight for the LM head alone takes a second of a service's start.
+        if kind is RowProduct or kernel_invariant(kind, tuple(weight.shape), bias is not None, weight.dtype):
             return kind(weight, bias)
     return None
 
