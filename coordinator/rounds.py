@@ -214,7 +214,7 @@ class RoundLoop:
                 released, finish = self._commit(turn, text, verdict.tokens, room, verdict.logprobs)
                 if finish is not None:
                     self.router.turn_ended(turn.draft, turn.target)
-                if finish is None:
+                else:
                     # The checkpoint goes out before the tokens do, so a resume never starts ahead of them.
                     self._checkpoint(checkpoints, turn)
                     if checkpoints.fenced is not None:
