@@ -7,9 +7,10 @@ draft drafts ahead. ``observe`` folds the finished round into what steers later 
 draft and verify costs, each target's latest batched pass, the fleet's acceptance and the turn's
 target-only streak.
 
-Greedy requests follow measured costs. Sampled requests follow a fixed prior cost curve and never
-draft ahead, so their k sequence, and hence their random draws, never depend on timing or load: a
-seeded request repeats, and a resumed one replays what its client saw.
+Greedy requests follow measured costs, and so do coupled ones (seeded sampled requests), whose
+tokens depend on their seed and positions alone, whatever k each round drafts. Other sampled requests
+follow a fixed prior cost curve and never draft ahead, so their k sequence, and hence their random
+draws, never depend on timing or load: a resumed one replays what its client saw.
 """
 
 from __future__ import annotations
@@ -311,7 +312,10 @@ class SpeculationPolicy:
         return shape if shape.width > 1 else None
 
     def _costs_for(self, turn: Turn) -> CostModel:
-        return self.costs if turn.sampling.greedy else self.prior_costs
+        # A coupled draw depends on no k, so measured costs may steer it: the fixed prior (a slow
+        # target beside a cheap draft) kept sampled requests drafting where a fast target pass made
+        # target-only faster.
+        return self.costs if turn.sampling.greedy or turn.sampling.coupled else self.prior_costs
 
     def _choose_k(self, turn: Turn, fixed: int | None, costs: CostModel) -> int:
         """This round's draft length: the request's fixed k, or the adaptive choice."""

@@ -176,6 +176,25 @@ def test_sampled_plans_follow_fixed_priors_and_never_draft_ahead():
     assert policy.plan(turn, room=32) == before and before.ahead == 0 and before.k > 0
 
 
+def test_coupled_plans_follow_measured_costs():
+    """A coupled request's tokens depend on no k: where drafting is measured not to pay (a cheap target
+    pass, a dear draft call) it runs target-only, where an uncoupled sampled request keeps drafting."""
+    policy = SpeculationPolicy(SpeculationConfig(max_auto_k=4), live_targets=lambda: 1)
+    policy.batching_targets = False  # costs measured call by call
+    coupled, uncoupled = (
+        make_turn(Sampling(temperature=1.0, seed=1, coupled=True)),
+        make_turn(Sampling(temperature=1.0)),
+    )
+    for turn in (coupled, uncoupled):
+        policy.start(turn)
+    for k in range(1, 5):
+        policy.costs.record_draft(40.0 + k, k)
+    for tokens in range(1, 6):
+        policy.costs.record_verify(10.0 + tokens, tokens)
+    assert policy.plan(coupled, room=32).k == 0
+    assert policy.plan(uncoupled, room=32).k > 0
+
+
 def test_a_fixed_k_is_planned_as_asked_and_lookup_only_when_adaptive():
     policy = SpeculationPolicy(SpeculationConfig(free_lookup_min=2), live_targets=lambda: 1)
     policy.batching_targets = False  # a target that reports no load: costs are measured call by call
