@@ -658,6 +658,11 @@ def own_models_section(files: list[tuple[str, dict]]) -> list[str]:
     return lines + table(headers, rows) + [""]
 
 
+def _ratio_text(ratios: dict) -> str:
+    """A peers report's ratios of one pair, e.g. ``one stream **1.27×**, 8 streams **0.90×**``."""
+    return ", ".join(f"{k.replace('_', ' ')} **{num(v)}×**" for k, v in ratios.items())
+
+
 def peers_section(report: dict | None, k0_report: dict | None = None) -> list[str]:
     lines = PEERS_METHOD.splitlines() + [""]
     summary = (report or {}).get("summary")
@@ -678,7 +683,7 @@ def peers_section(report: dict | None, k0_report: dict | None = None) -> list[st
     headers = ["server", "1 stream, tok/s", "8 streams, tok/s", "ready, s", "8-stream answers = 1-stream"]
     lines += table(headers, rows) + [""]
     for pair, value in (report or {}).get("ratios", {}).items():
-        lines.append(f"- `{pair}`: " + ", ".join(f"{k.replace('_', ' ')} **{num(v)}×**" for k, v in value.items()))
+        lines.append(f"- `{pair}`: {_ratio_text(value)}")
     k0 = (k0_report or {}).get("summary", {})
     if isinstance(k0, dict) and "specdec" in k0:
         ours, peers = k0["specdec"], [name for name in k0 if name != "specdec"]
@@ -687,10 +692,7 @@ def peers_section(report: dict | None, k0_report: dict | None = None) -> list[st
             "- With speculation off (`make bench-peers-k0`, `reports/peers-k0.json`, a run of its own): specdec "
             f"{num(ours.get('one_stream', {}).get('tok_s'), 1)} tok/s at one stream and "
             f"{num(ours.get('streams', {}).get('tok_s'), 1)} at 8"
-            + "".join(
-                f"; `{pair}` " + ", ".join(f"{k.replace('_', ' ')} **{num(v)}×**" for k, v in value.items())
-                for pair, value in ratios.items()
-            )
+            + "".join(f"; `{pair}` {_ratio_text(value)}" for pair, value in ratios.items())
             + (f" ({', '.join(peers)} in the same run)." if peers else ".")
         )
     return lines + [""]

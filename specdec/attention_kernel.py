@@ -12,8 +12,7 @@ position gets the same bits alone, in a chain, as a tree node or beside other se
 torch builds it on first use for the CPU it runs on (``specdec.native``, ~30 s, then cached). Where it
 cannot be built (no compiler), off the CPU, and where a gradient or autocast's mixed dtypes are
 involved (training a draft), attention runs on torch ops (``specdec.invariance``), with the same
-invariance. A process
-builds it once, so its passes and its reference forward compute alike.
+invariance. A process builds it once, so its passes and its reference forward compute alike.
 """
 
 from __future__ import annotations

@@ -382,8 +382,8 @@ def test_a_fresh_coordinator_drafts_as_far_as_a_warm_one(tmp_path):
     assert fresh >= 0.9 * warm, (generated, rounds)
 
 
-class IdleTarget(InProcessTarget):
-    """Records the sessions it is told have ended their turn."""
+class RecordsIdle:
+    """Mixed into an in-process replica: records the sessions it is told have ended their turn."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -393,15 +393,12 @@ class IdleTarget(InProcessTarget):
         self.idled.append(cache_id)
 
 
-class IdleDraft(InProcessDraft):
-    """Records the sessions it is told have ended their turn."""
+class IdleTarget(RecordsIdle, InProcessTarget):
+    pass
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.idled: list[str] = []
 
-    async def idle(self, cache_id: str, remaining_s: float | None = None) -> None:
-        self.idled.append(cache_id)
+class IdleDraft(RecordsIdle, InProcessDraft):
+    pass
 
 
 def test_a_finished_turn_tells_its_replicas_that_its_session_is_idle(tiny_target, tiny_draft):
