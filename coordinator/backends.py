@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from coordinator.coalescing import Coalescer
 from coordinator.replicas import (
     BackendRejected,
     BackendUnavailable,
@@ -24,22 +25,25 @@ from coordinator.replicas import (
 )
 from specdec.rpc import aio_channel, channel_options
 from specdec.sampling_params import Sampling, TokenLogprob
-from specdec.tracing import outgoing_metadata
+from specdec.tracing import outgoing_metadata, trace_carrier
 from specdec.trees import TreeShape, is_chain
 from specdec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.vocab import ModelFacts
 from specdec.wire import facts_from_pb, logprobs_from_pb, pass_load_from_pb, sampling_to_pb
 
 
-def _translate(service: str, address: str, error: grpc.aio.AioRpcError) -> Exception:
-    code = error.code()
+def _translate(service: str, address: str, code: grpc.StatusCode, details: str) -> Exception:
+    """The round loop's error for a call that ended with ``code``."""
     if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-        return CacheLost(f"{service} at {address}: {error.details()}")
+        return CacheLost(f"{service} at {address}: {details}")
     if code == grpc.StatusCode.ABORTED:
-        return Fenced(f"{service} at {address}: {error.details()}")
+        return Fenced(f"{service} at {address}: {details}")
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        return BackendUnavailable(service, address, f"{code.name}: {error.details()}")
-    return BackendRejected(code.name, f"{service} at {address}: {error.details()}", address)
+        return BackendUnavailable(service, address, f"{code.name}: {details}")
+    return BackendRejected(code.name, f"{service} at {address}: {details}", address)
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class _Replica:
@@ -72,15 +76,18 @@ class _Replica:
     def _deadline(self, remaining_s: float | None) -> float:
         return self._timeout_s if remaining_s is None else max(0.001, min(self._timeout_s, remaining_s))
 
-    async def _call(self, method, request, remaining_s: float | None):
+    async def _call(self, method, request, remaining_s: float | None, traced: bool = True):
+        """One call with the deadline ``remaining_s`` allows, carrying the current trace context
+        unless not ``traced``; its errors translated for the round loop."""
         if self._closed:
             # A replica that left and was closed between two calls of one round: like an outage.
             raise BackendUnavailable(self.service, self.address, "the replica left")
         self._in_flight += 1
         try:
-            return await method(request, timeout=self._deadline(remaining_s), metadata=outgoing_metadata())
+            metadata = outgoing_metadata() if traced else ()
+            return await method(request, timeout=self._deadline(remaining_s), metadata=metadata)
         except grpc.aio.AioRpcError as error:
-            raise _translate(self.service, self.address, error) from None
+            raise _translate(self.service, self.address, error.code(), error.details() or "") from None
         finally:
             self._in_flight -= 1
 
@@ -198,6 +205,15 @@ class TargetReplica(_Replica):
     ) -> None:
         super().__init__(address, timeout_s, max_message_bytes, credentials, tls_name)
         self._stub = target_pb2_grpc.TargetServiceStub(self._channel)
+        # The rounds this coordinator's sessions send in one event-loop turn go in one call.
+        self._verify_batches: Coalescer[target_pb2.VerifyRequest, target_pb2.VerifyReply] = Coalescer(
+            self._verify_batch
+        )
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call is in flight or waits for its batch: closing now would cut it off."""
+        return self._in_flight > 0 or self._verify_batches.busy
 
     async def prefill_with_hidden(
         self,
@@ -278,7 +294,7 @@ class TargetReplica(_Replica):
             request.draft_tokens.extend(draft.tokens)
             request.q.extend(draft_pb2.SparseDistribution(token_ids=ids, probs=probs) for ids, probs in draft.q)
             request.draft_parents.extend(draft.parents)
-        reply = await self._call(self._stub.Verify, request, remaining_s)
+        reply = await self._verify_one(request, remaining_s)
         load = None
         if reply.HasField("load"):
             load = pass_load_from_pb(reply.load)
@@ -291,3 +307,32 @@ class TargetReplica(_Replica):
             tuple(reply.accepted_nodes) if draft is not None and not is_chain(draft.parents) else None,
             logprobs_from_pb(reply.logprobs) if top_logprobs is not None else None,
         )
+
+    async def _verify_one(self, request: target_pb2.VerifyRequest, remaining_s: float | None) -> target_pb2.VerifyReply:
+        """Verifies ``request`` in the next VerifyBatch call (``coordinator.coalescing``), with its
+        round's trace context and its own deadline."""
+        request.trace_context.update(trace_carrier())
+        timeout_s = self._deadline(remaining_s)
+        try:
+            return await self._verify_batches.call(request, timeout_s)
+        except TimeoutError:
+            detail = f"DEADLINE_EXCEEDED: no verdict in {timeout_s:.3g} s"
+            raise BackendUnavailable(self.service, self.address, detail) from None
+
+    async def _verify_batch(
+        self, requests: list[target_pb2.VerifyRequest], timeout_s: float
+    ) -> list[target_pb2.VerifyReply | Exception]:
+        """One VerifyBatch call: each request's reply, or the error a Verify of it alone would raise."""
+        batch = target_pb2.VerifyBatchRequest(requests=requests)
+        reply = await self._call(self._stub.VerifyBatch, batch, timeout_s, traced=False)
+        return [
+            result.reply
+            if result.HasField("reply")
+            else _translate(
+                self.service,
+                self.address,
+                _STATUS_BY_NUMBER.get(result.error.code, grpc.StatusCode.UNKNOWN),
+                result.error.message,
+            )
+            for result in reply.results
+        ]

@@ -30,6 +30,7 @@ from specdec.channels import (  # noqa: F401
 from specdec.config import ServerConfig
 from specdec.errors import CacheBehind, CacheBudgetExceeded, CacheNotFound, StaleFence
 from specdec.tracing import make_tracer_provider
+from specdec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -90,12 +91,27 @@ async def guarded(context: grpc.aio.ServicerContext, work: Awaitable[T], what: o
     try:
         return await work
     except Exception as exc:  # noqa: BLE001 - every error must reach the caller as a status
-        code = status_of(exc)
-        if code is None:
-            log.exception("unexpected error in %s", getattr(what, "__qualname__", what))
-            code = grpc.StatusCode.INTERNAL
-        await context.abort(code, str(exc))
+        await context.abort(error_status(exc, what), str(exc))
         raise AssertionError("unreachable") from exc
+
+
+def error_status(exc: Exception, what: object) -> grpc.StatusCode:
+    """The status a core error is answered with: its own (``status_of``), or INTERNAL for an
+    unexpected one, which is logged with its traceback (``what`` names the call)."""
+    code = status_of(exc)
+    if code is None:
+        log.exception("unexpected error in %s", getattr(what, "__qualname__", what), exc_info=exc)
+        code = grpc.StatusCode.INTERNAL
+    return code
+
+
+async def batch_item(work: Awaitable[T], what: object) -> T | common_pb2.CallError:
+    """Awaits one request of a batched call: its result, or the ``CallError`` its error would have
+    ended a call of it alone with (see ``guarded``)."""
+    try:
+        return await work
+    except Exception as exc:  # noqa: BLE001 - every error must reach the caller as a status
+        return common_pb2.CallError(code=error_status(exc, what).value[0], message=str(exc))
 
 
 @dataclass

@@ -35,9 +35,14 @@ def make_tracer_provider(
 
 def outgoing_metadata() -> tuple[tuple[str, str], ...]:
     """The current trace context as gRPC metadata for an outgoing call."""
+    return tuple(trace_carrier().items())
+
+
+def trace_carrier() -> dict[str, str]:
+    """The current trace context as W3C headers (``traceparent``, ``tracestate``)."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
-    return tuple(carrier.items())
+    return carrier
 
 
 def incoming_context(metadata: Sequence[tuple[str, str | bytes]] | None) -> otel_context.Context:
@@ -48,6 +53,10 @@ def incoming_context(metadata: Sequence[tuple[str, str | bytes]] | None) -> otel
 
 def server_span(tracer: trace.Tracer, name: str, context: grpc.aio.ServicerContext):
     """A SERVER span for one RPC, parented on the caller's span when the call carries one."""
-    return tracer.start_as_current_span(
-        name, context=incoming_context(context.invocation_metadata()), kind=trace.SpanKind.SERVER
-    )
+    return carried_span(tracer, name, context.invocation_metadata())
+
+
+def carried_span(tracer: trace.Tracer, name: str, carrier: Sequence[tuple[str, str | bytes]] | None):
+    """A SERVER span parented on the trace context ``carrier`` holds (a call's metadata, or the
+    ``trace_context`` a request of a batched call carries), if any."""
+    return tracer.start_as_current_span(name, context=incoming_context(carrier), kind=trace.SpanKind.SERVER)

@@ -22,12 +22,20 @@ from specdec.metrics import CacheServiceMetrics, start_metrics_server
 from specdec.model_thread import model_executor, on_model_thread
 from specdec.models import LoadedModel, load_model
 from specdec.packed_linear import pack_linears
-from specdec.rpc import RunningServer, call_core, guarded, lenient_service, serve_forever, start_server
-from specdec.tracing import server_span
+from specdec.rpc import (
+    RunningServer,
+    batch_item,
+    call_core,
+    guarded,
+    lenient_service,
+    serve_forever,
+    start_server,
+)
+from specdec.tracing import carried_span, server_span
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from specdec.wire import logprobs_to_pb, pass_load_to_pb, sampling_from_pb
 from target_service.compile_ahead import build_ahead
-from target_service.engine import SparseQ, TargetEngine, VerifyCall, VerifyOutcome
+from target_service.engine import SparseQ, TargetEngine, VerifyCall
 from target_service.scheduler import TargetScheduler
 from target_service.tensor_parallel import (
     LeaderEngine,
@@ -153,30 +161,47 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
             logprobs_to_pb(scored, reply.prompt_logprobs)
             return reply
 
-    async def _verify(self, request: target_pb2.VerifyRequest) -> VerifyOutcome:
-        """Decodes a request inside the guarded call (its sampling settings may be invalid) and verifies it."""
-        return await self._scheduler.verify(verify_call_from_pb(request))
-
     async def Verify(self, request: target_pb2.VerifyRequest, context) -> target_pb2.VerifyReply:
         """Verifies a round's draft tokens in the next shared pass."""
         with server_span(self._tracer, "TargetService/Verify", context) as span:
-            span.set_attribute("specdec.k", len(request.draft_tokens))
-            outcome = await guarded(context, self._verify(request), "TargetService/Verify")
-            span.set_attribute("specdec.accepted", outcome.accepted)
-            reply = target_pb2.VerifyReply(
-                accepted=outcome.accepted,
-                tokens=outcome.tokens,
-                committed=outcome.committed,
-                accepted_nodes=outcome.path or (),
-            )
-            if outcome.load is not None:
-                load = outcome.load
-                span.set_attributes({"specdec.batch_sessions": load.sessions, "specdec.batch_rows": load.rows})
-                reply.load.CopyFrom(pass_load_to_pb(load))
-            if outcome.hidden is not None:
-                reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))
-            logprobs_to_pb(outcome.logprobs or (), reply.logprobs)
-            return reply
+            return await guarded(context, self._verify(request, span), "TargetService/Verify")
+
+    async def VerifyBatch(self, request: target_pb2.VerifyBatchRequest, context) -> target_pb2.VerifyBatchReply:
+        """Verifies several sessions' rounds, submitted together so they share the next pass; each
+        gets its own reply or error, and a span of its own parented on its round."""
+        results = await asyncio.gather(*(self._verify_carried(r) for r in request.requests))
+        reply = target_pb2.VerifyBatchReply()
+        for result in results:
+            if isinstance(result, common_pb2.CallError):
+                reply.results.add(error=result)
+            else:
+                reply.results.add(reply=result)
+        return reply
+
+    async def _verify_carried(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyReply | common_pb2.CallError:
+        with carried_span(self._tracer, "TargetService/Verify", tuple(request.trace_context.items())) as span:
+            return await batch_item(self._verify(request, span), "TargetService/VerifyBatch")
+
+    async def _verify(self, request: target_pb2.VerifyRequest, span: trace.Span) -> target_pb2.VerifyReply:
+        """Decodes a request (its sampling settings may be invalid), verifies it in the next shared
+        pass and encodes the outcome, noting it on ``span``."""
+        span.set_attribute("specdec.k", len(request.draft_tokens))
+        outcome = await self._scheduler.verify(verify_call_from_pb(request))
+        span.set_attribute("specdec.accepted", outcome.accepted)
+        reply = target_pb2.VerifyReply(
+            accepted=outcome.accepted,
+            tokens=outcome.tokens,
+            committed=outcome.committed,
+            accepted_nodes=outcome.path or (),
+        )
+        if outcome.load is not None:
+            load = outcome.load
+            span.set_attributes({"specdec.batch_sessions": load.sessions, "specdec.batch_rows": load.rows})
+            reply.load.CopyFrom(pass_load_to_pb(load))
+        if outcome.hidden is not None:
+            reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))
+        logprobs_to_pb(outcome.logprobs or (), reply.logprobs)
+        return reply
 
 
 async def start_target(

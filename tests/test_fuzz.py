@@ -640,6 +640,7 @@ METHODS = [
     ("coordinator", "/specdec.v1.Coordinator/Generate"),
     ("coordinator", "/specdec.v1.Coordinator/Complete"),
     ("target", "/specdec.v1.TargetService/Verify"),
+    ("target", "/specdec.v1.TargetService/VerifyBatch"),
     ("target", "/specdec.v1.TargetService/Prefill"),
     ("target", "/specdec.v1.TargetService/Release"),
     ("draft", "/specdec.v1.DraftService/Propose"),

@@ -26,19 +26,29 @@ from specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 from specdec.v1 import draft_pb2 as specdec_dot_v1_dot_draft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x16specdec/v1/draft.proto\"\xa8\x02\n\rVerifyRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.CacheSync\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12)\n\x01q\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05round\x18\x05 \x01(\r\x12\x15\n\rreturn_hidden\x18\x06 \x01(\x08\x12\x1a\n\x12hidden_side_layers\x18\x07 \x03(\r\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\x12\x19\n\x0ctop_logprobs\x18\t \x01(\rH\x00\x88\x01\x01\x42\x0f\n\r_top_logprobs\"\xd4\x01\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\r\x12(\n\x06hidden\x18\x04 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\"\n\x04load\x18\x05 \x01(\x0b\x32\x14.specdec.v1.PassLoad\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x06 \x03(\r\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x9d\x01\n\x08PassLoad\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x18\n\x10others_committed\x18\x03 \x01(\r\x12\x0f\n\x07pass_ms\x18\x04 \x01(\x02\x12\x10\n\x08\x63urve_ms\x18\x05 \x03(\x02\x12\x10\n\x08\x61lone_ms\x18\x06 \x03(\x02\x12\x10\n\x08queue_ms\x18\x07 \x01(\x02\x12\x10\n\x08\x66\x65\x64_rows\x18\x08 \x01(\r2\x94\x02\n\rTargetService\x12?\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x18.specdec.v1.PrefillReply\x12<\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x17.specdec.v1.VerifyReply\x12?\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x18.specdec.v1.ReleaseReply\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x16specdec/v1/draft.proto\"\xa1\x03\n\rVerifyRequest\x12#\n\x04sync\x18\x01 \x01(\x0b\x32\x15.specdec.v1.CacheSync\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12)\n\x01q\x18\x03 \x03(\x0b\x32\x1e.specdec.v1.SparseDistribution\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\r\n\x05round\x18\x05 \x01(\r\x12\x15\n\rreturn_hidden\x18\x06 \x01(\x08\x12\x1a\n\x12hidden_side_layers\x18\x07 \x03(\r\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\x12\x19\n\x0ctop_logprobs\x18\t \x01(\rH\x00\x88\x01\x01\x12\x42\n\rtrace_context\x18\n \x03(\x0b\x32+.specdec.v1.VerifyRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0f\n\r_top_logprobs\"A\n\x12VerifyBatchRequest\x12+\n\x08requests\x18\x01 \x03(\x0b\x32\x19.specdec.v1.VerifyRequest\"B\n\x10VerifyBatchReply\x12.\n\x07results\x18\x01 \x03(\x0b\x32\x1d.specdec.v1.VerifyBatchResult\"p\n\x11VerifyBatchResult\x12(\n\x05reply\x18\x01 \x01(\x0b\x32\x17.specdec.v1.VerifyReplyH\x00\x12&\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x15.specdec.v1.CallErrorH\x00\x42\t\n\x07outcome\"\xd4\x01\n\x0bVerifyReply\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x11\n\tcommitted\x18\x03 \x01(\r\x12(\n\x06hidden\x18\x04 \x01(\x0b\x32\x18.specdec.v1.HiddenStates\x12\"\n\x04load\x18\x05 \x01(\x0b\x32\x14.specdec.v1.PassLoad\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x06 \x03(\r\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.specdec.v1.TokenLogprob\"\x9d\x01\n\x08PassLoad\x12\x10\n\x08sessions\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x18\n\x10others_committed\x18\x03 \x01(\r\x12\x0f\n\x07pass_ms\x18\x04 \x01(\x02\x12\x10\n\x08\x63urve_ms\x18\x05 \x03(\x02\x12\x10\n\x08\x61lone_ms\x18\x06 \x03(\x02\x12\x10\n\x08queue_ms\x18\x07 \x01(\x02\x12\x10\n\x08\x66\x65\x64_rows\x18\x08 \x01(\r2\xe1\x02\n\rTargetService\x12?\n\x07Prefill\x12\x1a.specdec.v1.PrefillRequest\x1a\x18.specdec.v1.PrefillReply\x12<\n\x06Verify\x12\x19.specdec.v1.VerifyRequest\x1a\x17.specdec.v1.VerifyReply\x12K\n\x0bVerifyBatch\x12\x1e.specdec.v1.VerifyBatchRequest\x1a\x1c.specdec.v1.VerifyBatchReply\x12?\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x18.specdec.v1.ReleaseReply\x12\x43\n\x0cGetModelInfo\x12\x1c.specdec.v1.ModelInfoRequest\x1a\x15.specdec.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._loaded_options = None
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_VERIFYREQUEST']._serialized_start=89
-  _globals['_VERIFYREQUEST']._serialized_end=385
-  _globals['_VERIFYREPLY']._serialized_start=388
-  _globals['_VERIFYREPLY']._serialized_end=600
-  _globals['_PASSLOAD']._serialized_start=603
-  _globals['_PASSLOAD']._serialized_end=760
-  _globals['_TARGETSERVICE']._serialized_start=763
-  _globals['_TARGETSERVICE']._serialized_end=1039
+  _globals['_VERIFYREQUEST']._serialized_end=506
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_start=438
+  _globals['_VERIFYREQUEST_TRACECONTEXTENTRY']._serialized_end=489
+  _globals['_VERIFYBATCHREQUEST']._serialized_start=508
+  _globals['_VERIFYBATCHREQUEST']._serialized_end=573
+  _globals['_VERIFYBATCHREPLY']._serialized_start=575
+  _globals['_VERIFYBATCHREPLY']._serialized_end=641
+  _globals['_VERIFYBATCHRESULT']._serialized_start=643
+  _globals['_VERIFYBATCHRESULT']._serialized_end=755
+  _globals['_VERIFYREPLY']._serialized_start=758
+  _globals['_VERIFYREPLY']._serialized_end=970
+  _globals['_PASSLOAD']._serialized_start=973
+  _globals['_PASSLOAD']._serialized_end=1130
+  _globals['_TARGETSERVICE']._serialized_start=1133
+  _globals['_TARGETSERVICE']._serialized_end=1486
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("sync", "draft_tokens", "q", "sampling", "round", "return_hidden", "hidden_side_layers", "draft_parents", "top_logprobs")
+    __slots__ = ("sync", "draft_tokens", "q", "sampling", "round", "return_hidden", "hidden_side_layers", "draft_parents", "top_logprobs", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SYNC_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +26,7 @@ class VerifyRequest(_message.Message):
     HIDDEN_SIDE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     sync: _common_pb2.CacheSync
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_draft_pb2.SparseDistribution]
@@ -28,7 +36,28 @@ class VerifyRequest(_message.Message):
     hidden_side_layers: _containers.RepeatedScalarFieldContainer[int]
     draft_parents: _containers.RepeatedScalarFieldContainer[int]
     top_logprobs: int
-    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., return_hidden: _Optional[bool] = ..., hidden_side_layers: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, sync: _Optional[_Union[_common_pb2.CacheSync, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., round: _Optional[int] = ..., return_hidden: _Optional[bool] = ..., hidden_side_layers: _Optional[_Iterable[int]] = ..., draft_parents: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class VerifyBatchRequest(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, requests: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+
+class VerifyBatchReply(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyBatchResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyBatchResult, _Mapping]]] = ...) -> None: ...
+
+class VerifyBatchResult(_message.Message):
+    __slots__ = ("reply", "error")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    reply: VerifyReply
+    error: _common_pb2.CallError
+    def __init__(self, reply: _Optional[_Union[VerifyReply, _Mapping]] = ..., error: _Optional[_Union[_common_pb2.CallError, _Mapping]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("accepted", "tokens", "committed", "hidden", "load", "accepted_nodes", "logprobs")
