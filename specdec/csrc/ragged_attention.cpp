@@ -19,46 +19,61 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kLanes = 16;
 
-// Fixed-lane dot product of two float rows: kLanes partial sums, then a fixed tree (lanes l and
-// l + 8, then l + 4, l + 2, l + 1), the order _mm512_reduce_add_ps adds in.
-inline float dot(const float* a, const float* b, int64_t dim) {
+// 16 elements from src as float32. A bfloat16 widens exactly (its bits are a float32's upper half),
+// in a register: the kernel reads a bfloat16 cache's keys and values where they lie, with the very
+// values a widened float32 copy would hold, so the sums below do not change by a bit.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* src) { return _mm512_loadu_ps(src); }
+inline __m512 load16(const c10::BFloat16* src) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+// Fixed-lane dot product of a float row and a row of K (float32, or bfloat16 read in place): kLanes
+// partial sums, then a fixed tree (lanes l and l + 8, then l + 4, l + 2, l + 1), the order
+// _mm512_reduce_add_ps adds in.
+template <typename K>
+inline float dot(const float* a, const K* b, int64_t dim) {
 #if defined(__AVX512F__)
   if (dim % kLanes == 0) {
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t d = 0; d < dim; d += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+    for (int64_t d = 0; d < dim; d += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), load16(b + d), acc);
     return _mm512_reduce_add_ps(acc);
   }
 #endif
   float lanes[kLanes] = {0.f};
   int64_t d = 0;
   for (; d + kLanes <= dim; d += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[d + l] * b[d + l];
+    for (int64_t l = 0; l < kLanes; ++l) lanes[l] += a[d + l] * static_cast<float>(b[d + l]);
   }
-  for (int64_t l = 0; d + l < dim; ++l) lanes[l] += a[d + l] * b[d + l];
+  for (int64_t l = 0; d + l < dim; ++l) lanes[l] += a[d + l] * static_cast<float>(b[d + l]);
   for (int64_t width = kLanes / 2; width > 0; width /= 2) {
     for (int64_t l = 0; l < width; ++l) lanes[l] += lanes[l + width];
   }
   return lanes[0];
 }
 
-// dot(a, b + j dim) for j = 0 .. 3, each summed exactly as dot() sums it; four independent sums keep
-// the core's multiply-add units busy where one waits on its own latency.
-inline void dot4(const float* a, const float* b, int64_t dim, float* out) {
+// dot(a, b + j stride) for j = 0 .. 3, each summed exactly as dot() sums it; four independent sums
+// keep the core's multiply-add units busy where one waits on its own latency.
+template <typename K>
+inline void dot4(const float* a, const K* b, int64_t stride, int64_t dim, float* out) {
 #if defined(__AVX512F__)
   if (dim % kLanes == 0) {
     __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
     for (int64_t d = 0; d < dim; d += kLanes) {
       const __m512 x = _mm512_loadu_ps(a + d);
-      acc0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + d), acc0);
-      acc1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + dim + d), acc1);
-      acc2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + 2 * dim + d), acc2);
-      acc3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(b + 3 * dim + d), acc3);
+      acc0 = _mm512_fmadd_ps(x, load16(b + d), acc0);
+      acc1 = _mm512_fmadd_ps(x, load16(b + stride + d), acc1);
+      acc2 = _mm512_fmadd_ps(x, load16(b + 2 * stride + d), acc2);
+      acc3 = _mm512_fmadd_ps(x, load16(b + 3 * stride + d), acc3);
     }
     out[0] = _mm512_reduce_add_ps(acc0);
     out[1] = _mm512_reduce_add_ps(acc1);
@@ -67,7 +82,7 @@ inline void dot4(const float* a, const float* b, int64_t dim, float* out) {
     return;
   }
 #endif
-  for (int64_t j = 0; j < 4; ++j) out[j] = dot(a, b + j * dim, dim);
+  for (int64_t j = 0; j < 4; ++j) out[j] = dot(a, b + j * stride, dim);
 }
 
 // x[j] = exp(x[j] - top) for j < count, reading and writing x up to the next multiple of kLanes (the
@@ -96,11 +111,12 @@ inline void exp_shifted(float* x, int64_t count, float top) {
 #endif
 }
 
-// out[d] = sum over visible keys t, in key order, of weight[t] * values[t dim + d]: each element a
-// chain of multiply-adds in key order; with AVX-512 the chains of a row's 64 or 128 elements run in
-// registers side by side.
-inline void weighted_sum(const float* weight, const float* values, int64_t first, int64_t last, const bool* visible,
-                         int64_t dim, float* out) {
+// out[d] = sum over visible keys t, in key order, of weight[t] * values[t stride + d] (float32, or
+// bfloat16 read in place): each element a chain of multiply-adds in key order; with AVX-512 the
+// chains of a row's 64 or 128 elements run in registers side by side.
+template <typename V>
+inline void weighted_sum(const float* weight, const V* values, int64_t stride, int64_t first, int64_t last,
+                         const bool* visible, int64_t dim, float* out) {
 #if defined(__AVX512F__)
   if (dim == 64 || dim == 128) {
     __m512 acc[8];
@@ -109,16 +125,16 @@ inline void weighted_sum(const float* weight, const float* values, int64_t first
     for (int64_t t = first; t <= last; ++t) {
       if (visible != nullptr && !visible[t]) continue;
       const __m512 w = _mm512_set1_ps(weight[t]);
-      const float* v = values + t * dim;
-      acc[0] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), acc[0]);
-      acc[1] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), acc[1]);
-      acc[2] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), acc[2]);
-      acc[3] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), acc[3]);
+      const V* v = values + t * stride;
+      acc[0] = _mm512_fmadd_ps(w, load16(v), acc[0]);
+      acc[1] = _mm512_fmadd_ps(w, load16(v + 16), acc[1]);
+      acc[2] = _mm512_fmadd_ps(w, load16(v + 32), acc[2]);
+      acc[3] = _mm512_fmadd_ps(w, load16(v + 48), acc[3]);
       if (blocks == 8) {
-        acc[4] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 64), acc[4]);
-        acc[5] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 80), acc[5]);
-        acc[6] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 96), acc[6]);
-        acc[7] = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 112), acc[7]);
+        acc[4] = _mm512_fmadd_ps(w, load16(v + 64), acc[4]);
+        acc[5] = _mm512_fmadd_ps(w, load16(v + 80), acc[5]);
+        acc[6] = _mm512_fmadd_ps(w, load16(v + 96), acc[6]);
+        acc[7] = _mm512_fmadd_ps(w, load16(v + 112), acc[7]);
       }
     }
     for (int64_t b = 0; b < blocks; ++b) _mm512_storeu_ps(out + b * kLanes, acc[b]);
@@ -129,8 +145,8 @@ inline void weighted_sum(const float* weight, const float* values, int64_t first
   for (int64_t t = first; t <= last; ++t) {
     if (visible != nullptr && !visible[t]) continue;
     const float w = weight[t];
-    const float* v = values + t * dim;
-    for (int64_t d = 0; d < dim; ++d) out[d] = std::fma(w, v[d], out[d]);
+    const V* v = values + t * stride;
+    for (int64_t d = 0; d < dim; ++d) out[d] = std::fma(w, static_cast<float>(v[d]), out[d]);
   }
 }
 
@@ -147,6 +163,46 @@ struct Session {
   int64_t lo, hi;      // its rows in q and out
   const bool* mask;    // [hi - lo, T] row-major, or null: causal, the rows being the last keys
 };
+
+// Reads its keys and values where they lie (bfloat16 or float32), or from a float32 copy (half, double).
+template <typename T>
+constexpr bool kInPlace = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
+
+// Row r of a session under one key head, its per_group query heads in query (float32): scores over
+// the keys it sees in key order, a float32 softmax over the visible ones, values summed in key order,
+// into acc. Keys and values lie at rows of key_stride / value_stride elements.
+template <typename K>
+void attend_row(const float* query, const K* keys, int64_t key_stride, const K* values, int64_t value_stride,
+                int64_t first, int64_t last, const bool* visible, int64_t per_group, int64_t dim, float scale,
+                std::vector<float>& scores, float* acc) {
+  scores.resize(last + 1 + kLanes);  // room for exp_shifted's last lanes
+  float* score = scores.data();
+  for (int64_t p = 0; p < per_group; ++p) {
+    const float* qp = query + p * dim;
+    float top = -std::numeric_limits<float>::infinity();
+    int64_t t = first;
+    if (visible == nullptr) {
+      for (; t + 4 <= last + 1; t += 4) dot4(qp, keys + t * key_stride, key_stride, dim, &score[t]);
+    }
+    for (; t <= last; ++t) {
+      if (visible == nullptr || visible[t]) score[t] = dot(qp, keys + t * key_stride, dim);
+    }
+    for (t = first; t <= last; ++t) {
+      if (visible != nullptr && !visible[t]) continue;
+      score[t] *= scale;
+      top = std::max(top, score[t]);
+    }
+    if (last >= first) exp_shifted(score + first, last - first + 1, top);
+    float total = 0.f;
+    for (t = first; t <= last; ++t) {
+      if (visible == nullptr || visible[t]) total += score[t];
+    }
+    for (t = first; t <= last; ++t) {
+      if (visible == nullptr || visible[t]) score[t] /= total;
+    }
+    weighted_sum(score, values, value_stride, first, last, visible, dim, acc + p * dim);
+  }
+}
 
 // A work item is one row of one session under one key head: items of one size keep the two halves
 // of at::parallel_for's static split even (four rows an item, sharing one widening of their keys, ran
@@ -180,41 +236,20 @@ void attend(const at::Tensor& q, const std::vector<Session>& sessions, const std
       for (int64_t p = 0; p < per_group; ++p) {
         widen(q_data + (session.lo + r) * q_row + (g * per_group + p) * q_head, &query[p * dim], dim);
       }
-      keys.resize(span * dim);
-      values.resize(span * dim);
       const T* key_src = static_cast<const T*>(session.keys) + g * session.key_head;
       const T* value_src = static_cast<const T*>(session.values) + g * session.value_head;
-      for (int64_t t = 0; t < span; ++t) {
-        widen(key_src + t * session.key_row, &keys[t * dim], dim);
-        widen(value_src + t * session.value_row, &values[t * dim], dim);
-      }
-      scores.resize(span + kLanes);  // room for exp_shifted's last lanes
-      float* score = scores.data();
-      for (int64_t p = 0; p < per_group; ++p) {
-        const float* qp = &query[p * dim];
-        // Scores in key order, a float32 softmax over the visible ones, values summed in key order.
-        float top = -std::numeric_limits<float>::infinity();
-        int64_t t = first;
-        if (visible == nullptr) {
-          for (; t + 4 <= last + 1; t += 4) dot4(qp, &keys[t * dim], dim, &score[t]);
+      if constexpr (kInPlace<T>) {
+        attend_row(query.data(), key_src, session.key_row, value_src, session.value_row, first, last, visible,
+                   per_group, dim, scale, scores, acc.data());
+      } else {
+        keys.resize(span * dim);
+        values.resize(span * dim);
+        for (int64_t t = 0; t < span; ++t) {
+          widen(key_src + t * session.key_row, &keys[t * dim], dim);
+          widen(value_src + t * session.value_row, &values[t * dim], dim);
         }
-        for (; t <= last; ++t) {
-          if (visible == nullptr || visible[t]) score[t] = dot(qp, &keys[t * dim], dim);
-        }
-        for (t = first; t <= last; ++t) {
-          if (visible != nullptr && !visible[t]) continue;
-          score[t] *= scale;
-          top = std::max(top, score[t]);
-        }
-        if (last >= first) exp_shifted(score + first, last - first + 1, top);
-        float total = 0.f;
-        for (t = first; t <= last; ++t) {
-          if (visible == nullptr || visible[t]) total += score[t];
-        }
-        for (t = first; t <= last; ++t) {
-          if (visible == nullptr || visible[t]) score[t] /= total;
-        }
-        weighted_sum(score, values.data(), first, last, visible, dim, &acc[p * dim]);
+        attend_row(query.data(), keys.data(), dim, values.data(), dim, first, last, visible, per_group, dim, scale,
+                   scores, acc.data());
       }
       T* dst = out_data + (session.lo + r) * heads * dim + g * per_group * dim;
       for (int64_t j = 0; j < per_group * dim; ++j) dst[j] = static_cast<T>(acc[j]);
