@@ -70,6 +70,9 @@ class RoundPlan:
     tree: TreeShape | None = None
     # ``lookup`` holds the tokens the request's grammar forces (``Turn.forced_tokens``), not a lookup's.
     forced: bool = False
+    # Whether the round asks the target for the hidden states it feeds, which a feature draft drafts
+    # from in a later round (``SpeculationPolicy.wants_features``).
+    features: bool = True
 
     def local_draft(self) -> DraftResult | None:
         """The lookup as a draft to verify. It leaves the draft's cache as it was (``committed`` 0)."""
@@ -172,21 +175,36 @@ class SpeculationPolicy:
         fixed = self.fixed_k(turn)
         costs = self._costs_for(turn)
         k = max(0, min(self._choose_k(turn, fixed, costs), room - 1))
+        features = self.wants_features(turn, fixed, costs)
         lookup = None
         if fixed is None and turn.sampling.greedy:
             # Tokens the grammar allows alone cost no draft call and pass whole: a round proposes them
             # by themselves (JSON keys and punctuation between a schema's values).
             forced = turn.forced_tokens(min(costs.k_max, room - 1))
             if forced:
-                return RoundPlan(0, forced, forced=True)
+                return RoundPlan(0, forced, forced=True, features=features)
             lookup = self._free_lookup(turn, costs, room - 1, k)
             if lookup is not None:
-                return RoundPlan(0, lookup)
+                return RoundPlan(0, lookup, features=features)
         tree = self._tree(turn, fixed, costs, room, k)
         if tree is not None:
             return RoundPlan(tree.depth, tree=tree)
         cutoff = costs.min_confidence() if self.config.confidence_cutoff and fixed is None and k else 0.0
-        return RoundPlan(k, None, cutoff, self._ahead(turn, k))
+        return RoundPlan(k, None, cutoff, self._ahead(turn, k), features=features)
+
+    def wants_features(self, turn: Turn, fixed: int | None, costs: CostModel) -> bool:
+        """Whether the round should bring the target's hidden states back for a later draft call.
+
+        Not while the turn shares its target's passes on the draft's cores with k chosen here: no
+        round drafts then (``CostModel.choose``), so the rows would only pile up, and carrying them
+        costs the target and this coordinator work on every round of a busy pass. When the turn drafts
+        again, the feature draft starts a new window from the rows it gets from then on: fewer
+        accepted tokens for a few rounds, never other tokens.
+        """
+        if fixed is not None or not costs.colocated or turn.target is None:
+            return True
+        load = self.loads.fresh(turn.target.address)
+        return load is None or load.sessions <= 1
 
     def observe(self, turn: Turn, outcome: RoundOutcome) -> None:
         """Learns from a finished round: its costs, the target's load, the draft's acceptance."""

@@ -272,7 +272,7 @@ class RoundLoop:
                 called, draft, caught_up = True, call.result, call.caught_up
                 draft_ms = (time.perf_counter() - t0) * 1000
         t0 = time.perf_counter()
-        verdict = await self.router.verify(turn, draft, span)
+        verdict = await self.router.verify(turn, draft, span, plan.features)
         verify_ms = (time.perf_counter() - t0) * 1000
         assert turn.target is not None
         return RoundOutcome(plan, draft, verdict, turn.target.address, draft_ms, verify_ms, caught_up), called

@@ -312,16 +312,18 @@ class Router:
             plan.tree,
         )
 
-    async def verify(self, turn: Turn, draft: DraftResult | None, span: trace.Span) -> VerifyResult:
+    async def verify(
+        self, turn: Turn, draft: DraftResult | None, span: trace.Span, features: bool = True
+    ) -> VerifyResult:
         """Verifies on the turn's target replica, moving ``turn.target`` along and adding the hidden
-        states the target fed to ``turn.hidden``.
+        states the target fed to ``turn.hidden`` (when a feature draft reads them and ``features``).
 
         A replica that lost the cache gets it again from the committed tokens. A replica that is
         unreachable hands the session to another: the same round, with the same draft and round
         index, is verified there, so the stream goes on as if nothing happened.
         """
         assert turn.target is not None
-        ref, committed, want, fed = turn.target, turn.committed, self.want_hidden, None
+        ref, committed, want, fed = turn.target, turn.committed, self.want_hidden and features, None
         asks = (want, self.side_layers)
         logprobs = turn.request.top_logprobs
         left = ref

@@ -429,3 +429,62 @@ def test_a_finished_turn_tells_its_replicas_that_its_session_is_idle(tiny_target
     # Each replica heard of the one cache it holds for the session, once.
     assert target.idled == list(target_engine.caches.ids())
     assert draft.idled == list(draft_engine.caches.ids())
+
+
+def test_rounds_that_cannot_draft_leave_the_target_features_behind():
+    """On the draft's cores a greedy turn that shares its target's passes never drafts, so its rounds
+    do not ask for the target's hidden states. Alone, with a fixed k, or on separate cores, they do."""
+    curve = [50.0 + n for n in range(6)]
+
+    def plan_for(colocated: bool, sessions: int, k: int | None = None) -> RoundPlan:
+        policy = SpeculationPolicy(SpeculationConfig(max_auto_k=4, draft_colocated=colocated), live_targets=lambda: 1)
+        turn = make_turn(k=k)
+        policy.start(turn)
+        policy.loads.note("t:1", PassLoad(sessions, sessions, sessions - 1, 50.0, curve, curve))
+        return policy.plan(turn, room=32)
+
+    shared = plan_for(colocated=True, sessions=4)
+    assert shared.k == 0 and not shared.features
+    assert plan_for(colocated=True, sessions=1).features
+    assert plan_for(colocated=False, sessions=4).features
+    assert plan_for(colocated=True, sessions=4, k=3).features
+
+
+class RecordsHidden(InProcessTarget):
+    """An in-process target that records whether each verify asked for hidden states."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked: list[bool] = []
+
+    async def verify(self, *args, **kwargs):
+        self.asked.append(kwargs.get("with_hidden", args[6] if len(args) > 6 else False))
+        return await super().verify(*args, **kwargs)
+
+
+class NoFeatures(SpeculationPolicy):
+    """A policy whose rounds never want the target's features."""
+
+    def wants_features(self, turn, fixed, costs) -> bool:
+        return False
+
+
+def test_a_round_that_wants_no_features_asks_the_target_for_none(tiny_target, tiny_draft):
+    for policy_type, asked in ((SpeculationPolicy, True), (NoFeatures, False)):
+        target = RecordsHidden(TargetEngine(tiny_target, 8))
+        router = Router([InProcessDraft(ModelDrafter(tiny_draft, 8, 64))], [target], want_hidden=True)
+        facts = tiny_target.facts("target")
+        loop = RoundLoop(
+            tiny_target.tokenizer,
+            facts,
+            router,
+            policy_type(SpeculationConfig(default_k=0), live_targets=lambda: 1),
+            Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600)),
+            trace.NoOpTracer(),
+        )
+
+        async def turn(loop=loop):
+            return [chunk async for chunk in loop.generate(request(max_new_tokens=6), lambda: None)]
+
+        assert asyncio.run(turn())[-1].finish_reason == "length"
+        assert target.asked and set(target.asked) == {asked}
