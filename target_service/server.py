@@ -180,7 +180,10 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
 
     async def _verify_carried(self, request: target_pb2.VerifyRequest) -> target_pb2.VerifyReply | common_pb2.CallError:
         with carried_span(self._tracer, "TargetService/Verify", tuple(request.trace_context.items())) as span:
-            return await batch_item(self._verify(request, span), "TargetService/VerifyBatch")
+            result = await batch_item(self._verify(request, span), "TargetService/VerifyBatch")
+            if isinstance(result, common_pb2.CallError):  # the span of a lone call that failed says so too
+                span.set_status(trace.Status(trace.StatusCode.ERROR, result.message))
+            return result
 
     async def _verify(self, request: target_pb2.VerifyRequest, span: trace.Span) -> target_pb2.VerifyReply:
         """Decodes a request (its sampling settings may be invalid), verifies it in the next shared

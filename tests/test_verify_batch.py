@@ -156,6 +156,8 @@ def test_a_requests_error_in_a_batch_is_its_own_and_its_session_survives(stack):
         missing, invalid = reply.results[1].error, reply.results[2].error
         assert missing.code == grpc.StatusCode.NOT_FOUND.value[0] and "no-such-cache" in missing.message
         assert invalid.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "temperature" in invalid.message
+        failed = [sp for sp in stack.exporter.get_finished_spans() if sp.status.description == missing.message]
+        assert [sp.name for sp in failed] == ["TargetService/Verify"]
         # The refused request's session is intact: its next round verifies.
         again = stub.VerifyBatch(target_pb2.VerifyBatchRequest(requests=[_round(other, 4, [5])]), timeout=10)
         assert again.results[0].reply.committed == 5
