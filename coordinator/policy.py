@@ -195,13 +195,15 @@ class SpeculationPolicy:
     def wants_features(self, turn: Turn, fixed: int | None, costs: CostModel) -> bool:
         """Whether the round should bring the target's hidden states back for a later draft call.
 
-        Not while the turn shares its target's passes on the draft's cores with k chosen here: no
-        round drafts then (``CostModel.choose``), so the rows would only pile up, and carrying them
-        costs the target and this coordinator work on every round of a busy pass. When the turn drafts
-        again, the feature draft starts a new window from the rows it gets from then on: fewer
-        accepted tokens for a few rounds, never other tokens.
+        Not when no round of the turn drafts: a fixed k of 0, or a turn that shares its target's
+        passes on the draft's cores with k chosen here (``CostModel.choose``). The rows would only
+        pile up, and carrying them costs the target and this coordinator work on every round. When
+        the session drafts again, the feature draft starts a new window from the rows it gets from
+        then on: fewer accepted tokens for a few rounds, never other tokens.
         """
-        if fixed is not None or not costs.colocated or turn.target is None:
+        if fixed is not None:
+            return fixed > 0
+        if not costs.colocated or turn.target is None:
             return True
         load = self.loads.fresh(turn.target.address)
         return load is None or load.sessions <= 1

@@ -433,7 +433,8 @@ def test_a_finished_turn_tells_its_replicas_that_its_session_is_idle(tiny_target
 
 def test_rounds_that_cannot_draft_leave_the_target_features_behind():
     """On the draft's cores a greedy turn that shares its target's passes never drafts, so its rounds
-    do not ask for the target's hidden states. Alone, with a fixed k, or on separate cores, they do."""
+    do not ask for the target's hidden states; nor do a fixed k of 0's. Alone, with a fixed k, or on
+    separate cores, they do."""
     curve = [50.0 + n for n in range(6)]
 
     def plan_for(colocated: bool, sessions: int, k: int | None = None) -> RoundPlan:
@@ -448,6 +449,7 @@ def test_rounds_that_cannot_draft_leave_the_target_features_behind():
     assert plan_for(colocated=True, sessions=1).features
     assert plan_for(colocated=False, sessions=4).features
     assert plan_for(colocated=True, sessions=4, k=3).features
+    assert not plan_for(colocated=False, sessions=1, k=0).features
 
 
 class RecordsHidden(InProcessTarget):
@@ -478,7 +480,7 @@ def test_a_round_that_wants_no_features_asks_the_target_for_none(tiny_target, ti
             tiny_target.tokenizer,
             facts,
             router,
-            policy_type(SpeculationConfig(default_k=0), live_targets=lambda: 1),
+            policy_type(SpeculationConfig(default_k=2), live_targets=lambda: 1),
             Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600)),
             trace.NoOpTracer(),
         )
