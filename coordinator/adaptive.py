@@ -307,13 +307,19 @@ class CostModel:
         Without a load report (a target that does not batch) the verify costs are the ones measured
         here, call by call.
         """
-        if self.colocated and load is not None and load.curve_ms and load.sessions > 1:
-            # The draft computes on the cores the shared pass needs, and a session that drafts falls
-            # out of step with the batch, so the others' next pass runs without it. Neither shows in
-            # the cost curve, and on shared cores even a draft priced at twice its cost lost to
-            # target-only: a shared pass gets no draft from shared cores.
+        if not self.drafts_beside(load):
             return 0
         return self._best(tracker.rates(self.k_max), self.draft_curve(), load, self.k_max)
+
+    def drafts_beside(self, load: PassLoad | None) -> bool:
+        """Whether a session in a pass with this load may draft at all.
+
+        Not in a shared pass when the draft computes on the cores the pass needs: a session that
+        drafts falls out of step with the batch, so the others' next pass runs without it. Neither
+        shows in the cost curve, and on shared cores even a draft priced at twice its cost lost to
+        target-only.
+        """
+        return not (self.colocated and load is not None and load.curve_ms and load.sessions > 1)
 
     def choose_free(self, tracker: AcceptanceTracker, load: PassLoad | None, available: int) -> int:
         """The best k for a proposal that costs nothing to make and delays no one (prompt lookup in

@@ -174,8 +174,9 @@ class SpeculationPolicy:
         """The next round's plan, for a turn that may commit at most ``room`` more tokens."""
         fixed = self.fixed_k(turn)
         costs = self._costs_for(turn)
-        k = max(0, min(self._choose_k(turn, fixed, costs), room - 1))
-        features = self.wants_features(turn, fixed, costs)
+        load = self._load(turn)
+        k = max(0, min(self._choose_k(turn, fixed, costs, load), room - 1))
+        features = self.wants_features(fixed, costs, load)
         lookup = None
         if fixed is None and turn.sampling.greedy:
             # Tokens the grammar allows alone cost no draft call and pass whole: a round proposes them
@@ -186,27 +187,23 @@ class SpeculationPolicy:
             lookup = self._free_lookup(turn, costs, room - 1, k)
             if lookup is not None:
                 return RoundPlan(0, lookup, features=features)
-        tree = self._tree(turn, fixed, costs, room, k)
+        tree = self._tree(turn, fixed, costs, room, k, load)
         if tree is not None:
             return RoundPlan(tree.depth, tree=tree)
         cutoff = costs.min_confidence() if self.config.confidence_cutoff and fixed is None and k else 0.0
-        return RoundPlan(k, None, cutoff, self._ahead(turn, k), features=features)
+        return RoundPlan(k, None, cutoff, self._ahead(turn, k, load), features=features)
 
-    def wants_features(self, turn: Turn, fixed: int | None, costs: CostModel) -> bool:
+    @staticmethod
+    def wants_features(fixed: int | None, costs: CostModel, load: PassLoad | None) -> bool:
         """Whether the round should bring the target's hidden states back for a later draft call.
 
-        Not when no round of the turn drafts: a fixed k of 0, or a turn that shares its target's
-        passes on the draft's cores with k chosen here (``CostModel.choose``). The rows would only
-        pile up, and carrying them costs the target and this coordinator work on every round. When
-        the session drafts again, the feature draft starts a new window from the rows it gets from
-        then on: fewer accepted tokens for a few rounds, never other tokens.
+        Not while no round of the turn drafts: a fixed k of 0, or k chosen here beside a load no
+        draft may join (``CostModel.drafts_beside``). The rows would only pile up, and carrying them
+        costs the target and this coordinator work on every round. When the session drafts again,
+        the feature draft starts a new window from the rows it gets from then on: fewer accepted
+        tokens for a few rounds, never other tokens.
         """
-        if fixed is not None:
-            return fixed > 0
-        if not costs.colocated or turn.target is None:
-            return True
-        load = self.loads.fresh(turn.target.address)
-        return load is None or load.sessions <= 1
+        return fixed > 0 if fixed is not None else costs.drafts_beside(load)
 
     def observe(self, turn: Turn, outcome: RoundOutcome) -> None:
         """Learns from a finished round: its costs, the target's load, the draft's acceptance."""
@@ -259,7 +256,9 @@ class SpeculationPolicy:
             return False
         return outcome.caught_up is not None and outcome.caught_up <= self.costs.k_max + 1
 
-    def _tree(self, turn: Turn, fixed: int | None, costs: CostModel, room: int, k: int) -> TreeShape | None:
+    def _tree(
+        self, turn: Turn, fixed: int | None, costs: CostModel, room: int, k: int, load: PassLoad | None
+    ) -> TreeShape | None:
         """The round's token tree, where one promises more tokens per millisecond than the best chain
         (``k``) and target-only; None otherwise (``coordinator.tree_choice``).
 
@@ -273,11 +272,10 @@ class SpeculationPolicy:
         if fixed is not None:
             return self._fixed_tree(turn, fixed, asked, room)
         greedy = turn.sampling.greedy
-        load = self.loads.fresh(turn.target.address) if greedy else None
         if greedy and load is None and self.batching_targets:
             return None  # the load is unknown: the round measures it target-only (``_choose_k``)
-        if costs.colocated and load is not None and load.sessions > 1:
-            return None  # a shared pass gets no draft from shared cores (``CostModel.choose``)
+        if not costs.drafts_beside(load):
+            return None
         verify, others = costs.pass_curve(load)
         draft = costs.draft_curve()
         chain_rates = turn.stats.positions.rates(costs.k_max)
@@ -337,12 +335,16 @@ class SpeculationPolicy:
         # target-only faster.
         return self.costs if turn.sampling.greedy or turn.sampling.coupled else self.prior_costs
 
-    def _choose_k(self, turn: Turn, fixed: int | None, costs: CostModel) -> int:
+    def _load(self, turn: Turn) -> PassLoad | None:
+        """The load that steers a greedy turn's rounds: its target's latest pass, while fresh. Sampled
+        turns read none (their draws must not depend on other sessions)."""
+        return self.loads.fresh(turn.target.address) if turn.sampling.greedy and turn.target is not None else None
+
+    def _choose_k(self, turn: Turn, fixed: int | None, costs: CostModel, load: PassLoad | None) -> int:
         """This round's draft length: the request's fixed k, or the adaptive choice."""
         if fixed is not None:
             return fixed
         greedy = turn.sampling.greedy
-        load = self.loads.fresh(turn.target.address) if greedy and turn.target is not None else None
         if greedy and load is None and self.batching_targets:
             # No recent pass seen on this replica: its load is unknown (a burst may just have
             # arrived), so this round runs target-only and measures it rather than drafting into a
@@ -357,7 +359,7 @@ class SpeculationPolicy:
             return 1
         return k
 
-    def _ahead(self, turn: Turn, k: int) -> int:
+    def _ahead(self, turn: Turn, k: int, load: PassLoad | None) -> int:
         """Tokens the draft should draft ahead after this round's proposal: the configured number for a
         session that drafts and verifies alone, else 0.
 
@@ -367,7 +369,6 @@ class SpeculationPolicy:
         """
         if not self.config.draft_ahead or k <= 0 or not turn.sampling.greedy or turn.target is None:
             return 0
-        load = self.loads.fresh(turn.target.address)
         return self.config.draft_ahead if load is None or load.sessions <= 1 else 0
 
     def _free_lookup(self, turn: Turn, costs: CostModel, room: int, model_k: int) -> list[int] | None:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 
 from opentelemetry import trace
 
@@ -382,7 +383,8 @@ class Router:
             return
         replica = replicas.find(left.address)
         if replica is not None:
-            self._in_background(_release(replica, left.cache_id))
+            failed = f"could not release cache {left.cache_id} on {replica.address}"
+            self._in_background(_best_effort(partial(replica.release, left.cache_id, PROBE_TIMEOUT_S), failed))
 
     def turn_ended(self, draft: CacheRef | None, target: CacheRef | None) -> None:
         """Tells the replicas holding a finished turn's caches, in the background and best effort, that
@@ -390,7 +392,8 @@ class Router:
         gathering window otherwise, at every request's end)."""
         for replicas, ref in ((self.drafts, draft), (self.targets, target)):
             if ref is not None and (replica := replicas.find(ref.address)) is not None:
-                self._in_background(_idle(replica, ref.cache_id))
+                failed = f"could not tell {replica.address} that cache {ref.cache_id} is idle"
+                self._in_background(_best_effort(partial(replica.idle, ref.cache_id, PROBE_TIMEOUT_S), failed))
 
     def _in_background(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
@@ -432,15 +435,10 @@ class Holding:
         self.update(None, None)
 
 
-async def _idle(replica, cache_id: str) -> None:
+async def _best_effort(call: Callable[[], Awaitable[None]], failed: str) -> None:
+    """Awaits a call a replica may miss without harm (a release: the cache idles out in the end; an
+    idle notice: the replica waits one window instead); ``failed`` is logged if it fails."""
     try:
-        await replica.idle(cache_id, PROBE_TIMEOUT_S)
-    except Exception as exc:  # noqa: BLE001 - the replica waits one window for it instead
-        log.debug("could not tell %s that cache %s is idle: %s", replica.address, cache_id, exc)
-
-
-async def _release(replica, cache_id: str) -> None:
-    try:
-        await replica.release(cache_id, PROBE_TIMEOUT_S)
-    except Exception as exc:  # noqa: BLE001 - the cache idles out in the end
-        log.info("could not release cache %s on %s: %s", cache_id, replica.address, exc)
+        await call()
+    except Exception as exc:  # noqa: BLE001 - nothing depends on it
+        log.info("%s: %s", failed, exc)

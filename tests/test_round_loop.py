@@ -44,8 +44,11 @@ def make_loop(target_model, draft_model, drafts=None, **speculation) -> RoundLoo
     target = InProcessTarget(TargetEngine(target_model, 8))
     if drafts is None:
         drafts = [InProcessDraft(ModelDrafter(draft_model, 8, 64))]
-    router = Router(drafts, [target])
-    policy = SpeculationPolicy(SpeculationConfig(**speculation), live_targets=lambda: 1)
+    return loop_over(target_model, Router(drafts, [target]), SpeculationPolicy(SpeculationConfig(**speculation)))
+
+
+def loop_over(target_model, router: Router, policy: SpeculationPolicy) -> RoundLoop:
+    """A loop over ``router``'s replicas, steered by ``policy``, with an in-memory store."""
     facts = target_model.facts("target")
     turns = Turns(target_model.tokenizer, facts, MemorySessionStore(3600))
     return RoundLoop(target_model.tokenizer, facts, router, policy, turns, trace.NoOpTracer())
@@ -256,15 +259,7 @@ def test_a_session_that_moves_releases_the_cache_it_left(tiny_target, tiny_draft
     engines = [TargetEngine(tiny_target, 8), TargetEngine(tiny_target, 8)]
     targets = [InProcessTarget(e, f"inprocess:target-{i}") for i, e in enumerate(engines)]
     router = Router([InProcessDraft(ModelDrafter(tiny_draft, 8, 64))], targets)
-    facts = tiny_target.facts("target")
-    loop = RoundLoop(
-        tiny_target.tokenizer,
-        facts,
-        router,
-        SpeculationPolicy(SpeculationConfig()),
-        Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600)),
-        trace.NoOpTracer(),
-    )
+    loop = loop_over(tiny_target, router, SpeculationPolicy(SpeculationConfig()))
 
     async def turns():
         first = [c async for c in loop.generate(request(k=2, max_new_tokens=4), lambda: None)][-1]
@@ -406,17 +401,7 @@ def test_a_finished_turn_tells_its_replicas_that_its_session_is_idle(tiny_target
     every request's end would hold the next pass a whole gathering window."""
     target_engine, draft_engine = TargetEngine(tiny_target, 8), ModelDrafter(tiny_draft, 8, 64)
     target, draft = IdleTarget(target_engine), IdleDraft(draft_engine)
-    router = Router([draft], [target])
-    policy = SpeculationPolicy(SpeculationConfig(), live_targets=lambda: 1)
-    facts = tiny_target.facts("target")
-    loop = RoundLoop(
-        tiny_target.tokenizer,
-        facts,
-        router,
-        policy,
-        Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600)),
-        trace.NoOpTracer(),
-    )
+    loop = loop_over(tiny_target, Router([draft], [target]), SpeculationPolicy(SpeculationConfig()))
 
     async def turn():
         chunks = [chunk async for chunk in loop.generate(request(k=3, max_new_tokens=12), lambda: None)]
@@ -433,13 +418,13 @@ def test_a_finished_turn_tells_its_replicas_that_its_session_is_idle(tiny_target
 
 def test_rounds_that_cannot_draft_leave_the_target_features_behind():
     """On the draft's cores a greedy turn that shares its target's passes never drafts, so its rounds
-    do not ask for the target's hidden states; nor do a fixed k of 0's. Alone, with a fixed k, or on
-    separate cores, they do."""
+    do not ask for the target's hidden states; nor do a fixed k of 0's. Alone, with a fixed k, on
+    separate cores, or coupled (its k reads no load, so it drafts beside others too), they do."""
     curve = [50.0 + n for n in range(6)]
 
-    def plan_for(colocated: bool, sessions: int, k: int | None = None) -> RoundPlan:
+    def plan_for(colocated: bool, sessions: int, k: int | None = None, sampling: Sampling | None = None) -> RoundPlan:
         policy = SpeculationPolicy(SpeculationConfig(max_auto_k=4, draft_colocated=colocated), live_targets=lambda: 1)
-        turn = make_turn(k=k)
+        turn = make_turn(sampling, k=k)
         policy.start(turn)
         policy.loads.note("t:1", PassLoad(sessions, sessions, sessions - 1, 50.0, curve, curve))
         return policy.plan(turn, room=32)
@@ -450,6 +435,7 @@ def test_rounds_that_cannot_draft_leave_the_target_features_behind():
     assert plan_for(colocated=False, sessions=4).features
     assert plan_for(colocated=True, sessions=4, k=3).features
     assert not plan_for(colocated=False, sessions=1, k=0).features
+    assert plan_for(colocated=True, sessions=4, sampling=Sampling(temperature=1.0, seed=1, coupled=True)).features
 
 
 class RecordsHidden(InProcessTarget):
@@ -467,7 +453,8 @@ class RecordsHidden(InProcessTarget):
 class NoFeatures(SpeculationPolicy):
     """A policy whose rounds never want the target's features."""
 
-    def wants_features(self, turn, fixed, costs) -> bool:
+    @staticmethod
+    def wants_features(fixed, costs, load) -> bool:
         return False
 
 
@@ -475,15 +462,7 @@ def test_a_round_that_wants_no_features_asks_the_target_for_none(tiny_target, ti
     for policy_type, asked in ((SpeculationPolicy, True), (NoFeatures, False)):
         target = RecordsHidden(TargetEngine(tiny_target, 8))
         router = Router([InProcessDraft(ModelDrafter(tiny_draft, 8, 64))], [target], want_hidden=True)
-        facts = tiny_target.facts("target")
-        loop = RoundLoop(
-            tiny_target.tokenizer,
-            facts,
-            router,
-            policy_type(SpeculationConfig(default_k=2), live_targets=lambda: 1),
-            Turns(tiny_target.tokenizer, facts, MemorySessionStore(3600)),
-            trace.NoOpTracer(),
-        )
+        loop = loop_over(tiny_target, router, policy_type(SpeculationConfig(default_k=2)))
 
         async def turn(loop=loop):
             return [chunk async for chunk in loop.generate(request(max_new_tokens=6), lambda: None)]
