@@ -11,7 +11,7 @@ from harness import InProcessStack
 
 from coordinator.backends import TargetReplica
 from coordinator.coalescing import Coalescer
-from coordinator.replicas import BackendRejected, BackendUnavailable, CacheLost
+from coordinator.replicas import BackendRejected, BackendUnavailable, CacheLost, CacheRef
 from draft_service.engine import ModelDrafter
 from specdec.sampling_params import Sampling
 from specdec.v1 import common_pb2, target_pb2, target_pb2_grpc
@@ -178,7 +178,7 @@ def test_the_replicas_concurrent_rounds_go_in_one_call_with_their_own_errors(sta
         replica._stub.VerifyBatch = counted
         try:
             refs = [await replica.prefill(p) for p in PROMPTS[:2]]
-            lost = refs[0].__class__(refs[0].address, "no-such-cache", 3, 0)
+            lost = CacheRef(refs[0].address, "no-such-cache", 3, 0)
             greedy = Sampling(temperature=0.0)
             results = await asyncio.gather(
                 *(replica.verify(ref, p, None, greedy, 0, 10.0) for ref, p in zip([*refs, lost], PROMPTS)),
