@@ -61,29 +61,48 @@ inline float dot(const float* a, const K* b, int64_t dim) {
   return lanes[0];
 }
 
-// dot(a, b + j stride) for j = 0 .. 3, each summed exactly as dot() sums it; four independent sums
-// keep the core's multiply-add units busy where one waits on its own latency.
-template <typename K>
-inline void dot4(const float* a, const K* b, int64_t stride, int64_t dim, float* out) {
 #if defined(__AVX512F__)
-  if (dim % kLanes == 0) {
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    for (int64_t d = 0; d < dim; d += kLanes) {
-      const __m512 x = _mm512_loadu_ps(a + d);
-      acc0 = _mm512_fmadd_ps(x, load16(b + d), acc0);
-      acc1 = _mm512_fmadd_ps(x, load16(b + stride + d), acc1);
-      acc2 = _mm512_fmadd_ps(x, load16(b + 2 * stride + d), acc2);
-      acc3 = _mm512_fmadd_ps(x, load16(b + 3 * stride + d), acc3);
-    }
-    out[0] = _mm512_reduce_add_ps(acc0);
-    out[1] = _mm512_reduce_add_ps(acc1);
-    out[2] = _mm512_reduce_add_ps(acc2);
-    out[3] = _mm512_reduce_add_ps(acc3);
-    return;
+// The sums of 16 registers' lanes, lane j of the result holding _mm512_reduce_add_ps(acc[j]) to the
+// bit: the same pairs added in the same tree (lanes l and l + 8, then l + 4, then l + 2, then l + 1),
+// only for 16 registers at once, so that each level is one add for many keys instead of a chain of
+// shuffles per key. Adds commute bit for bit; only the pairing matters, and it is the reduce's.
+inline __m512 reduce16(const __m512* acc) {
+  __m512 halves[8], quarters[4], eighths[2];
+  for (int i = 0; i < 8; ++i) {  // keys 2i, 2i + 1: lanes l + (l + 8), eight a key
+    const __m512 a = acc[2 * i], b = acc[2 * i + 1];
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)),
+                              _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)));
   }
-#endif
-  for (int64_t j = 0; j < 4; ++j) out[j] = dot(a, b + j * stride, dim);
+  for (int i = 0; i < 4; ++i) {  // keys 4i .. 4i + 3, a 128-bit lane each: l + (l + 4)
+    const __m512 a = halves[2 * i], b = halves[2 * i + 1];
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)),
+                                _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+  }
+  for (int i = 0; i < 2; ++i) {  // lane c: keys 8i + c, 8i + 4 + c, two sums each: l + (l + 2)
+    const __m512 a = quarters[2 * i], b = quarters[2 * i + 1];
+    eighths[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)),
+                               _mm512_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)));
+  }
+  // Lane c, element m: key 4m + c's total (l + (l + 1)); the permutation puts key j at element j.
+  const __m512 totals = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, totals);
 }
+
+// out[j] = dot(a, b + j stride, dim) for j = 0 .. 15, bit for bit, for dim a multiple of kLanes: the
+// same multiply-adds per key in the same order, then one shared reduction tree (reduce16).
+template <typename K>
+inline void dot16(const float* a, const K* b, int64_t stride, int64_t dim, float* out) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dim; d += kLanes) {
+    const __m512 x = _mm512_loadu_ps(a + d);
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(x, load16(b + j * stride + d), acc[j]);
+  }
+  _mm512_storeu_ps(out, reduce16(acc));
+}
+#endif
 
 // x[j] = exp(x[j] - top) for j < count, reading and writing x up to the next multiple of kLanes (the
 // caller's buffer has the room). With AVX-512 every element goes through the same 16-lane code, a
@@ -111,42 +130,68 @@ inline void exp_shifted(float* x, int64_t count, float top) {
 #endif
 }
 
-// out[d] = sum over visible keys t, in key order, of weight[t] * values[t stride + d] (float32, or
-// bfloat16 read in place): each element a chain of multiply-adds in key order; with AVX-512 the
-// chains of a row's 64 or 128 elements run in registers side by side.
+// out[h dim + d] = sum over visible keys t, in key order, of weights[h row + t] * values[t stride + d]
+// for H heads h at once (float32 values, or bfloat16 read in place): each element a chain of
+// multiply-adds in key order, the chains of H heads' 16-lane blocks in registers side by side, each
+// key's values loaded once for all H.
+template <int H, int B, typename V>
+inline void weighted_sums_avx(const float* weights, int64_t row, const V* values, int64_t stride, int64_t first,
+                              int64_t last, const bool* visible, float* out, int64_t dim) {
+#if defined(__AVX512F__)
+  __m512 acc[H][B];
+  for (int h = 0; h < H; ++h)
+    for (int b = 0; b < B; ++b) acc[h][b] = _mm512_setzero_ps();
+  for (int64_t t = first; t <= last; ++t) {
+    if (visible != nullptr && !visible[t]) continue;
+    const V* v = values + t * stride;
+    __m512 x[B];
+    for (int b = 0; b < B; ++b) x[b] = load16(v + b * kLanes);
+    for (int h = 0; h < H; ++h) {
+      const __m512 w = _mm512_set1_ps(weights[h * row + t]);
+      for (int b = 0; b < B; ++b) acc[h][b] = _mm512_fmadd_ps(w, x[b], acc[h][b]);
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + h * dim + b * kLanes, acc[h][b]);
+#endif
+}
+
+// weighted_sums_avx for `heads` heads, at most kHeadsAtOnce (64-wide heads; half as many 128-wide) at a
+// time, so every accumulator stays in a register; other widths (or no AVX-512) one element at a time,
+// in the same order.
+constexpr int kHeadsAtOnce = 4;
 template <typename V>
-inline void weighted_sum(const float* weight, const V* values, int64_t stride, int64_t first, int64_t last,
-                         const bool* visible, int64_t dim, float* out) {
+inline void weighted_sums(const float* weights, int64_t row, const V* values, int64_t stride, int64_t first,
+                          int64_t last, const bool* visible, int64_t heads, int64_t dim, float* out) {
 #if defined(__AVX512F__)
   if (dim == 64 || dim == 128) {
-    __m512 acc[8];
-    const int64_t blocks = dim / kLanes;
-    for (int64_t b = 0; b < 8; ++b) acc[b] = _mm512_setzero_ps();
-    for (int64_t t = first; t <= last; ++t) {
-      if (visible != nullptr && !visible[t]) continue;
-      const __m512 w = _mm512_set1_ps(weight[t]);
-      const V* v = values + t * stride;
-      acc[0] = _mm512_fmadd_ps(w, load16(v), acc[0]);
-      acc[1] = _mm512_fmadd_ps(w, load16(v + 16), acc[1]);
-      acc[2] = _mm512_fmadd_ps(w, load16(v + 32), acc[2]);
-      acc[3] = _mm512_fmadd_ps(w, load16(v + 48), acc[3]);
-      if (blocks == 8) {
-        acc[4] = _mm512_fmadd_ps(w, load16(v + 64), acc[4]);
-        acc[5] = _mm512_fmadd_ps(w, load16(v + 80), acc[5]);
-        acc[6] = _mm512_fmadd_ps(w, load16(v + 96), acc[6]);
-        acc[7] = _mm512_fmadd_ps(w, load16(v + 112), acc[7]);
+    const int64_t step = dim == 64 ? kHeadsAtOnce : kHeadsAtOnce / 2;
+    for (int64_t h = 0; h < heads; h += step) {
+      const float* w = weights + h * row;
+      float* o = out + h * dim;
+      const int64_t n = std::min(step, heads - h);
+      if (dim == 64) {
+        if (n == 4) weighted_sums_avx<4, 4>(w, row, values, stride, first, last, visible, o, dim);
+        if (n == 3) weighted_sums_avx<3, 4>(w, row, values, stride, first, last, visible, o, dim);
+        if (n == 2) weighted_sums_avx<2, 4>(w, row, values, stride, first, last, visible, o, dim);
+        if (n == 1) weighted_sums_avx<1, 4>(w, row, values, stride, first, last, visible, o, dim);
+      } else {
+        if (n == 2) weighted_sums_avx<2, 8>(w, row, values, stride, first, last, visible, o, dim);
+        if (n == 1) weighted_sums_avx<1, 8>(w, row, values, stride, first, last, visible, o, dim);
       }
     }
-    for (int64_t b = 0; b < blocks; ++b) _mm512_storeu_ps(out + b * kLanes, acc[b]);
     return;
   }
 #endif
-  std::fill(out, out + dim, 0.f);
-  for (int64_t t = first; t <= last; ++t) {
-    if (visible != nullptr && !visible[t]) continue;
-    const float w = weight[t];
-    const V* v = values + t * stride;
-    for (int64_t d = 0; d < dim; ++d) out[d] = std::fma(w, static_cast<float>(v[d]), out[d]);
+  for (int64_t h = 0; h < heads; ++h) {
+    float* o = out + h * dim;
+    std::fill(o, o + dim, 0.f);
+    for (int64_t t = first; t <= last; ++t) {
+      if (visible != nullptr && !visible[t]) continue;
+      const float w = weights[h * row + t];
+      const V* v = values + t * stride;
+      for (int64_t d = 0; d < dim; ++d) o[d] = std::fma(w, static_cast<float>(v[d]), o[d]);
+    }
   }
 }
 
@@ -168,40 +213,95 @@ struct Session {
 template <typename T>
 constexpr bool kInPlace = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
 
-// Row r of a session under one key head, its per_group query heads in query (float32): scores over
-// the keys it sees in key order, a float32 softmax over the visible ones, values summed in key order,
-// into acc. Keys and values lie at rows of key_stride / value_stride elements.
+// score[t] *= scale for the visible keys t in [first, last]; returns the largest (max is exact, so
+// its order changes nothing).
+inline float scale_and_max(float* score, int64_t first, int64_t last, const bool* visible, float scale) {
+  float top = -std::numeric_limits<float>::infinity();
+  int64_t t = first;
+#if defined(__AVX512F__)
+  if (visible == nullptr) {
+    const __m512 factor = _mm512_set1_ps(scale);
+    __m512 tops = _mm512_set1_ps(top);
+    for (; t + kLanes <= last + 1; t += kLanes) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(score + t), factor);
+      _mm512_storeu_ps(score + t, x);
+      tops = _mm512_max_ps(tops, x);
+    }
+    top = _mm512_reduce_max_ps(tops);
+  }
+#endif
+  for (; t <= last; ++t) {
+    if (visible != nullptr && !visible[t]) continue;
+    score[t] *= scale;
+    top = std::max(top, score[t]);
+  }
+  return top;
+}
+
+// Each of the H heads' sum over its visible keys of weights[h row + t], in key order: H chains of
+// adds, side by side.
+template <int H>
+inline void key_totals(const float* weights, int64_t row, int64_t first, int64_t last, const bool* visible,
+                       float* totals) {
+  float sum[H] = {};
+  for (int64_t t = first; t <= last; ++t) {
+    if (visible != nullptr && !visible[t]) continue;
+    for (int h = 0; h < H; ++h) sum[h] += weights[h * row + t];
+  }
+  for (int h = 0; h < H; ++h) totals[h] = sum[h];
+}
+
+// Row r of a session under one key head, its per_group query heads in query (float32), each head on its
+// own: scores over the keys it sees in key order, a float32 softmax over the visible ones, values
+// summed in key order, into acc. Keys and values lie at rows of key_stride / value_stride elements.
+// The heads share the loops (their scores side by side in `scores`) only so that their independent
+// chains overlap in the core; no head's arithmetic changes.
 template <typename K>
 void attend_row(const float* query, const K* keys, int64_t key_stride, const K* values, int64_t value_stride,
                 int64_t first, int64_t last, const bool* visible, int64_t per_group, int64_t dim, float scale,
                 std::vector<float>& scores, float* acc) {
-  scores.resize(last + 1 + kLanes);  // room for exp_shifted's last lanes
-  float* score = scores.data();
+  const int64_t row = last + 1 + kLanes;  // a head's scores, with room for exp_shifted's last lanes
+  scores.resize(per_group * (row + 1));
+  float* totals = scores.data() + per_group * row;
+  int64_t t = first;
+#if defined(__AVX512F__)
+  // Scores 16 keys at a time (those a mask hides too: computed, never read).
+  if (dim % kLanes == 0) {
+    for (; t + 16 <= last + 1; t += 16) {
+      for (int64_t p = 0; p < per_group; ++p)
+        dot16(query + p * dim, keys + t * key_stride, key_stride, dim, scores.data() + p * row + t);
+    }
+  }
+#endif
   for (int64_t p = 0; p < per_group; ++p) {
     const float* qp = query + p * dim;
-    float top = -std::numeric_limits<float>::infinity();
-    int64_t t = first;
-    if (visible == nullptr) {
-      for (; t + 4 <= last + 1; t += 4) dot4(qp, keys + t * key_stride, key_stride, dim, &score[t]);
+    float* score = scores.data() + p * row;
+    for (int64_t u = t; u <= last; ++u) {
+      if (visible == nullptr || visible[u]) score[u] = dot(qp, keys + u * key_stride, dim);
     }
-    for (; t <= last; ++t) {
-      if (visible == nullptr || visible[t]) score[t] = dot(qp, keys + t * key_stride, dim);
-    }
-    for (t = first; t <= last; ++t) {
-      if (visible != nullptr && !visible[t]) continue;
-      score[t] *= scale;
-      top = std::max(top, score[t]);
-    }
+    const float top = scale_and_max(score, first, last, visible, scale);
     if (last >= first) exp_shifted(score + first, last - first + 1, top);
-    float total = 0.f;
-    for (t = first; t <= last; ++t) {
-      if (visible == nullptr || visible[t]) total += score[t];
-    }
-    for (t = first; t <= last; ++t) {
-      if (visible == nullptr || visible[t]) score[t] /= total;
-    }
-    weighted_sum(score, values, value_stride, first, last, visible, dim, acc + p * dim);
   }
+  for (int64_t p = 0; p < per_group; p += 4) {
+    const int64_t n = std::min<int64_t>(4, per_group - p);
+    const float* w = scores.data() + p * row;
+    if (n == 4) key_totals<4>(w, row, first, last, visible, totals + p);
+    if (n == 3) key_totals<3>(w, row, first, last, visible, totals + p);
+    if (n == 2) key_totals<2>(w, row, first, last, visible, totals + p);
+    if (n == 1) key_totals<1>(w, row, first, last, visible, totals + p);
+  }
+  for (int64_t p = 0; p < per_group; ++p) {
+    float* score = scores.data() + p * row;
+    const float total = totals[p];
+    if (visible == nullptr) {
+      for (int64_t t = first; t <= last; ++t) score[t] /= total;
+    } else {
+      for (int64_t t = first; t <= last; ++t) {
+        if (visible[t]) score[t] /= total;
+      }
+    }
+  }
+  weighted_sums(scores.data(), row, values, value_stride, first, last, visible, per_group, dim, acc);
 }
 
 // A work item is one row of one session under one key head: items of one size keep the two halves
