@@ -27,8 +27,17 @@ from specdec.native import build
 
 @functools.cache
 def attention_kernel() -> ModuleType | None:
-    """The built kernel module, or None where it cannot be built (logged once)."""
-    return build("specdec_ragged_attention", "ragged_attention.cpp")
+    """The built kernel module, or None where it cannot be built (logged once). Loading it also
+    registers ``torch.ops.specdec_attention.layer_attention``, the op a compiled pass calls at each
+    layer (``specdec.compiled``), which reads the pass's caches from the kernel's ``set_pass``."""
+    kernel = build("specdec_ragged_attention", "ragged_attention.cpp")
+    if kernel is not None:
+        torch.library.register_fake("specdec_attention::layer_attention")(_layer_attention_shape)
+    return kernel
+
+
+def _layer_attention_shape(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runner: int, layer: int) -> torch.Tensor:
+    return q.new_empty(q.shape[2], q.shape[1] * q.shape[3])
 
 
 def kernel_applies(q: torch.Tensor, *others: torch.Tensor) -> bool:

@@ -8,14 +8,21 @@ layer and runs the whole stack from one Python call.
 What stays outside the generated code, as opaque custom ops the graph calls, is what must keep its
 bits and its state:
 
-- **the weight products** (``specdec::packed_linear``): the same row-invariant oneDNN kernels the
-  eager pass calls (``specdec.packed_linear``), so no weight is copied or re-packed, and the FX graph
-  holds no weights: the compiled artifact depends only on the model's shapes, and inductor's on-disk
-  cache serves a restart (compiling every bucket cold takes minutes on two cores; from the cache,
-  seconds);
-- **attention with the cache update** (``specdec::ragged_attention``): ``specdec.ragged.attend_rows``,
-  so each session appends to its own growable cache and attends batch-invariantly, chains and trees
-  alike, whatever the sessions' lengths.
+- **the weight products**: the same row-invariant kernels the eager pass calls
+  (``specdec.packed_linear``), so no weight is copied or re-packed, and the FX graph holds no weights:
+  the compiled artifact depends only on the model's shapes, and inductor's on-disk cache serves a
+  restart (compiling every bucket cold takes minutes on two cores; from the cache, seconds). specdec's
+  own bf16 kernel is a C++ op naming its weight by slot (``specdec_kernels::row_product``); oneDNN's
+  are reached through a Python op (``specdec::packed_linear``);
+- **attention with the cache update**: each session appends to its own growable cache and attends
+  batch-invariantly, chains and trees alike, whatever the sessions' lengths. Where the attention
+  kernel is built this is its C++ op (``specdec_attention::layer_attention``), which reads the
+  caches, rows and masks a pass hands it once (``CompiledPass._claim``); else a Python op over
+  ``specdec.ragged.attend_rows`` (``specdec::ragged_attention``).
+
+A pass calls about 150 of these ops; through the dispatcher straight to C++, each skips the several
+microseconds a Python op spends decoding its arguments, about a tenth of a one-token pass on the
+2-core development CPU.
 
 Shapes are static per graph: a pass's rows are padded to the next bucket of ``ROW_BUCKETS`` (as
 vLLM's capture sizes do), the padding rows attend to nothing and are dropped, and a pass over more
@@ -46,8 +53,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from specdec.attention_kernel import attention_kernel
 from specdec.kvcache import GrowableCache
-from specdec.packed_linear import ProjectionSlice
+from specdec.packed_linear import ProjectionSlice, RowProduct
 from specdec.ragged import (
     RaggedItem,
     RaggedLayout,
@@ -147,7 +155,9 @@ class CompiledPass:
     compile may run on another thread meanwhile: its passes use caches of their own.
     """
 
-    def __init__(self, model: PreTrainedModel, buckets: tuple[int, ...] = ROW_BUCKETS) -> None:
+    def __init__(self, model: PreTrainedModel, buckets: tuple[int, ...] = ROW_BUCKETS, native_ops: bool = True) -> None:
+        """``native_ops``: call the kernels' C++ ops where they are built (False: the Python ops
+        throughout, which compute the same bits more slowly; for comparison)."""
         reason = compile_unsupported(model)
         if reason is not None:
             raise ValueError(reason)
@@ -162,8 +172,17 @@ class CompiledPass:
             attn, mlp = layer.self_attn, layer.mlp
             fused = (_fused(attn, "qkv_proj", "q_proj"), attn.o_proj, _fused(mlp, "gate_up_proj", "gate_proj"))
             self.products.extend([*fused, mlp.down_proj])
-        # The products' forward methods, called without nn.Module's per-call hook machinery.
+        # The products' forward methods, called without nn.Module's per-call hook machinery; and the
+        # weight slots of those on specdec's own kernel, which the graph calls as a C++ op instead.
         self.kernels: list[Callable[[torch.Tensor], torch.Tensor]] = [p.forward for p in self.products]
+        self._slots = [p.slot() if native_ops and isinstance(p, RowProduct) else None for p in self.products]
+        # Attention through the kernel's own op where it is built (every session cache a GrowableCache,
+        # as the engines' are): what each layer needs is handed over once a pass (``_claim``).
+        self._native_attention = native_ops and attention_kernel() is not None
+        config = model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self._kv_like = torch.zeros(1, config.num_key_value_heads, 1, head_dim, dtype=model.dtype)
+        self._scales = [float(layer.self_attn.scaling) for layer in self._layers]
         # Each layer's rotary table among the distinct ones (Gemma 3: one per layer type, else one).
         types = getattr(decoder.rotary_emb, "layer_types", None) and list(model.config.layer_types)
         types = types[: len(self._layers)] if types else [None] * len(self._layers)
@@ -195,6 +214,10 @@ class CompiledPass:
         self._ready.set()
 
     def _product(self, index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        slot = self._slots[index]
+        if slot is not None:  # a C++ op: no Python between the graph and the kernel
+            width = self.products[index].out_features
+            return lambda x: torch.ops.specdec_kernels.row_product(x, slot, width)
         return lambda x: torch.ops.specdec.packed_linear(x, self._index, index)
 
     def _stack(self, ids: torch.Tensor, tables: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -209,7 +232,7 @@ class CompiledPass:
             q, k, v = (t.transpose(0, 1)[None] for t in project_qkv(attn, h, self._product(4 * i)))  # [1, H, P, hd]
             table = self._table_of[i]
             q, k = rotary_of(attn)(q, k, tables[2 * table], tables[2 * table + 1])
-            attended = self._product(4 * i + 1)(torch.ops.specdec.ragged_attention(q, k, v, self._index, i))
+            attended = self._product(4 * i + 1)(self._attend_op(q, k, v, i))
             gate_up = self._product(4 * i + 2)
             down = self._product(4 * i + 3)
 
@@ -222,6 +245,33 @@ class CompiledPass:
             x = finish_layer(layer, x, attended, gated)
             outs.append(x)
         return [decoder.norm(x), *outs]
+
+    def _attend_op(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+        if self._native_attention:  # the kernel's own op, reading what ``_run_group`` gave it
+            return torch.ops.specdec_attention.layer_attention(q, k, v, self._index, layer)
+        return torch.ops.specdec.ragged_attention(q, k, v, self._index, layer)
+
+    def _claim(self, caches: list, layout: RaggedLayout) -> Callable[[], None]:
+        """Claims every layer's room for the pass's rows in each session's cache and hands the buffers,
+        rows and masks to the attention kernel (``set_pass``), once for the pass rather than in each
+        layer's op; returns what forgets them after the pass."""
+        kernel = attention_kernel()
+        assert kernel is not None
+        keys: list[list[torch.Tensor]] = []
+        values: list[list[torch.Tensor]] = []
+        starts: list[int] = []
+        for i in range(len(self._layers)):
+            claims = [cache.layer(i).claim(self._kv_like, n) for cache, n in zip(caches, layout.sizes)]
+            keys.append([claim[0] for claim in claims])
+            values.append([claim[1] for claim in claims])
+            starts = [claim[2] for claim in claims]
+        lengths = [start + n for start, n in zip(starts, layout.sizes)]
+        by_window = {
+            w: [None if m is None else m.contiguous() for m in layout.masks_for(w)] for w in set(self._windows)
+        }
+        masks = [by_window[window] for window in self._windows]
+        kernel.set_pass(self._index, keys, values, layout.bounds, lengths, masks, self._scales)
+        return lambda: kernel.clear_pass(self._index)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
         """The attention op's body: the pass's real rows attend (``attend_rows``), the padding gets zeros.
@@ -281,6 +331,7 @@ class CompiledPass:
         for table in range(max(self._table_of) + 1):
             tables.extend(per_layer[self._table_of.index(table)])
         self._context = _Pass(caches, layout)
+        release = self._claim(caches, layout) if self._native_attention else None
         try:
             if not self.ready:  # while compiling, dynamo checks every guard and builds what is missing
                 return self._graph(ids, tables)
@@ -290,6 +341,8 @@ class CompiledPass:
                 return self._graph(ids, tables)
         finally:
             self._context = None
+            if release is not None:
+                release()
 
 
 def pieces(items: list[RaggedItem], limit: int) -> list[list[tuple[int, int, int]]]:

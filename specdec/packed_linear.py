@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from specdec.invariance import row_invariant
-from specdec.product_kernel import pack, product, product_kernel
+from specdec.product_kernel import pack, product, product_kernel, slot
 
 # Children of one module that read the same input, fused into one product when all are present.
 SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -131,6 +131,14 @@ class RowProduct(nn.Module):
         self.register_buffer("packed_weight", pack(weight), persistent=False)
         bias = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
+        self._slot: int | None = None
+
+    def slot(self) -> int:
+        """This layer's weight slot for ``torch.ops.specdec_kernels.row_product`` (``specdec.product_kernel.slot``),
+        taken on first use; it keeps the weight alive as long as the process."""
+        if self._slot is None:
+            self._slot = slot(self.packed_weight, self.bias, self.out_features)
+        return self._slot
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [N, in]

@@ -24,9 +24,17 @@ from specdec.native import build
 
 @functools.cache
 def product_kernel() -> ModuleType | None:
-    """The built kernel module where it computes on this CPU (AVX-512 BF16), else None."""
+    """The built kernel module where it computes on this CPU (AVX-512 BF16), else None. Loading it
+    also registers the ``specdec_kernels::row_product`` op (see ``slot``)."""
     kernel = build("specdec_row_product", "row_product.cpp")
-    return kernel if kernel is not None and kernel.supported() else None
+    if kernel is None or not kernel.supported():
+        return None
+    torch.library.register_fake("specdec_kernels::row_product")(_row_product_shape)
+    return kernel
+
+
+def _row_product_shape(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -34,6 +42,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     kernel = product_kernel()
     assert kernel is not None, "product_kernel() first"
     return kernel.pack(weight.detach().contiguous())
+
+
+def slot(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> int:
+    """Keeps a ``pack``-ed weight (and its float32 bias) for the lifetime of the process, for
+    ``torch.ops.specdec_kernels.row_product(x [..., in], slot, out_features)``: the same product as
+    ``product``, called from a compiled graph through the dispatcher with no Python between, where a
+    Python op's call costs several microseconds of a pass's ~120."""
+    kernel = product_kernel()
+    assert kernel is not None, "product_kernel() first"
+    return kernel.add_slot(packed, bias, out_features)
 
 
 def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:

@@ -199,7 +199,13 @@ class TargetServicer(CacheServicer, target_pb2_grpc.TargetServiceServicer):
         )
         if outcome.load is not None:
             load = outcome.load
-            span.set_attributes({"specdec.batch_sessions": load.sessions, "specdec.batch_rows": load.rows})
+            span.set_attributes(
+                {
+                    "specdec.batch_sessions": load.sessions,
+                    "specdec.batch_rows": load.rows,
+                    "specdec.pass_ms": load.pass_ms,
+                }
+            )
             reply.load.CopyFrom(pass_load_to_pb(load))
         if outcome.hidden is not None:
             reply.hidden.CopyFrom(hidden_to_pb(outcome.hidden))

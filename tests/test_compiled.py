@@ -96,6 +96,34 @@ def test_the_compiled_pass_computes_what_the_eager_pass_does(compiled):
     assert torch.equal(got[0].argmax(-1)[clear], want[0].argmax(-1)[clear])
 
 
+def test_the_native_ops_compute_the_bits_the_python_ops_do(compiled):
+    """The C++ ops a pass calls where the kernels are built (the bf16 product by weight slot, attention
+    over the caches a pass hands over once) against the Python ops over the same kernels: prompts fed
+    in pieces, then chains, a token tree and sessions side by side, every logit and hidden row equal."""
+    loaded, runner = compiled
+    assert runner._native_attention  # the kernels build on every machine the tests run on
+    python_ops = CompiledPass(loaded.model, BUCKETS, native_ops=False)
+    python_ops.compile()
+    vocab = loaded.vocab_size
+
+    def passes(pass_runner: CompiledPass) -> list[torch.Tensor]:
+        first, second = GrowableCache(), GrowableCache()
+        prompt = [(5 + 11 * i) % vocab for i in range(21)]
+        rows = []
+        for items in (
+            [RaggedItem(first, prompt, len(prompt), (0,)), RaggedItem(second, prompt[:9], 9)],
+            [RaggedItem(first, [3, 4, 5], 3, (0,)), RaggedItem(second, [6, 7, 8, 9], 4, parents=(-1, 0, 0, 1))],
+            [RaggedItem(second, [10], 1), RaggedItem(first, [11, 12], 2, (0,))],
+        ):
+            logits, hidden = pass_runner.forward(items)
+            rows.extend([*logits, *(h for h in hidden if h is not None)])
+        return rows
+
+    native, python = passes(runner), passes(python_ops)
+    assert len(native) == len(python) >= 6
+    assert all(torch.equal(a, b) for a, b in zip(native, python))
+
+
 def _loop(target: TargetEngine, target_model, draft_model) -> RoundLoop:
     router = Router([InProcessDraft(ModelDrafter(draft_model, 8, 64))], [InProcessTarget(target)])
     policy = SpeculationPolicy(SpeculationConfig(), live_targets=lambda: 1)

@@ -20,6 +20,7 @@
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -441,6 +442,66 @@ void ragged_attention(const at::Tensor& q, const std::vector<at::Tensor>& keys, 
   });
 }
 
+// What a compiled pass's attention op reads, set once a pass (``set_pass``) instead of being decoded
+// from Python objects at each of its layers: every layer's sessions' key and value buffers (room for
+// the pass's rows already claimed), masks and scale, and the sessions' rows and lengths.
+struct PassLayer {
+  std::vector<at::Tensor> keys, values;
+  std::vector<std::optional<at::Tensor>> masks;
+  double scale;
+};
+
+struct PassContext {
+  std::vector<int64_t> bounds, lengths;
+  std::vector<PassLayer> layers;
+};
+
+// By runner (a compiled pass's index). Thread-local: a pass's graph runs its ops on the thread that
+// called it, and a second thread's pass (a compile beside serving) keeps a context of its own.
+thread_local std::unordered_map<int64_t, PassContext> passes;
+
+void set_pass(int64_t runner, const std::vector<std::vector<at::Tensor>>& keys,
+              const std::vector<std::vector<at::Tensor>>& values, const std::vector<int64_t>& bounds,
+              const std::vector<int64_t>& lengths, const std::vector<std::vector<std::optional<at::Tensor>>>& masks,
+              const std::vector<double>& scales) {
+  const size_t layers = keys.size();
+  TORCH_CHECK(values.size() == layers && masks.size() == layers && scales.size() == layers,
+              "set_pass: keys, values, masks and scales for every layer");
+  PassContext context{bounds, lengths, {}};
+  context.layers.reserve(layers);
+  for (size_t i = 0; i < layers; ++i) context.layers.push_back(PassLayer{keys[i], values[i], masks[i], scales[i]});
+  passes[runner] = std::move(context);
+}
+
+void clear_pass(int64_t runner) { passes.erase(runner); }
+
+// Layer `layer` of runner `runner`'s pass: its rows' queries q [1, Hq, P, hd] attend over their
+// sessions' caches after their keys and values k, v [1, Hkv, P, hd] are written there; rows past the
+// sessions' (a compiled pass's padding) come back as zeros. Returns [P, Hq hd].
+at::Tensor layer_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t runner,
+                           int64_t layer) {
+  const auto found = passes.find(runner);
+  TORCH_CHECK(found != passes.end(), "layer_attention: runner ", runner, " has no pass in progress on this thread");
+  const PassContext& context = found->second;
+  TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(context.layers.size()), "layer_attention: no layer ", layer);
+  const PassLayer& at_layer = context.layers[layer];
+  const int64_t padded = q.size(2), rows = context.bounds.back();
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && rows <= padded, "layer_attention: q must be [1, Hq, P, hd]");
+  const std::vector<int64_t> shape{padded, q.size(1) * q.size(3)};
+  at::Tensor out = rows == padded ? at::empty(shape, q.options()) : at::zeros(shape, q.options());
+  ragged_attention(q[0].narrow(1, 0, rows).transpose(0, 1), at_layer.keys, at_layer.values, context.bounds,
+                   context.lengths, at_layer.masks, at_layer.scale, out, k, v);
+  return out;
+}
+
+TORCH_LIBRARY(specdec_attention, m) {
+  m.def("layer_attention(Tensor q, Tensor k, Tensor v, int runner, int layer) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec_attention, CPU, m) { m.impl("layer_attention", &layer_attention); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ragged_attention", &ragged_attention, "batch-invariant attention of many sessions' rows");
+  m.def("set_pass", &set_pass, "the caches, rows and masks a compiled pass's layer_attention ops read");
+  m.def("clear_pass", &clear_pass, "forgets a compiled pass's set_pass");
 }

@@ -15,6 +15,9 @@
 
 #include <cstdint>
 #include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -126,10 +129,50 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
   return out;
 }
 
+// Weights a compiled graph multiplies by through the `specdec_kernels::row_product` op, which names
+// them by slot: the graph then holds no weight, and its call goes from the graph's code to this kernel
+// through the dispatcher alone, with no Python in between (a pass makes about 120 such calls).
+struct Slot {
+  torch::Tensor packed;
+  std::optional<torch::Tensor> bias;
+  int64_t n;
+};
+
+std::mutex slots_mutex;
+std::deque<Slot> slots;  // a deque: a slot's address never moves while others are added
+
+int64_t add_slot(const torch::Tensor& packed, const std::optional<torch::Tensor>& bias, int64_t n) {
+  std::lock_guard<std::mutex> lock(slots_mutex);
+  slots.push_back(Slot{packed, bias, n});
+  return static_cast<int64_t>(slots.size()) - 1;
+}
+
+torch::Tensor slot_product(const torch::Tensor& x, int64_t slot, int64_t n) {
+  const Slot* found = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(slots_mutex);
+    TORCH_CHECK(slot >= 0 && slot < static_cast<int64_t>(slots.size()), "row_product: no weight in slot ", slot);
+    found = &slots[slot];
+  }
+  TORCH_CHECK(found->n == n, "row_product: slot ", slot, " has ", found->n, " outputs, not ", n);
+  const auto rows = x.reshape({-1, x.size(-1)}).contiguous();  // [N, in]
+  auto out = product(rows, found->packed, found->bias, n);     // [N, n]
+  auto shape = x.sizes().vec();
+  shape.back() = n;
+  return out.view(shape);
+}
+
 }  // namespace
+
+TORCH_LIBRARY(specdec_kernels, m) {
+  m.def("row_product(Tensor x, int slot, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdec_kernels, CPU, m) { m.impl("row_product", &slot_product); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "a bf16 weight [N, K] in the product's blocked layout");
   m.def("product", &product, "row-invariant bf16 product of rows and a packed weight");
+  m.def("add_slot", &add_slot, "keeps a packed weight (and float32 bias) for the row_product op; returns its slot");
   m.def("supported", &supported, "whether this build computes (the CPU has AVX-512 BF16)");
 }
