@@ -131,7 +131,7 @@ bench-allocators: install
 
 # The most token trees could gain over chains with the shipped draft on this machine (in process).
 tree-ceiling: install
-	$(VENV)/bin/specdec tree-ceiling --cache-dir $(CACHE_DIR) --out reports/tree-ceiling.json
+	$(VENV)/bin/specdec tree-ceiling --cache-dir $(CACHE_DIR) --compiled --out reports/tree-ceiling.json
 
 proto:
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. proto/specdec/v1/*.proto

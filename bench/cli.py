@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.single import PROMPTS
 from specdec.cli import add_cache_dir, add_stack, draft_model_arg, env, extra_installed, k_arg, stack_config
-from specdec.config import DRAFT_KINDS, MAX_TREE_NODES, default_draft_model
+from specdec.config import DRAFT_KINDS, MAX_TREE_NODES, MODEL_DTYPES, default_draft_model
 
 
 def levels_arg(value: str) -> list[int]:
@@ -146,6 +146,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--goal-tokens", type=float, default=2.3, help="tokens per pass the report looks for")
     p.add_argument("--repeats", type=int, default=15, help="timed passes per row count (median; at least one a prompt)")
     p.add_argument("--threads", type=int, default=2, help="torch threads")
+    p.add_argument(
+        "--dtype", choices=MODEL_DTYPES, default="auto", help="what the target computes in (as serve-target --dtype)"
+    )
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="time the target's compiled pass (specdec.compiled), as the target service serves: minutes cold",
+    )
     add_out(p, "tree-ceiling")
     p.set_defaults(run=run_tree_ceiling)
 
@@ -487,16 +495,23 @@ def run_tree_ceiling(args: argparse.Namespace) -> None:
     from bench.single import load_prompts
     from bench.tree_ceiling import MEASURED_DEPTH, MEASURED_NODES, measure_tree_rounds, passes_and_generate, report
     from draft_service.server import build_drafter
+    from specdec.compiled import CompiledPass, keep_artifacts_in
     from specdec.config import DraftConfig, ModelConfig
     from specdec.models import load_model
     from specdec.packed_linear import pack_linears
 
     torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.n)
-    plain, target = load_model("default", args.cache_dir), load_model("default", args.cache_dir)
+    plain = load_model("default", args.cache_dir)  # transformers generate's, as the bench's hf-target
+    target = load_model("default", args.cache_dir, dtype=args.dtype)
     pack_linears(target.model)  # as the target service runs it
+    compiled = None
+    if args.compiled:
+        keep_artifacts_in(args.cache_dir)
+        compiled = CompiledPass(target.model)
+        compiled.compile()
     pass_ms, generate_tps = passes_and_generate(
-        target, plain, prompts, args.max_new_tokens, MEASURED_NODES + 1, args.repeats
+        target, plain, prompts, args.max_new_tokens, MEASURED_NODES + 1, args.repeats, compiled
     )
     draft = DraftConfig(
         kind="feature", model=ModelConfig(model=str(default_draft_model("feature")), cache_dir=args.cache_dir)
@@ -505,7 +520,8 @@ def run_tree_ceiling(args: argparse.Namespace) -> None:
         target, build_drafter(draft), prompts, args.max_new_tokens, MEASURED_NODES, MEASURED_DEPTH
     )
     config = {"prompts": shown_path(args.prompts), "n": len(prompts), "max_new_tokens": args.max_new_tokens}
-    config |= {"threads": args.threads, "repeats": args.repeats}
+    config |= {"threads": args.threads, "repeats": args.repeats, "dtype": str(target.dtype).removeprefix("torch.")}
+    config |= {"compiled": compiled is not None}
     out = report(run, pass_ms, generate_tps, args.goal_tokens, config)
     for name in ("free_draft", "at_measured_draft"):
         c = out[name]

@@ -279,8 +279,9 @@ TREE_METHOD = """\
 In process, greedy, on the bench prompts: rounds that each verify a fixed tree of 32 nodes, 8 deep,
 through the round loop with the default target and its shipped feature draft measure a(d, r), the
 acceptance of the rank-r child at depth d given that its parent passed and its earlier siblings did
-not. The target's pass cost by rows for one session is timed as in `make pass-grid` (made
-non-decreasing: a lucky median must not make a row free). Every chain and every best-first tree of up
+not. The target's pass cost by rows for one session is timed as in `make pass-grid`, on the pass the
+target service serves (`--compiled`: compiled, in the default dtype), made non-decreasing: a lucky
+median must not make a row free. Every chain and every best-first tree of up
 to 32 nodes ([trees.md](trees.md)) is then priced at its verify pass plus a draft cost per level.
 
 With the draft's cost at 0 and no stack overhead this is a ceiling: a real stack only loses from it.
@@ -295,7 +296,7 @@ or off, so they bring the ratio of trees over chains closer to 1, while they can
 over `generate` on prompts whose answer repeats their context.
 
 ```bash
-make tree-ceiling   # specdec tree-ceiling --repeats 15 --out reports/tree-ceiling.json
+make tree-ceiling   # specdec tree-ceiling --compiled --out reports/tree-ceiling.json
 ```
 """
 
@@ -706,7 +707,9 @@ def tree_ceiling_section(report: dict | None) -> list[str]:
     config = report.get("config", {})
     goal = config.get("goal_tokens")
     lines += [
-        f"Measured: the 32-node tree committed {num(measured.get('tokens_per_round'))} tokens a round "
+        f"Measured on the target's {'compiled' if config.get('compiled') else 'eager'} "
+        f"{config.get('dtype', 'float32')} pass: the 32-node tree committed "
+        f"{num(measured.get('tokens_per_round'))} tokens a round "
         f"(a(d, r) alone predicts {num(measured.get('model_tokens_per_round'))}); a pass over 1 row took "
         f"{num((measured.get('pass_ms_by_rows') or [None])[0], 1)} ms; the draft cost "
         f"{num(measured.get('draft_ms_per_level'))} ms a level; `generate` ran "

@@ -112,11 +112,11 @@ def measure_tree_rounds(target, drafter, prompts, max_new_tokens: int, nodes: in
     return run
 
 
-def passes_and_generate(target, plain, prompts, max_new_tokens: int, rows: int, repeats: int):
+def passes_and_generate(target, plain, prompts, max_new_tokens: int, rows: int, repeats: int, compiled=None):
     """The packed ``target``'s pass cost over 1 .. ``rows`` rows for one session (medians of
-    ``repeats`` sweeps, ``bench.pass_grid``) and transformers ``generate``'s greedy tokens/s on the
-    ``plain`` model (the bench's hf-target), one prompt after each sweep: the two take turns, so the
-    ratio of their speeds sees the same machine."""
+    ``repeats`` sweeps, ``bench.pass_grid``), through its ``compiled`` pass when given, and
+    transformers ``generate``'s greedy tokens/s on the ``plain`` model (the bench's hf-target), one
+    prompt after each sweep: the two take turns, so the ratio of their speeds sees the same machine."""
     from bench.pass_grid import measure_pass_grid
     from bench.single import ModeResult, hf_runner
     from target_service.engine import TargetEngine
@@ -130,7 +130,8 @@ def passes_and_generate(target, plain, prompts, max_new_tokens: int, rows: int, 
 
     ids = [p.token_ids(target.tokenizer) for p in prompts]
     sweeps = max(repeats, len(prompts) - 1)
-    pass_ms = measure_pass_grid(TargetEngine(target, 1), ids, [1], rows - 1, sweeps, between=generate)[1]
+    engine = TargetEngine(target, 1, compiled=compiled)
+    pass_ms = measure_pass_grid(engine, ids, [1], rows - 1, sweeps, between=generate)[1]
     return pass_ms, result.tokens_per_s
 
 

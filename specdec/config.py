@@ -118,8 +118,8 @@ class ModelConfig:
     pack: bool = True
     # The torch device the model computes on: "cpu", or "cuda" / "cuda:N".
     device: str = "cpu"
-    # The weights' and activations' dtype (``MODEL_DTYPES``): "auto" keeps float32 on a CPU and takes the
-    # checkpoint's own dtype on a GPU.
+    # The weights' and activations' dtype (``MODEL_DTYPES``): "auto" takes bfloat16 on a CPU that computes
+    # it natively, float32 on other CPUs, and the checkpoint's own dtype on a GPU (``resolve_dtype``).
     dtype: str = "auto"
 
     def __post_init__(self) -> None:
