@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from specdec.invariance import row_invariant
-from specdec.product_kernel import pack, product, product_kernel, slot
+from specdec.product_kernel import pack, product, product_kernel, weight_slot
 
 # Children of one module that read the same input, fused into one product when all are present.
 SIBLING_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -134,10 +134,10 @@ class RowProduct(nn.Module):
         self._slot: int | None = None
 
     def slot(self) -> int:
-        """This layer's weight slot for ``torch.ops.specdec_kernels.row_product`` (``specdec.product_kernel.slot``),
-        taken on first use; it keeps the weight alive as long as the process."""
+        """This layer's weight slot for ``torch.ops.specdec_kernels.row_product``, taken on first use
+        (``specdec.product_kernel.weight_slot``); it keeps the weight alive as long as the process."""
         if self._slot is None:
-            self._slot = slot(self.packed_weight, self.bias, self.out_features)
+            self._slot = weight_slot(self.packed_weight, self.bias, self.out_features)
         return self._slot
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from specdec.native import build
 @functools.cache
 def product_kernel() -> ModuleType | None:
     """The built kernel module where it computes on this CPU (AVX-512 BF16), else None. Loading it
-    also registers the ``specdec_kernels::row_product`` op (see ``slot``)."""
+    also registers the ``specdec_kernels::row_product`` op (see ``weight_slot``)."""
     kernel = build("specdec_row_product", "row_product.cpp")
     if kernel is None or not kernel.supported():
         return None
@@ -44,11 +44,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return kernel.pack(weight.detach().contiguous())
 
 
-def slot(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> int:
+def weight_slot(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> int:
     """Keeps a ``pack``-ed weight (and its float32 bias) for the lifetime of the process, for
     ``torch.ops.specdec_kernels.row_product(x [..., in], slot, out_features)``: the same product as
-    ``product``, called from a compiled graph through the dispatcher with no Python between, where a
-    Python op's call costs several microseconds of a pass's ~120."""
+    ``product``, which a compiled graph calls through the dispatcher with no Python in between (a
+    pass makes about 120 such calls; a Python op spends several microseconds on each)."""
     kernel = product_kernel()
     assert kernel is not None, "product_kernel() first"
     return kernel.add_slot(packed, bias, out_features)

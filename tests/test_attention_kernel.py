@@ -118,3 +118,21 @@ def test_attention_that_needs_a_gradient_or_mixes_dtypes_runs_on_torch_ops():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mixed = invariant_attention(q.detach(), k.bfloat16(), v.bfloat16(), None, 0.3)
     assert torch.isfinite(mixed).all()
+
+
+def test_the_layer_op_needs_its_pass_handed_over_on_its_thread():
+    """``specdec_attention::layer_attention`` (a compiled pass's op) reads what ``set_pass`` handed over
+    for its runner on this thread; with nothing handed over, or after ``clear_pass``, it refuses."""
+    kernel = attention_kernel()
+    q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 16)
+    cache = GrowableCache().layer(0)
+    keys, values, start = cache.claim(k, 2)
+    kernel.set_pass(987, [[keys]], [[values]], [0, 2], [start + 2], [[None]], [0.25])
+    out = torch.ops.specdec_attention.layer_attention(q, k, k, 987, 0)
+    want = ragged_attention(q[0].transpose(0, 1), [keys], [values], [0, 2], [None], 0.25, lengths=[start + 2])
+    assert torch.equal(out, want)
+    kernel.clear_pass(987)
+    with pytest.raises(RuntimeError, match="no pass in progress"):
+        torch.ops.specdec_attention.layer_attention(q, k, k, 987, 0)
+    with pytest.raises(RuntimeError, match="no pass in progress"):
+        torch.ops.specdec_attention.layer_attention(q, k, k, 988, 0)

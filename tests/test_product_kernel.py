@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdec.packed_linear import PackedLinear, RowProduct, invariant_product
-from specdec.product_kernel import pack, product, product_kernel
+from specdec.product_kernel import pack, product, product_kernel, weight_slot
 
 pytestmark = pytest.mark.skipif(product_kernel() is None, reason="no compiler, or a CPU without AVX-512 BF16")
 
@@ -71,6 +71,27 @@ def test_bad_inputs_are_refused():
         product(torch.zeros(2, 32, dtype=torch.bfloat16), packed, None, 20)
     with pytest.raises(RuntimeError, match="bias"):
         product(torch.zeros(2, 32, dtype=torch.bfloat16), packed, torch.zeros(64, dtype=torch.bfloat16), 64)
+
+
+def test_the_slot_op_is_the_product_of_the_weight_in_its_slot():
+    """``specdec_kernels::row_product``, the op a compiled graph calls: any leading shape, the bits of
+    ``product``; a slot that holds nothing, or another output count, is refused."""
+    weight, bias = _weights((100, 130), 7)
+    packed, float_bias = pack(weight), bias.float()
+    slot = weight_slot(packed, float_bias, 100)
+    other = weight_slot(pack(weight[:64, :]), None, 64)
+    x = torch.randn(2, 3, 130).bfloat16()
+    got = torch.ops.specdec_kernels.row_product(x, slot, 100)
+    assert got.shape == (2, 3, 100)
+    assert torch.equal(got.reshape(6, 100), product(x.reshape(6, 130), packed, float_bias, 100))
+    assert torch.equal(
+        torch.ops.specdec_kernels.row_product(x, other, 64).reshape(6, 64),
+        product(x.reshape(6, 130), pack(weight[:64, :]), None, 64),
+    )
+    with pytest.raises(RuntimeError, match="no weight in slot"):
+        torch.ops.specdec_kernels.row_product(x, other + 1000, 64)
+    with pytest.raises(RuntimeError, match="has 100 outputs, not 64"):
+        torch.ops.specdec_kernels.row_product(x, slot, 64)
 
 
 def test_bf16_products_take_the_kernel_and_float32_keeps_onednn():
