@@ -179,9 +179,8 @@ class CompiledPass:
         # Attention through the kernel's own op where it is built (every session cache a GrowableCache,
         # as the engines' are): what each layer needs is handed over once a pass (``_claim``).
         self._native_attention = native_ops and attention_kernel() is not None
-        config = model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self._kv_like = torch.zeros(1, config.num_key_value_heads, 1, head_dim, dtype=model.dtype)
+        attn = self._layers[0].self_attn  # the key heads and their width, as ``project_qkv`` reads them
+        self._kv_like = torch.zeros(1, attn.config.num_key_value_heads, 1, attn.head_dim, dtype=model.dtype)
         self._scales = [float(layer.self_attn.scaling) for layer in self._layers]
         # Each layer's rotary table among the distinct ones (Gemma 3: one per layer type, else one).
         types = getattr(decoder.rotary_emb, "layer_types", None) and list(model.config.layer_types)
@@ -247,25 +246,29 @@ class CompiledPass:
         return [decoder.norm(x), *outs]
 
     def _attend_op(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-        if self._native_attention:  # the kernel's own op, reading what ``_run_group`` gave it
+        if self._native_attention:  # the kernel's own op, reading what ``_claim`` handed it
             return torch.ops.specdec_attention.layer_attention(q, k, v, self._index, layer)
         return torch.ops.specdec.ragged_attention(q, k, v, self._index, layer)
 
+    def _hold(self, caches: list, layout: RaggedLayout) -> Callable[[], None]:
+        """Keeps the pass's caches and layout for the Python attention op (``attend``); returns what
+        forgets them after the pass."""
+        self._context = _Pass(caches, layout)
+        return lambda: setattr(self, "_context", None)
+
     def _claim(self, caches: list, layout: RaggedLayout) -> Callable[[], None]:
         """Claims every layer's room for the pass's rows in each session's cache and hands the buffers,
-        rows and masks to the attention kernel (``set_pass``), once for the pass rather than in each
-        layer's op; returns what forgets them after the pass."""
+        rows and masks to the attention kernel's op (``set_pass``), once for the pass rather than in
+        each layer's op; returns what forgets them after the pass."""
         kernel = attention_kernel()
         assert kernel is not None
+        lengths = [cache.get_seq_length() + n for cache, n in zip(caches, layout.sizes)]
         keys: list[list[torch.Tensor]] = []
         values: list[list[torch.Tensor]] = []
-        starts: list[int] = []
         for i in range(len(self._layers)):
             claims = [cache.layer(i).claim(self._kv_like, n) for cache, n in zip(caches, layout.sizes)]
             keys.append([claim[0] for claim in claims])
             values.append([claim[1] for claim in claims])
-            starts = [claim[2] for claim in claims]
-        lengths = [start + n for start, n in zip(starts, layout.sizes)]
         by_window = {
             w: [None if m is None else m.contiguous() for m in layout.masks_for(w)] for w in set(self._windows)
         }
@@ -330,8 +333,7 @@ class CompiledPass:
         tables: list[torch.Tensor] = []
         for table in range(max(self._table_of) + 1):
             tables.extend(per_layer[self._table_of.index(table)])
-        self._context = _Pass(caches, layout)
-        release = self._claim(caches, layout) if self._native_attention else None
+        forget = (self._claim if self._native_attention else self._hold)(caches, layout)
         try:
             if not self.ready:  # while compiling, dynamo checks every guard and builds what is missing
                 return self._graph(ids, tables)
@@ -340,9 +342,7 @@ class CompiledPass:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
                 return self._graph(ids, tables)
         finally:
-            self._context = None
-            if release is not None:
-                release()
+            forget()
 
 
 def pieces(items: list[RaggedItem], limit: int) -> list[list[tuple[int, int, int]]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,7 +124,8 @@ def test_attention_that_needs_a_gradient_or_mixes_dtypes_runs_on_torch_ops():
 
 def test_the_layer_op_needs_its_pass_handed_over_on_its_thread():
     """``specdec_attention::layer_attention`` (a compiled pass's op) reads what ``set_pass`` handed over
-    for its runner on this thread; with nothing handed over, or after ``clear_pass``, it refuses."""
+    for its runner on this thread; on another thread, with nothing handed over, or after
+    ``clear_pass``, it refuses."""
     kernel = attention_kernel()
     q, k = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 2, 16)
     cache = GrowableCache().layer(0)
@@ -131,6 +134,10 @@ def test_the_layer_op_needs_its_pass_handed_over_on_its_thread():
     out = torch.ops.specdec_attention.layer_attention(q, k, k, 987, 0)
     want = ragged_attention(q[0].transpose(0, 1), [keys], [values], [0, 2], [None], 0.25, lengths=[start + 2])
     assert torch.equal(out, want)
+    with ThreadPoolExecutor(1) as other:  # a compile beside serving keeps its passes apart
+        elsewhere = other.submit(torch.ops.specdec_attention.layer_attention, q, k, k, 987, 0)
+        with pytest.raises(RuntimeError, match="no pass in progress"):
+            elsewhere.result()
     kernel.clear_pass(987)
     with pytest.raises(RuntimeError, match="no pass in progress"):
         torch.ops.specdec_attention.layer_attention(q, k, k, 987, 0)
