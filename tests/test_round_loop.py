@@ -445,9 +445,9 @@ class RecordsHidden(InProcessTarget):
         super().__init__(*args, **kwargs)
         self.asked: list[bool] = []
 
-    async def verify(self, *args, **kwargs):
-        self.asked.append(kwargs.get("with_hidden", args[6] if len(args) > 6 else False))
-        return await super().verify(*args, **kwargs)
+    async def verify(self, ref, committed, draft, sampling, round_index, remaining_s, with_hidden=False, *rest, **kw):
+        self.asked.append(with_hidden)
+        return await super().verify(ref, committed, draft, sampling, round_index, remaining_s, with_hidden, *rest, **kw)
 
 
 class NoFeatures(SpeculationPolicy):
