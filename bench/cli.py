@@ -439,7 +439,7 @@ def run_pass_curve(args: argparse.Namespace) -> None:
 
     from bench.pass_curve import measure_pass_curve
     from bench.single import load_prompts
-    from specdec.compiled import CompiledPass, keep_artifacts_in
+    from specdec.compiled import build_compiled
     from specdec.models import load_model
     from specdec.packed_linear import pack_linears
     from target_service.engine import TargetEngine
@@ -452,9 +452,7 @@ def run_pass_curve(args: argparse.Namespace) -> None:
         pack_linears(loaded.model)  # as the target service runs it
         engines[dtype] = TargetEngine(loaded, 16)
         if args.compiled:
-            keep_artifacts_in(args.cache_dir)
-            runner = CompiledPass(loaded.model)
-            runner.compile()
+            runner = build_compiled(loaded.model, args.cache_dir)
             compile_s[f"{dtype}-compiled"] = round(runner.compile_s or 0.0, 1)
             engines[f"{dtype}-compiled"] = TargetEngine(loaded, 16, compiled=runner)
     # The bench prompts' tokens one after another, cut to the context: real text, a fixed length.
@@ -495,7 +493,7 @@ def run_tree_ceiling(args: argparse.Namespace) -> None:
     from bench.single import load_prompts
     from bench.tree_ceiling import MEASURED_DEPTH, MEASURED_NODES, measure_tree_rounds, passes_and_generate, report
     from draft_service.server import build_drafter
-    from specdec.compiled import CompiledPass, keep_artifacts_in
+    from specdec.compiled import build_compiled
     from specdec.config import DraftConfig, ModelConfig
     from specdec.models import load_model
     from specdec.packed_linear import pack_linears
@@ -505,11 +503,7 @@ def run_tree_ceiling(args: argparse.Namespace) -> None:
     plain = load_model("default", args.cache_dir)  # transformers generate's, as the bench's hf-target
     target = load_model("default", args.cache_dir, dtype=args.dtype)
     pack_linears(target.model)  # as the target service runs it
-    compiled = None
-    if args.compiled:
-        keep_artifacts_in(args.cache_dir)
-        compiled = CompiledPass(target.model)
-        compiled.compile()
+    compiled = build_compiled(target.model, args.cache_dir) if args.compiled else None
     pass_ms, generate_tps = passes_and_generate(
         target, plain, prompts, args.max_new_tokens, MEASURED_NODES + 1, args.repeats, compiled
     )

@@ -116,6 +116,15 @@ def keep_artifacts_in(cache_dir: Path) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
 
 
+def build_compiled(model: PreTrainedModel, cache_dir: Path, buckets: tuple[int, ...] = ROW_BUCKETS) -> CompiledPass:
+    """``model``'s compiled pass over row ``buckets``, built now, its artifacts kept under
+    ``cache_dir`` (from there in seconds when an earlier build left them; minutes cold)."""
+    keep_artifacts_in(cache_dir)
+    compiled = CompiledPass(model, buckets)
+    compiled.compile()
+    return compiled
+
+
 def compile_unsupported(model: PreTrainedModel) -> str | None:
     """Why ``model`` cannot run the compiled pass, or None when it can: it must run the ragged pass, on
     a CPU, with its projections packed and fused (``specdec.packed_linear.pack_linears``)."""

@@ -65,14 +65,13 @@ def main() -> None:
 
     import torch
 
-    from specdec.compiled import CompiledPass, keep_artifacts_in
+    from specdec.compiled import build_compiled
     from specdec.models import load_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(args.threads)
-    keep_artifacts_in(args.cache_dir)
     loaded = load_model(args.model, args.cache_dir, dtype=args.dtype, pack=True)
-    CompiledPass(loaded.model, tuple(int(b) for b in args.buckets.split(","))).compile()
+    build_compiled(loaded.model, args.cache_dir, tuple(int(b) for b in args.buckets.split(",")))
 
 
 if __name__ == "__main__":

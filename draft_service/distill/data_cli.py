@@ -107,16 +107,13 @@ def _serving_answerer(config: DataConfig):
     """The target loaded as the target service loads it (the serving dtype, the packed row-invariant
     linears) and its answerer: the compiled pass where it compiles, else the eager ragged one."""
     from draft_service.distill.stream_collect import answer
-    from specdec.compiled import CompiledPass, compile_unsupported, keep_artifacts_in
+    from specdec.compiled import build_compiled, compile_unsupported
     from specdec.models import load_model
     from specdec.ragged import ragged_forward
 
     loaded = load_model(config.target, config.cache_dir, dtype=config.dtype, pack=True)
     if config.compile and compile_unsupported(loaded.model) is None:
-        keep_artifacts_in(config.cache_dir)
-        compiled = CompiledPass(loaded.model)
-        compiled.compile()
-        forward = compiled.forward
+        forward = build_compiled(loaded.model, config.cache_dir).forward
     else:
         model = loaded.model
 
