@@ -40,6 +40,7 @@ from specdec.sampling import (
     Sampling,
     coupled_token,
     dense_to_sparse,
+    draw,
     penalize_logits,
     round_generator,
     warp_probs,
@@ -97,7 +98,7 @@ class TokenPicker:
             return coupled_token(probs, self.sampling.seed, self.position - 1), dense_to_sparse(probs)
         if self._generator is None:
             self._generator = round_generator(self.sampling.seed, self.round_index, DRAFT_STREAM)
-        return int(torch.multinomial(probs, 1, generator=self._generator)), dense_to_sparse(probs)
+        return draw(probs, self._generator), dense_to_sparse(probs)
 
     def _confident(self, top: torch.Tensor) -> bool:
         self.confidence *= float(top)

@@ -35,6 +35,7 @@ from specdec.ragged import RaggedLayout
 from specdec.sampling import (
     Sampling,
     dense_to_sparse,
+    draw,
     penalize_logits,
     position_generator,
     ranked_top,
@@ -162,7 +163,7 @@ class TreeGrower:
         qs = []
         for _ in range(width):
             q = without_replacement(probs, taken)
-            taken.append(int(torch.multinomial(q, 1, generator=self._generator)))
+            taken.append(draw(q, self._generator))
             qs.append(dense_to_sparse(q))
         return taken, qs
 

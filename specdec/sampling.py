@@ -39,6 +39,23 @@ import torch
 from specdec.sampling_params import MAX_TOP_LOGPROBS, Sampling, TokenLogprob  # noqa: F401
 
 
+def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
+    """One index drawn from ``weights [V]`` (non-negative, some positive; need not sum to one) with
+    ``generator``: the first index whose cumulative weight exceeds a uniform draw scaled to the total.
+
+    An index of zero weight adds nothing to the cumulative sum, so it is never drawn. Exact as
+    ``torch.multinomial`` is, and about 13x cheaper for one draw from the default target's 49k-token
+    vocabulary on 2 CPU cores (0.08 against 1.0 ms): multinomial races an exponential variate for
+    every entry, and a sampled round draws once at the target and once per draft token.
+    """
+    cdf = torch.cumsum(weights.double(), dim=-1)  # [V]
+    uniform = torch.rand(1, generator=generator, dtype=torch.float64).to(cdf.device)
+    index = int(torch.searchsorted(cdf, uniform * cdf[-1], right=True))
+    if index >= cdf.shape[-1]:  # the scaled draw rounded up to the total: the last index with weight
+        index = int(torch.nonzero(weights > 0)[-1])
+    return index
+
+
 def round_generator(seed: int, round_index: int, stream: int) -> torch.Generator:
     """A CPU generator for one (seed, round, stream) triple, independent of global RNG state.
 
@@ -215,10 +232,8 @@ def verify_sampled(p: torch.Tensor, q: torch.Tensor, draft_tokens: list[int], ge
         if float(residual.sum()) <= 0.0:
             # p <= q everywhere means p == q, where a rejection has probability zero; p is exact.
             residual = p[i]
-        recovered = torch.multinomial(residual / residual.sum(), 1, generator=generator).item()
-        return Verdict(i, [*draft_tokens[:i], int(recovered)])
-    bonus = torch.multinomial(p[k], 1, generator=generator).item()
-    return Verdict(k, [*draft_tokens, int(bonus)])
+        return Verdict(i, [*draft_tokens[:i], draw(residual, generator)])
+    return Verdict(k, [*draft_tokens, draw(p[k], generator)])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import coupled_token
+from specdec.sampling import coupled_token, draw
 from specdec.trees import children
 
 
@@ -124,7 +124,7 @@ def verify_tree_sampled(
             if float(left.sum()) > 0.0:
                 residual = left / left.sum()
         if not moved:
-            token = int(torch.multinomial(residual, 1, generator=generator))
+            token = draw(residual, generator)
             return TreeVerdict(path, [tokens[i] for i in path] + [token])
 
 

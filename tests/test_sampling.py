@@ -7,6 +7,7 @@ import torch
 from specdec.sampling import (
     Sampling,
     dense_to_sparse,
+    draw,
     round_generator,
     sparse_to_dense,
     verify_greedy,
@@ -144,3 +145,26 @@ def test_coupled_noise_depends_on_position_not_round():
     draws = [coupled_token(p, 3, pos) for pos in range(40)]
     assert draws == [coupled_token(p, 3, pos) for pos in range(40)]  # repeatable
     assert len(set(draws)) > 10  # and fresh at every position
+
+
+def test_draw_follows_weights_and_never_picks_a_zero_weight():
+    # Unnormalized weights with zeros inside and at both ends: each drawn index's frequency matches
+    # its share of the total, and a zero-weight index is never drawn.
+    weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])
+    gen = torch.Generator().manual_seed(5)
+    n = 20000
+    counts = torch.bincount(torch.tensor([draw(weights, gen) for _ in range(n)]), minlength=len(weights))
+    assert counts[weights == 0].sum() == 0
+    share = weights / weights.sum()
+    # Binomial standard error at most sqrt(0.25 / 20000) = 0.0035; allow about 3 of them.
+    assert torch.allclose(counts / n, share, atol=0.011), counts / n
+
+
+def test_draw_of_a_point_mass_and_of_a_float32_tail():
+    gen = torch.Generator().manual_seed(1)
+    assert {draw(torch.tensor([0.0, 0.0, 7.0]), gen) for _ in range(50)} == {2}
+    # A vocabulary-sized float32 distribution whose mass sits on its last entries: every draw lands
+    # on an entry with mass, including where float64 sums round near the total.
+    probs = torch.zeros(49152)
+    probs[-3:] = torch.tensor([0.25, 0.5, 0.25])
+    assert {draw(probs, gen) for _ in range(300)} <= {49149, 49150, 49151}
