@@ -63,6 +63,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--n", type=int, help="use the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument(
+        "--unseeded",
+        action="store_true",
+        help="send sampled requests without a seed, as most API clients do: fresh draws each round rather "
+        "than coupled sampling's seeded noise (default: each prompt seeded by its index)",
+    )
     p.add_argument("--k", type=k_arg, default=None, help="draft length of the specdec mode: N or auto (default)")
     p.add_argument(
         "--trees",
@@ -284,10 +290,12 @@ def run_bench(args: argparse.Namespace) -> None:
             for mode in (m for m in spec_modes if m == "specdec" or (stack_variant(m) is not None and i == 0)):
                 name = mode if mode != "specdec" or len(kinds) == 1 else f"specdec:{kind}"
                 runners[name] = specdec_runner(
-                    name, clients[-1], args.max_new_tokens, args.temperature, k, response_format
+                    name, clients[-1], args.max_new_tokens, args.temperature, k, response_format, not args.unseeded
                 )
             if i == 0 and "specdec-http" in modes:
-                runners["specdec-http"] = http_runner(stacks[0].http_address, args.max_new_tokens, args.temperature)
+                runners["specdec-http"] = http_runner(
+                    stacks[0].http_address, args.max_new_tokens, args.temperature, not args.unseeded
+                )
         results = run_interleaved(runners, prompts)
     finally:
         for client in clients:
@@ -300,6 +308,7 @@ def run_bench(args: argparse.Namespace) -> None:
             "n": len(prompts),
             "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature,
+            "seeded": not args.unseeded,
             "k": "auto" if k is None else k,
             "draft_kinds": kinds,
             "hf_assisted": "assistant_model" if draft is not None else "prompt_lookup_num_tokens",

@@ -190,9 +190,10 @@ def specdec_runner(
     temperature: float,
     k: int | None,
     response_format: dict | None = None,
+    seeded: bool = True,
 ) -> PromptRunner:
     """Runs each prompt through a specdec coordinator (``client``, a ``specdec.client.Client``), under
-    ``response_format`` (OpenAI's object) when given."""
+    ``response_format`` (OpenAI's object) when given, seeded by the prompt's index unless not ``seeded``."""
     from coordinator.adaptive import add_counts
 
     fixed_k, tree_nodes = stack_variant(mode) or (None, None)
@@ -204,7 +205,7 @@ def specdec_runner(
             p.prompt,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
-            seed=index,
+            seed=index if seeded else None,
             k=k,
             tree_nodes=tree_nodes,
             response_format=response_format,
@@ -235,9 +236,10 @@ def specdec_runner(
     return run
 
 
-def http_runner(address: str, max_new_tokens: int, temperature: float) -> PromptRunner:
+def http_runner(address: str, max_new_tokens: int, temperature: float, seeded: bool = True) -> PromptRunner:
     """Runs each prompt through the coordinator's OpenAI API at ``address`` (host:port), streamed as
-    server-sent events with their token ids, over one kept-alive connection (stdlib http.client)."""
+    server-sent events with their token ids, over one kept-alive connection (stdlib http.client); each
+    request seeded by its prompt's index unless not ``seeded``."""
     import http.client
 
     host, _, port = address.rpartition(":")
@@ -252,7 +254,7 @@ def http_runner(address: str, max_new_tokens: int, temperature: float) -> Prompt
             "messages" if chat else "prompt": p.prompt,
             "max_tokens": max_new_tokens,
             "temperature": temperature,
-            "seed": index,
+            **({"seed": index} if seeded else {}),
             "stream": True,
             "return_token_ids": True,
         }
