@@ -525,9 +525,9 @@ class FeatureDrafter(DraftEngine):
                         predicted, torch.tensor([pending], device=device), [cache.kv], layout
                     )  # [1, D]
                     position += 1
-                logits = on_host(draft.full_logits(predicted))  # [1, V]
+                logits = draft.head_rows(predicted)  # [1, N]
                 if guess is None:
-                    pending = guess = int(logits[0].argmax())
+                    pending = guess = logits.argmax()[0]
                     continue
                 if not take_next(pick, logits, tokens, qs):
                     break
@@ -662,9 +662,9 @@ class FeatureDrafter(DraftEngine):
         live = list(range(len(jobs)))
         stopped: set[int] = set()  # jobs whose confidence ran out before k
         while live:
-            logits = on_host(draft.full_logits(predicted))  # [B', V]
+            logits = draft.head_rows(predicted)  # [B', N]
             for row, j in enumerate(live):
-                if not take_next(jobs[j][2], logits[row : row + 1], tokens[j], qs[j]):
+                if not take_next(jobs[j][2], logits.row(row), tokens[j], qs[j]):
                     stopped.add(j)
             going = [(row, j) for row, j in enumerate(live) if j not in stopped and len(tokens[j]) < jobs[j][1]]
             for row, j in enumerate(live):

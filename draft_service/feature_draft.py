@@ -35,7 +35,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.masking_utils import create_causal_mask
 
-from draft_service.picking import take_next
+from draft_service.picking import HeadLogits, take_next
 from draft_service.token_draft import (
     WEIGHTS_FILE,
     _output_weight,
@@ -223,6 +223,11 @@ class FeatureDraft(nn.Module):
         if self._head_kernel is None:
             self.__dict__["_head_kernel"] = invariant_product(self.head_weight.detach(), self.head_bias.detach())
         return self
+
+    def head_rows(self, features: torch.Tensor) -> HeadLogits:
+        """The head's logits of ``features [B, D]`` on the host, over its own tokens only, as a pick reads
+        them (``on_host``); ``full_logits`` spreads them over the vocabulary."""
+        return HeadLogits(on_host(self.head_logits(features)), self.head_ids.cpu(), self.vocab_size)
 
     def full_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[..., V]``, ``-inf`` outside the head: q is exactly zero there."""

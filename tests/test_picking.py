@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draft_service.engine import NgramDrafter
-from draft_service.picking import DRAFT_STREAM, TokenPicker
+from draft_service.picking import DRAFT_STREAM, HeadLogits, TokenPicker
 from specdec.sampling import Sampling, dense_to_sparse, round_generator, sparse_to_dense, verify_sampled, warp_probs
 
 # A two-token world over three tokens: the target's p and the draft's q for the first token, and for
@@ -78,7 +78,10 @@ def test_greedy_cut_off_multiplies_top_probabilities():
     # 0.8, 0.64, 0.51, 0.41, 0.33 pass; 0.26 does not.
     assert [pick(peaked) for _ in range(5)] == [(1, None)] * 5
     assert pick(peaked) is None
-    assert TokenPicker(Sampling(), 0, min_confidence=0.9)(peaked) is None  # even the first token
+    # The first token is never cut: the call is paid for, and an empty one would teach the policy nothing.
+    strict = TokenPicker(Sampling(), 0, min_confidence=0.9)
+    assert strict(peaked) == (1, None)
+    assert strict(peaked) is None
     no_cut_off = TokenPicker(Sampling(), 0)
     assert [no_cut_off(peaked) for _ in range(40)] == [(1, None)] * 40
 
@@ -91,3 +94,54 @@ def test_a_cut_off_outside_zero_to_one_is_refused(tiny_target):
         with pytest.raises(ValueError, match="min_confidence"):
             drafter.propose(cache_id, committed, [], 2, Sampling(), 0, min_confidence=bad)
     assert drafter.propose(cache_id, committed, [], 2, Sampling(), 0, min_confidence=1.0).tokens == [7, 5]
+
+
+def _head(vocab: int = 40, size: int = 12, seed: int = 0) -> HeadLogits:
+    """A reduced head over ``size`` ids of a ``vocab``-token vocabulary, listed out of id order (as a
+    head lists them, by frequency), whose top logit is tied between two of them."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randperm(vocab, generator=gen)[:size]
+    logits = torch.randn(1, size, generator=gen)
+    top = int(logits.argmax())
+    logits[0, (top + 3) % size] = logits[0, top]
+    return HeadLogits(logits, ids, vocab)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_head_row_picks_the_greedy_token_of_its_full_row(seed):
+    head = _head(seed=seed)
+    for cutoff in (0.0, 0.3, 0.9):
+        from_head = TokenPicker(Sampling(), 0, min_confidence=cutoff)(head)
+        from_full = TokenPicker(Sampling(), 0, min_confidence=cutoff)(head.full())
+        # The tie goes to the lower id, as the full row's argmax gives it.
+        assert from_head == from_full
+    assert head.argmax()[0] == int(head.full()[0].argmax())
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.8), Sampling(0.8, top_k=5), Sampling(1.3, top_p=0.8)])
+def test_a_head_row_draws_from_the_q_of_its_full_row(sampling):
+    head = _head(seed=7)
+    picker = TokenPicker(sampling, 0, sample_top_k=8)
+    token, (ids, probs) = picker(head)
+    want_ids, want_probs = TokenPicker(sampling, 0, sample_top_k=8)(head.full())[1]
+    assert ids == want_ids and probs == pytest.approx(want_probs, abs=1e-6)
+    assert token in ids
+    # The drawn tokens follow that q: every one in its support, each at its rate (standard error at
+    # most sqrt(0.25 / 6000) = 0.0065; allow about 3.5 of them).
+    n = 6000
+    counts = torch.zeros(head.vocab)
+    for i in range(n):
+        counts[TokenPicker(sampling, i, sample_top_k=8)(head)[0]] += 1
+    q = sparse_to_dense(want_ids, want_probs, head.vocab)
+    assert counts[q == 0].sum() == 0
+    assert torch.allclose(counts / n, q, atol=0.023), (counts / n, q)
+
+
+def test_a_penalised_or_coupled_pick_reads_the_full_row():
+    head = _head(seed=2)
+    for sampling in (Sampling(0.8, seed=3, coupled=True), Sampling(0.8, presence_penalty=1.5)):
+        picker = TokenPicker(sampling, 0, position=10)
+        picker._picked.append(int(head.ids[0]))  # a token the penalty counts
+        full = TokenPicker(sampling, 0, position=10)
+        full._picked.append(int(head.ids[0]))
+        assert picker(head) == full(head.full())
