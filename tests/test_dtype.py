@@ -151,7 +151,9 @@ def test_a_draft_computes_where_its_target_parts_live(half_dir, host_logits_as_z
         hidden = HiddenRows(0, torch.zeros(committed - 1, engine.hidden_size))  # on the host, as off the wire
         calls.append(ProposeCall(cache_id, committed, [], 3, sampling, 0, hidden, ahead=2))
     greedy, sampled = engine.propose_batch(calls)
-    assert greedy.tokens == [0, 0, 0] and len(sampled.tokens) == 3 and len(sampled.q) == 3
+    # All-zero logits over the head: the tie goes to the head's lowest id, as a full row's argmax gives it.
+    lowest = int(draft.host_head_ids.min())
+    assert greedy.tokens == [lowest] * 3 and len(sampled.tokens) == 3 and len(sampled.q) == 3
     assert engine.draft_ahead(calls[0]) == 2
 
     target = load_model(str(target_folder), half_dir)
