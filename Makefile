@@ -63,10 +63,12 @@ BENCH_ARGS ?= --n 12 --max-new-tokens 64
 bench: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(BENCH_ARGS) --out reports/bench.json --plot reports/bench.png
 
-# Sampled requests (temperature 0.7), speculation beside target-only, in one run.
+# Sampled requests (temperature 0.7), speculation beside target-only, in one run: seeded per prompt
+# (coupled draws), then unseeded, as most API clients send them.
 SAMPLED_ARGS ?= --n 12 --max-new-tokens 64 --temperature 0.7 --modes specdec-k0,specdec
 bench-sampled: install
 	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(SAMPLED_ARGS) --out reports/bench-sampled.json
+	$(VENV)/bin/specdec bench --cache-dir $(CACHE_DIR) $(SAMPLED_ARGS) --unseeded --out reports/bench-sampled-unseeded.json
 
 # JSON-schema-constrained requests (structured output), speculation beside target-only, in one run.
 STRUCTURED_ARGS ?= --n 12 --max-new-tokens 96 --modes specdec-k0,specdec

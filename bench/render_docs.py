@@ -233,7 +233,15 @@ SAMPLED_METHOD = """\
 The bench prompts at temperature 0.7 (seeded per prompt), 64 tokens, one stream: the stack with
 speculation beside the same stack target-only (`k = 0`), taking turns. Sampled output follows the
 target's distribution either way (the tests check it statistically); this measures what speculation
-gains on most users' default."""
+gains on most users' default. A seeded request samples coupled (Gumbel-max noise keyed by seed and
+position), so its tokens do not depend on the draft, and its draft tokens pass less often than under
+the min(1, p/q) rule."""
+
+UNSEEDED_METHOD = """\
+### Unseeded
+
+The same requests sent without a seed, as most API clients send them (`--unseeded`): fresh draws
+each round, accepted with probability min(1, p/q)."""
 
 STRUCTURED_METHOD = """\
 ## Structured output (`make bench-structured`)
@@ -884,6 +892,10 @@ def gather(root: Path, reports: Path, drafts: Path) -> dict:
         "peers": (label(reports / "peers.json", root), load(reports / "peers.json")),
         "peers-k0": (label(reports / "peers-k0.json", root), load(reports / "peers-k0.json")),
         "sampled": (label(reports / "bench-sampled.json", root), load(reports / "bench-sampled.json")),
+        "unseeded": (
+            label(reports / "bench-sampled-unseeded.json", root),
+            load(reports / "bench-sampled-unseeded.json"),
+        ),
         "structured": (label(reports / "bench-structured.json", root), load(reports / "bench-structured.json")),
         "long": [(label(p, root), r) for p in long_files if (r := load(p)) is not None],
         "own": [(label(p, root), r) for p in own_files if (r := load(p)) is not None],
@@ -898,6 +910,7 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines += bench_section(data["bench"][1], root, reports)
     lines += load_section(data["load"][1], root, reports)
     lines += speculation_section(data["sampled"][1], SAMPLED_METHOD, "bench-sampled.json", "bench-sampled")
+    lines += speculation_section(data["unseeded"][1], UNSEEDED_METHOD, "bench-sampled-unseeded.json", "bench-sampled")
     lines += speculation_section(data["structured"][1], STRUCTURED_METHOD, "bench-structured.json", "bench-structured")
     lines += curve_section(data["curve"][1])
     lines += allocators_section(data["allocators"][1])
@@ -907,7 +920,8 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines += tree_ceiling_section(data["trees"][1])
     lines += long_section(data["long"])
     lines += drafts_section(data["cards"])
-    keys = ("bench", "sampled", "structured", "load", "curve", "allocators", "peers", "peers-k0", "grid", "trees")
+    keys = ("bench", "sampled", "unseeded", "structured", "load", "curve", "allocators", "peers", "peers-k0")
+    keys += ("grid", "trees")
     named = [data[key] for key in keys]
     lines += files_section(named + data["long"] + data["own"])
     while lines and not lines[-1]:
