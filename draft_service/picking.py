@@ -15,10 +15,10 @@ while a confident one runs on.
 
 The cut-off ends a proposal from its second token on, never before the first. Whether a round drafts
 at all is the policy's choice (``coordinator.adaptive``), and by the first pick the call is paid for;
-the first token then costs one verify row, which a CPU pass pads to anyway. Only proposed tokens are
-priced and judged, so calls cut before their first token cost rounds their draft call and taught the
-policy nothing: on seeded sampled requests (coupled draws, whose top probabilities run low) most
-calls came back empty and speculation ran 0.89x target-only.
+the first token then adds one verify row, the cheapest there is (the compiled pass pads a lone row to
+two). Only proposed tokens are priced and judged, so a call cut before its first token costs its
+round the call and teaches the policy nothing, which then keeps making such calls: seeded sampled
+requests (coupled draws, whose top probabilities run low) got mostly empty ones.
 
 The decision at position i reads only the distribution there, which depends on the prefix the
 draft already holds, never on the token about to be drawn. So a sampled proposal of any length is
