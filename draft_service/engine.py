@@ -513,7 +513,7 @@ class FeatureDrafter(DraftEngine):
         draft = self._draft_model
         device = draft.device
         predicted, pending, position = tail.predicted, tail.pending, tail.position
-        pick = TokenPicker(call.sampling, call.round_index + 1, self._sample_top_k, call.min_confidence)
+        pick = TokenPicker(call.sampling, call.round_index + 1, self._sample_top_k, call.min_confidence, cut_first=True)
         guess: int | None = None
         tokens: list[int] = []
         qs: list = []

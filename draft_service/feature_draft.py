@@ -125,9 +125,12 @@ class FeatureDraft(nn.Module):
         self.norm = family.norm(dim, config.rms_norm_eps)
         self.rotary_emb = family.rotary(config=config)
         add_reduced_head(self, output_weight, head_ids, self.vocab_size)
-        # The head's ids as picks read them, on the host whatever device the draft computes on; kept
-        # from here, as loading or moving the draft never changes which tokens its head scores.
-        self.__dict__["host_head_ids"] = head_ids.detach().to("cpu", torch.long).clone()
+        # The head's ids in increasing order, as picks read them (``HeadLogits``), on the host whatever
+        # device the draft computes on, and where its rows go in that order; kept from here, as loading
+        # or moving the draft never changes which tokens its head scores.
+        host = head_ids.detach().to("cpu", torch.long)
+        self.__dict__["_id_order"] = torch.argsort(host)  # [N]
+        self.__dict__["host_head_ids"] = host[self._id_order]  # [N], increasing
 
     @property
     def device(self) -> torch.device:
@@ -230,7 +233,8 @@ class FeatureDraft(nn.Module):
     def head_rows(self, features: torch.Tensor) -> HeadLogits:
         """The head's logits of ``features [B, D]`` on the host, over its own tokens only, as a pick reads
         them (``on_host``); ``full_logits`` spreads them over the vocabulary."""
-        return HeadLogits(on_host(self.head_logits(features)), self.host_head_ids, self.vocab_size)
+        rows = on_host(self.head_logits(features))[:, self._id_order]  # [B, N], in increasing id order
+        return HeadLogits(rows, self.host_head_ids, self.vocab_size)
 
     def full_logits(self, features: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``[..., V]``, ``-inf`` outside the head: q is exactly zero there."""

@@ -58,8 +58,12 @@ DRAFT_STREAM = 1
 
 @dataclass(frozen=True)
 class HeadLogits:
-    """A reduced head's logits: ``logits [B, N]`` score the tokens ``ids [N]`` (in the head's own order,
-    not by id); every other token of the ``vocab``-token vocabulary is -inf, so q is exactly zero there.
+    """A reduced head's logits: ``logits [B, N]`` score the tokens ``ids [N]``, in increasing id order;
+    every other token of the ``vocab``-token vocabulary is -inf, so q is exactly zero there.
+
+    In id order the head's entries keep the full row's relative order, so a pick reads them as it
+    would the full row: the argmax takes the lowest id of a tie, a top-p sort breaks ties alike, and
+    one uniform lands on the same token of the cumulative sum.
 
     A plain pick reads these directly: the full ``[B, V]`` row (``full``) costs a fill and a scatter of
     the whole vocabulary, and warping it a top-k, a softmax and a cumulative sum over all V entries,
@@ -75,11 +79,9 @@ class HeadLogits:
         return HeadLogits(self.logits[index : index + 1], self.ids, self.vocab)
 
     def argmax(self) -> tuple[int, int]:
-        """Row 0's likeliest token and its index in the head. The full row's argmax takes the lowest id
-        of a tie (bf16 logits tie often), and so does this, though the head lists its ids by frequency."""
-        row = self.logits[0]  # [N]
-        index = int(row.argmax())
-        return int(self.ids[row == row[index]].min()), index
+        """Row 0's likeliest token (the lowest id of a tie, as the full row's argmax) and its index."""
+        index = int(self.logits[0].argmax())
+        return int(self.ids[index]), index
 
     def full(self) -> torch.Tensor:
         """The full-vocabulary logits ``[B, V]``, -inf outside the head."""
@@ -105,6 +107,9 @@ class TokenPicker:
     grammar: GrammarMatcher | None = None
     """A constrained request's grammar state after the committed tokens: the picker's own copy, which
     it advances by each token it picks."""
+    cut_first: bool = False
+    """Whether the cut-off may stop before the first token: for drafting ahead, whose tokens no call of
+    the policy's asked for (see the module docstring)."""
     _generator: torch.Generator | None = field(default=None, init=False, repr=False)
     _picked: list[int] = field(default_factory=list, init=False, repr=False)
 
@@ -139,8 +144,8 @@ class TokenPicker:
         return not (self.sampling.penalized or self.grammar is not None or self.sampling.coupled)
 
     def _pick_in_head(self, head: HeadLogits) -> tuple[int, tuple[list[int], list[float]] | None] | None:
-        """``_pick`` over a reduced head's row: the same token (greedy) or the same q (sampled) that the
-        full row, -inf outside the head, gives."""
+        """``_pick`` over a reduced head's row: the token and q that the full row, -inf outside the head,
+        gives (a sampled draw with the same generator state included)."""
         if self.sampling.greedy:
             token, index = head.argmax()
             if self.min_confidence > 0 and not self._confident(torch.softmax(head.logits[0].float(), -1)[index]):
@@ -152,10 +157,8 @@ class TokenPicker:
         if self._generator is None:
             self._generator = round_generator(self.sampling.seed, self.round_index, DRAFT_STREAM)
         token = int(head.ids[draw(probs, self._generator)])
-        kept = torch.nonzero(probs > 0).flatten()  # [S]
-        ids = head.ids[kept]
-        order = torch.argsort(ids)  # q on the wire lists its ids in increasing order, as from a full row
-        return token, (ids[order].tolist(), probs[kept[order]].tolist())
+        kept = torch.nonzero(probs > 0).flatten()  # [S], in increasing id order, as from a full row
+        return token, (head.ids[kept].tolist(), probs[kept].tolist())
 
     def _pick(self, logits: torch.Tensor) -> tuple[int, tuple[list[int], list[float]] | None] | None:
         if self.sampling.greedy:
@@ -177,7 +180,7 @@ class TokenPicker:
         self.confidence *= float(top)
         # The first token is never cut (see the module docstring): only proposed tokens are priced
         # and judged, so an empty call would cost its round the call and teach the policy nothing.
-        return not self._picked or self.confidence >= self.min_confidence
+        return (not self._picked and not self.cut_first) or self.confidence >= self.min_confidence
 
 
 def take_next(pick, logits: torch.Tensor | HeadLogits, tokens: list[int], qs: list) -> bool:

@@ -40,8 +40,9 @@ from specdec.sampling_params import MAX_TOP_LOGPROBS, Sampling, TokenLogprob  # 
 
 
 def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
-    """One index drawn from ``weights [V]`` (non-negative, some positive; need not sum to one) with
-    ``generator``: the first index whose cumulative weight exceeds a uniform draw scaled to the total.
+    """One index drawn from ``weights [V]`` (non-negative, some positive; need not sum to one; on the
+    CPU, where every caller draws) with ``generator``: the first index whose cumulative weight exceeds
+    a uniform draw scaled to the total.
 
     An index of zero weight adds nothing to the cumulative sum, so it is never drawn. Exact as
     ``torch.multinomial`` is, and about 13x cheaper for one draw from the default target's 49k-token
@@ -51,7 +52,9 @@ def draw(weights: torch.Tensor, generator: torch.Generator) -> int:
     cdf = torch.cumsum(weights.double(), dim=-1)  # [V]
     uniform = torch.rand(1, generator=generator, dtype=torch.float64).to(cdf.device)
     index = int(torch.searchsorted(cdf, uniform * cdf[-1], right=True))
-    if index >= cdf.shape[-1]:  # the scaled draw rounded up to the total: the last index with weight
+    if index >= cdf.shape[-1]:
+        # A uniform below one scaled by the total stays below it in float64; were it ever to reach it,
+        # the draw is the last index with weight, never one past the end or one of zero weight.
         index = int(torch.nonzero(weights > 0)[-1])
     return index
 
@@ -164,7 +167,9 @@ def warp_probs(logits: torch.Tensor, sampling: Sampling, extra_top_k: int = 0) -
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [n, V]
     if sampling.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)  # [n, V]
+        # Stable: ties rank in index order, so a row restricted to some of its entries (a draft's
+        # head, in increasing id order) keeps the same tokens at the cut-off as the whole row.
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # [n, V]
         # Drop a token when the mass strictly before it already reaches top_p; the first always stays.
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(before >= sampling.top_p, 0.0)

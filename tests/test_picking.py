@@ -97,10 +97,10 @@ def test_a_cut_off_outside_zero_to_one_is_refused(tiny_target):
 
 
 def _head(vocab: int = 40, size: int = 12, seed: int = 0) -> HeadLogits:
-    """A reduced head over ``size`` ids of a ``vocab``-token vocabulary, listed out of id order (as a
-    head lists them, by frequency), whose top logit is tied between two of them."""
+    """A reduced head over ``size`` ids of a ``vocab``-token vocabulary (in increasing order, as the
+    draft hands them to a pick), whose top logit is tied between two of them."""
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randperm(vocab, generator=gen)[:size]
+    ids = torch.randperm(vocab, generator=gen)[:size].sort().values
     logits = torch.randn(1, size, generator=gen)
     top = int(logits.argmax())
     logits[0, (top + 3) % size] = logits[0, top]
@@ -108,14 +108,17 @@ def _head(vocab: int = 40, size: int = 12, seed: int = 0) -> HeadLogits:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_a_head_row_picks_the_greedy_token_of_its_full_row(seed):
+def test_a_head_row_picks_the_greedy_tokens_of_its_full_row(seed):
     head = _head(seed=seed)
-    for cutoff in (0.0, 0.3, 0.9):
-        from_head = TokenPicker(Sampling(), 0, min_confidence=cutoff)(head)
-        from_full = TokenPicker(Sampling(), 0, min_confidence=cutoff)(head.full())
-        # The tie goes to the lower id, as the full row's argmax gives it.
-        assert from_head == from_full
+    # The tie goes to the lower id, as the full row's argmax gives it.
     assert head.argmax()[0] == int(head.full()[0].argmax())
+    for cutoff in (0.0, 0.05, 0.3):
+        # Picks from one picker run on until the product of top probabilities falls below the cut-off.
+        from_head, from_full = (TokenPicker(Sampling(), 0, min_confidence=cutoff) for _ in range(2))
+        picks = [(from_head(head), from_full(head.full())) for _ in range(6)]
+        assert all(a == b for a, b in picks), picks
+        if cutoff:
+            assert picks[0][0] is not None and picks[-1][0] is None  # the first is kept, the cut-off acts
 
 
 @pytest.mark.parametrize("sampling", [Sampling(0.8), Sampling(0.8, top_k=5), Sampling(1.3, top_p=0.8)])
@@ -135,6 +138,10 @@ def test_a_head_row_draws_from_the_q_of_its_full_row(sampling):
     q = sparse_to_dense(want_ids, want_probs, head.vocab)
     assert counts[q == 0].sum() == 0
     assert torch.allclose(counts / n, q, atol=0.023), (counts / n, q)
+    # With the same draft stream, the same token as the full row's pick.
+    for i in range(200):
+        head_pick = TokenPicker(sampling, i, sample_top_k=8)(head)[0]
+        assert head_pick == TokenPicker(sampling, i, sample_top_k=8)(head.full())[0]
 
 
 def test_a_penalised_or_coupled_pick_reads_the_full_row():
@@ -145,3 +152,10 @@ def test_a_penalised_or_coupled_pick_reads_the_full_row():
         full = TokenPicker(sampling, 0, position=10)
         full._picked.append(int(head.ids[0]))
         assert picker(head) == full(head.full())
+
+
+def test_drafting_ahead_may_cut_before_its_first_token():
+    """Drafting ahead asks for tokens no round's plan chose to draft: its cut-off acts from the first."""
+    peaked = torch.tensor([[math.log(1.0), math.log(8.0), math.log(1.0)]])  # top probability 0.8
+    assert TokenPicker(Sampling(), 0, min_confidence=0.9, cut_first=True)(peaked) is None
+    assert TokenPicker(Sampling(), 0, min_confidence=0.9)(peaked) == (1, None)
