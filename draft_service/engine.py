@@ -527,7 +527,7 @@ class FeatureDrafter(DraftEngine):
                     position += 1
                 logits = draft.head_rows(predicted)  # [1, N]
                 if guess is None:
-                    pending = guess = logits.argmax()[0]
+                    pending = guess = logits.argmax()
                     continue
                 if not take_next(pick, logits, tokens, qs):
                     break

@@ -78,10 +78,9 @@ class HeadLogits:
         """Row ``index`` alone, as ``[1, N]``."""
         return HeadLogits(self.logits[index : index + 1], self.ids, self.vocab)
 
-    def argmax(self) -> tuple[int, int]:
-        """Row 0's likeliest token (the lowest id of a tie, as the full row's argmax) and its index."""
-        index = int(self.logits[0].argmax())
-        return int(self.ids[index]), index
+    def argmax(self) -> int:
+        """Row 0's likeliest token (the lowest id of a tie, as the full row's argmax)."""
+        return int(self.ids[int(self.logits[0].argmax())])
 
     def full(self) -> torch.Tensor:
         """The full-vocabulary logits ``[B, V]``, -inf outside the head."""
@@ -116,18 +115,13 @@ class TokenPicker:
     def __call__(self, logits: torch.Tensor | HeadLogits) -> tuple[int, tuple[list[int], list[float]] | None] | None:
         """The token for draft logits ``[1, V]`` (or a reduced head's ``[1, N]``) and its sparse q (None for
         greedy), or None to stop."""
+        ids = None  # the token each entry of the row scores: None, the entry's own index
         if isinstance(logits, HeadLogits):
-            if not self._reads_head:
-                logits = logits.full()
-            else:
-                picked = self._pick_in_head(logits)
-                if picked is not None:
-                    self._picked.append(picked[0])
-                return picked
+            logits, ids = (logits.logits, logits.ids) if self._reads_head else (logits.full(), None)
         logits = penalize_logits(logits, self.sampling, self.committed, [self._picked])
         if self.grammar is not None:
             logits = mask_logits(logits, self.grammar.allowed()[None])
-        picked = self._pick(logits)
+        picked = self._pick(logits, ids)
         if picked is not None:
             self._picked.append(picked[0])
             if self.grammar is not None and not self.grammar.ended:
@@ -143,38 +137,32 @@ class TokenPicker:
         rewrites the row, and no coupled draw reads noise indexed by the whole vocabulary."""
         return not (self.sampling.penalized or self.grammar is not None or self.sampling.coupled)
 
-    def _pick_in_head(self, head: HeadLogits) -> tuple[int, tuple[list[int], list[float]] | None] | None:
-        """``_pick`` over a reduced head's row: the token and q that the full row, -inf outside the head,
-        gives (a sampled draw with the same generator state included)."""
-        if self.sampling.greedy:
-            token, index = head.argmax()
-            if self.min_confidence > 0 and not self._confident(torch.softmax(head.logits[0].float(), -1)[index]):
-                return None
-            return token, None
-        probs = warp_probs(head.logits, self.sampling, extra_top_k=self.sample_top_k)[0]  # [N]
-        if self.min_confidence > 0 and not self._confident(probs.max()):
-            return None
-        if self._generator is None:
-            self._generator = round_generator(self.sampling.seed, self.round_index, DRAFT_STREAM)
-        token = int(head.ids[draw(probs, self._generator)])
-        kept = torch.nonzero(probs > 0).flatten()  # [S], in increasing id order, as from a full row
-        return token, (head.ids[kept].tolist(), probs[kept].tolist())
+    def _pick(
+        self, logits: torch.Tensor, ids: torch.Tensor | None = None
+    ) -> tuple[int, tuple[list[int], list[float]] | None] | None:
+        """The pick over ``logits [1, R]``, whose entry i scores token ``ids[i]`` (a head's row, in
+        increasing id order: it picks as the full row does, see ``HeadLogits``) or token i (``ids``
+        None: the full row)."""
 
-    def _pick(self, logits: torch.Tensor) -> tuple[int, tuple[list[int], list[float]] | None] | None:
+        def token(index: int) -> int:
+            return index if ids is None else int(ids[index])
+
         if self.sampling.greedy:
-            token = int(logits[0].argmax())
-            if self.min_confidence > 0 and not self._confident(torch.softmax(logits[0].float(), -1)[token]):
+            index = int(logits[0].argmax())
+            if self.min_confidence > 0 and not self._confident(torch.softmax(logits[0].float(), -1)[index]):
                 return None
-            return token, None
-        probs = warp_probs(logits, self.sampling, extra_top_k=self.sample_top_k)[0]  # [V]
+            return token(index), None
+        probs = warp_probs(logits, self.sampling, extra_top_k=self.sample_top_k)[0]  # [R]
         if self.min_confidence > 0 and not self._confident(probs.max()):
             return None
-        if self.sampling.coupled:
+        support, mass = dense_to_sparse(probs)  # entries in increasing order, so ids too
+        q = (support if ids is None else ids[support].tolist(), mass)
+        if self.sampling.coupled:  # only on the full row (``_reads_head``)
             self.position += 1
-            return coupled_token(probs, self.sampling.seed, self.position - 1), dense_to_sparse(probs)
+            return coupled_token(probs, self.sampling.seed, self.position - 1), q
         if self._generator is None:
             self._generator = round_generator(self.sampling.seed, self.round_index, DRAFT_STREAM)
-        return draw(probs, self._generator), dense_to_sparse(probs)
+        return token(draw(probs, self._generator)), q
 
     def _confident(self, top: torch.Tensor) -> bool:
         self.confidence *= float(top)

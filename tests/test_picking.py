@@ -111,7 +111,7 @@ def _head(vocab: int = 40, size: int = 12, seed: int = 0) -> HeadLogits:
 def test_a_head_row_picks_the_greedy_tokens_of_its_full_row(seed):
     head = _head(seed=seed)
     # The tie goes to the lower id, as the full row's argmax gives it.
-    assert head.argmax()[0] == int(head.full()[0].argmax())
+    assert head.argmax() == int(head.full()[0].argmax())
     for cutoff in (0.0, 0.05, 0.3):
         # Picks from one picker run on until the product of top probabilities falls below the cut-off.
         from_head, from_full = (TokenPicker(Sampling(), 0, min_confidence=cutoff) for _ in range(2))
