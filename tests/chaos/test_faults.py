@@ -134,19 +134,30 @@ def run_with_fault(
 
 def test_draft_killed_mid_stream(setup):
     c = setup.cluster
-    run_with_fault(
-        "draft SIGKILL", setup, lambda: c.kill("draft0"), after=lambda: c.restart("draft0"), evidence="draft failed"
-    )
+    killed = []
+
+    def kill() -> None:
+        # The replica holding the most sessions: a fixed one may hold none by then, and the fault miss.
+        killed.append(c.busiest("draft"))
+        c.kill(killed[0])
+
+    run_with_fault("draft SIGKILL", setup, kill, after=lambda: c.restart(killed[0]), evidence="draft failed")
 
 
 def test_draft_hangs_past_the_deadline(setup):
     # A frozen process keeps its socket open: only the draft deadline (--draft-timeout) tells the coordinator.
     c = setup.cluster
+    hung = []
+
+    def hang() -> None:
+        hung.append(c.busiest("draft"))  # as above: the replica whose hang the most sessions see
+        c.signal(hung[0], signal.SIGSTOP)
+
     run_with_fault(
         "draft hang (deadline)",
         setup,
-        lambda: c.signal("draft1", signal.SIGSTOP),
-        after=lambda: c.signal("draft1", signal.SIGCONT),
+        hang,
+        after=lambda: c.signal(hung[0], signal.SIGCONT),
         evidence="DEADLINE_EXCEEDED",
     )
 
