@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
 
-.PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-structured bench-peers bench-peers-k0 bench-load bench-own-models bench-long-prompt pass-grid pass-curve bench-allocators tree-ceiling clean
+.PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-structured bench-peers bench-peers-k0 bench-load bench-own-models bench-long-prompt pass-grid pass-curve bench-allocators bench-spin tree-ceiling clean
 
 install: $(STAMP) $(MODEL_STAMP) redis
 
@@ -130,6 +130,10 @@ pass-curve: install
 bench-allocators: install
 	dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4; }
 	$(PY) -m bench.allocators --cache-dir $(CACHE_DIR) --out reports/allocators.json
+
+# The whole local stack under each GOMP_SPINCOUNT of the target, A B C C B A.
+bench-spin: install
+	$(PY) -m bench.spin --cache-dir $(CACHE_DIR) --out reports/spin.json
 
 # The most token trees could gain over chains with the shipped draft on this machine (in process).
 tree-ceiling: install

@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.alternating import alternate, write_report
+
 # Debian's libtcmalloc-minimal4 (the Makefile and the container image install it).
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 # Each setting's environment on top of the caller's; the rows each report compares.
@@ -61,20 +63,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not Path(TCMALLOC).is_file():
         raise SystemExit(f"{TCMALLOC} is missing: apt-get install libtcmalloc-minimal4")
-    order = (list(VARIANTS) + list(reversed(VARIANTS))) * args.rounds
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
     with tempfile.TemporaryDirectory() as scratch:
-        for i, name in enumerate(order):
-            runs[name].append(run_variant(VARIANTS[name], args, Path(scratch) / f"{i}.json"))
-            print(f"{name}: {runs[name][-1]}", file=sys.stderr, flush=True)
-    report = {
-        "config": {"dtype": args.dtype, "repeats": args.repeats, "rounds": args.rounds, "variants": VARIANTS},
-        "runs": runs,
-        "settings": summarize(runs),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["settings"], indent=2))
+        runs = alternate(
+            list(VARIANTS), args.rounds, lambda name, i: run_variant(VARIANTS[name], args, Path(scratch) / f"{i}.json")
+        )
+    config = {"dtype": args.dtype, "repeats": args.repeats, "rounds": args.rounds, "variants": VARIANTS}
+    write_report(args.out, config, runs, summarize(runs))
 
 
 if __name__ == "__main__":

@@ -263,6 +263,16 @@ pass of 1 row, 8 rows, and 8 one-row sessions, and the default's over it. A loca
 draft preload tcmalloc where it is installed (`--no-tcmalloc` turns it off); the container image
 preloads it for every service."""
 
+SPIN_METHOD = """\
+## How long the target's threads spin (`make bench-spin`)
+
+`bench/spin.py` starts a local stack (default settings) per `GOMP_SPINCOUNT` of the target, in the
+order A B C C B A: libgomp's own default (300,000 turns), 10,000 and 1,000. Between passes the target
+idles while the coordinator and the draft work; a thread still spinning then takes a core from them.
+Each row is the median of its runs: tok/s at one stream (greedy, 64 tokens a prompt) and at 8 streams
+(each prompt twice), and the target's CPU time per token at one stream. A local stack's target runs
+with 10,000 unless the environment sets `GOMP_SPINCOUNT`; so does the container image."""
+
 OWN_METHOD = """\
 ## Models the project never shipped (`make bench-own-models`)
 
@@ -644,6 +654,27 @@ def allocators_section(report: dict | None) -> list[str]:
     return lines + table(headers, rows) + [""]
 
 
+def spin_section(report: dict | None) -> list[str]:
+    lines = SPIN_METHOD.splitlines() + [""]
+    settings = (report or {}).get("settings")
+    if not isinstance(settings, dict) or not settings:
+        return lines + missing("reports/spin.json", "bench-spin")
+    rows = [
+        [
+            f"`{(report.get('config') or {}).get('gomp_spincount', {}).get(name, name)}`",
+            num(s.get("one_stream_tok_s"), 1),
+            f"{num(s.get('one_stream_vs_default'))}×",
+            num(s.get("streams_tok_s"), 1),
+            f"{num(s.get('streams_vs_default'))}×",
+            num(s.get("target_cpu_ms_per_token"), 1),
+        ]
+        for name, s in settings.items()
+    ]
+    headers = ["GOMP_SPINCOUNT", "1 stream, tok/s", "vs default", "8 streams, tok/s", "vs default"]
+    headers.append("target CPU ms/token")
+    return lines + table(headers, rows) + [""]
+
+
 def own_models_section(files: list[tuple[str, dict]]) -> list[str]:
     lines = OWN_METHOD.splitlines() + [""]
     if not files:
@@ -889,6 +920,7 @@ def gather(root: Path, reports: Path, drafts: Path) -> dict:
         "trees": (label(reports / "tree-ceiling.json", root), load(reports / "tree-ceiling.json")),
         "curve": (label(reports / "pass-curve.json", root), load(reports / "pass-curve.json")),
         "allocators": (label(reports / "allocators.json", root), load(reports / "allocators.json")),
+        "spin": (label(reports / "spin.json", root), load(reports / "spin.json")),
         "peers": (label(reports / "peers.json", root), load(reports / "peers.json")),
         "peers-k0": (label(reports / "peers-k0.json", root), load(reports / "peers-k0.json")),
         "sampled": (label(reports / "bench-sampled.json", root), load(reports / "bench-sampled.json")),
@@ -914,13 +946,14 @@ def render_benchmarks(root: Path, reports: Path, drafts: Path) -> str:
     lines += speculation_section(data["structured"][1], STRUCTURED_METHOD, "bench-structured.json", "bench-structured")
     lines += curve_section(data["curve"][1])
     lines += allocators_section(data["allocators"][1])
+    lines += spin_section(data["spin"][1])
     lines += peers_section(data["peers"][1], data["peers-k0"][1])
     lines += own_models_section(data["own"])
     lines += grid_section(data["grid"][1])
     lines += tree_ceiling_section(data["trees"][1])
     lines += long_section(data["long"])
     lines += drafts_section(data["cards"])
-    keys = ("bench", "sampled", "unseeded", "structured", "load", "curve", "allocators", "peers", "peers-k0")
+    keys = ("bench", "sampled", "unseeded", "structured", "load", "curve", "allocators", "spin", "peers", "peers-k0")
     keys += ("grid", "trees")
     named = [data[key] for key in keys]
     lines += files_section(named + data["long"] + data["own"])

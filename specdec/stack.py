@@ -157,6 +157,10 @@ def wait_for_redis(proc: Process, port: int, timeout_s: float = 20.0) -> None:
     raise RuntimeError(f"redis-server did not start:\n{proc.log_tail()}")
 
 
+TARGET_SPIN_COUNT = "10000"
+"""The target's ``GOMP_SPINCOUNT`` where the environment sets none (``child_env``)."""
+
+
 def child_env(threads: int, passive: bool, preload: Path | None = None) -> dict[str, str]:
     """The environment of a service child process: its thread count, whether idle threads sleep, and
     a library to preload (the allocator, ``StackConfig.preload``)."""
@@ -166,9 +170,12 @@ def child_env(threads: int, passive: bool, preload: Path | None = None) -> dict[
         env["LD_PRELOAD"] = " ".join(filter(None, (str(preload), env.get("LD_PRELOAD"))))
     if passive:
         # The draft waits while the target verifies: its idle OpenMP threads must sleep, not spin.
-        # The target keeps the default (brief spinning): sleeping between its ~500 ops per pass
-        # measured 10-15% slower here.
         env["OMP_WAIT_POLICY"] = "PASSIVE"
+    else:
+        # The target's threads spin briefly between ops (sleeping between its ~500 ops per pass measured
+        # 10-15% slower here), but not for libgomp's default 300,000 turns: between passes that spin
+        # takes the cores the coordinator and the draft then work on (``make bench-spin``).
+        env.setdefault("GOMP_SPINCOUNT", TARGET_SPIN_COUNT)
     return env
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from harness import InProcessStack
 from test_e2e_tiny import hf_greedy
 
@@ -168,3 +170,25 @@ def test_a_parted_model_is_joined_in_order_and_checked(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="not the pinned"):
         fetch_models.fetch("bad", tmp_path)
     assert not any(p.name.startswith("bad.gguf") for p in tmp_path.iterdir())
+
+
+def test_settings_take_turns_and_the_spin_report_compares_with_libgomps_default(tmp_path):
+    from bench.alternating import alternate, write_report
+    from bench.spin import summarize
+
+    seen = []
+    runs = alternate(["a", "b", "c"], 2, lambda name, index: seen.append((name, index)) or {"index": index})
+    assert [name for name, _ in seen] == list("abccba") * 2
+    assert runs["b"] == [{"index": 1}, {"index": 4}, {"index": 7}, {"index": 10}]
+    figures = {
+        "libgomp-default": [{"one_stream_tok_s": 60.0, "streams_tok_s": 200.0, "target_cpu_ms_per_token": 24.0}] * 2,
+        "10000": [
+            {"one_stream_tok_s": 63.0, "streams_tok_s": 210.0, "target_cpu_ms_per_token": 20.0},
+            {"one_stream_tok_s": 69.0, "streams_tok_s": 190.0, "target_cpu_ms_per_token": 22.0},
+        ],
+    }
+    settings = summarize(figures)
+    assert settings["10000"]["one_stream_tok_s"] == 66.0 and settings["10000"]["one_stream_vs_default"] == 1.1
+    assert settings["10000"]["streams_vs_default"] == 1.0 and settings["10000"]["target_cpu_ms_per_token"] == 21.0
+    write_report(tmp_path / "out" / "spin.json", {"rounds": 1}, figures, settings)
+    assert json.loads((tmp_path / "out" / "spin.json").read_text())["settings"] == settings

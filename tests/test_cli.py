@@ -120,6 +120,18 @@ def test_the_coordinator_needs_no_torch(tiny_dir):
     assert out.stdout.strip() == "[]", out.stdout
 
 
+def test_the_target_spins_briefly_and_the_draft_sleeps_unless_the_environment_says(monkeypatch):
+    from specdec.stack import TARGET_SPIN_COUNT
+
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    target, draft = child_env(2, passive=False), child_env(1, passive=True)
+    assert target["GOMP_SPINCOUNT"] == TARGET_SPIN_COUNT and "OMP_WAIT_POLICY" not in target
+    assert draft["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in draft
+    monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
+    assert child_env(2, passive=False)["GOMP_SPINCOUNT"] == "300000"
+
+
 def test_tcmalloc_is_preloaded_where_installed_unless_refused(tmp_path, monkeypatch):
     from specdec import cli
 
