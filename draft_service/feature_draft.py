@@ -362,6 +362,9 @@ class FeatureSession:
     committed: list[int]
     window: int = 0
     features: torch.Tensor | None = None
+    """A view of ``_store``'s first rows: a round's new rows are written after those kept, not copied
+    with them (a long context's features are megabytes)."""
+    _store: torch.Tensor | None = None
     kv: GrowableCache = field(default_factory=GrowableCache)
     kv_pairs: int = 0
     # The highest fencing token a caller showed (see SessionCache.sync).
@@ -401,9 +404,10 @@ class FeatureSession:
         """A new session over the committed ``tokens`` with a copy of this one's features and KV pairs
         where its tokens match (then synced to ``tokens`` as any sync crops: no speculative entry, no
         feature at the last position); the draft's catch-up feeds only what the copy lacks."""
-        features = None if self.features is None else self.features.clone()
         pairs = min(self.kv_pairs, self.kv.get_seq_length())
-        clone = FeatureSession(list(self.committed), self.window, features, copy_kv(self.kv, pairs), pairs)
+        clone = FeatureSession(list(self.committed), self.window, kv=copy_kv(self.kv, pairs), kv_pairs=pairs)
+        if self.features is not None:
+            clone._write_rows(0, self.features)
         common = common_prefix_len(self.committed, tokens)
         clone.sync(common, tokens[common:], fence)
         return clone
@@ -418,14 +422,27 @@ class FeatureSession:
         if len(rows) == 0:
             return
         if self.features is None or not self.window <= start <= self.feature_end:
-            self.window, self.features = start, rows
+            self.window, self._store = start, None
+            self._write_rows(0, rows)
             self.reset_kv()
         else:
             self._keep(start - self.window, start - self.window)
-            self.features = torch.cat([self.features[: start - self.window], rows])
+            self._write_rows(start - self.window, rows)
         # A pair needs the token after its feature: only committed positions before the last count.
         last = len(self.committed) - 1 - self.window
         self._keep(last, last)
+
+    def _write_rows(self, at: int, rows: torch.Tensor) -> None:
+        """Features from row ``at`` on become ``rows [n, W]``; the store doubles when it runs out of room."""
+        end = at + len(rows)
+        store = self._store
+        if store is None or end > len(store) or store.dtype != rows.dtype or store.device != rows.device:
+            grown = rows.new_empty(max(end, 2 * (0 if store is None else len(store)), 64), rows.shape[1])
+            if at:
+                grown[:at] = self.features[:at]
+            self._store = store = grown
+        store[at:end] = rows
+        self.features = store[:end]
 
     def _keep(self, features: int, pairs: int) -> None:
         """Keeps at most the first ``features`` features and ``pairs`` cached pairs."""

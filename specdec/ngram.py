@@ -20,18 +20,28 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
     occurs earlier.
     """
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        last = suffix[-1]
-        # Scan right to left so the most recent occurrence wins; it best predicts what comes next.
-        # Comparing the last token first skips the slice at nearly every start: the coordinator
-        # scans a greedy session's whole context every round.
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start + n - 1] == last and tokens[start : start + n] == suffix:
-                follow = tokens[start + n : start + n + k]
-                if follow:
-                    return follow
-    return []
+    top = min(max_n, length - 1)
+    if length < 2 or top < max(min_n, 1):
+        return []
+    # One pass over the earlier occurrences of the last token, most recent first (the most recent
+    # occurrence best predicts what comes next), measuring how much of the context's tail each one
+    # ends: the first to end the longest tail is the match the longest-suffix-first rule picks.
+    # ``list.index`` hops between occurrences in C, where a loop over every position took ~0.3 ms
+    # a call at 2,000 tokens, and both the draft and the coordinator look up every round.
+    backwards = tokens[::-1]  # backwards[j] = tokens[length - 1 - j]
+    last, best, end, j = tokens[-1], 0, -1, 0
+    while best < top:
+        try:
+            j = backwards.index(last, j + 1)
+        except ValueError:
+            break
+        at = length - 1 - j  # the occurrence's position; tokens after it exist since j >= 1
+        matched = 1
+        while matched < top and matched <= at and backwards[j + matched] == backwards[matched]:
+            matched += 1
+        if matched > best:
+            best, end = matched, at
+    return tokens[end + 1 : end + 1 + k] if best >= min_n else []
 
 
 def whole_continuation(tokens: list[int], k: int, *, min_n: int, max_n: int = LOOKUP_MAX_N) -> list[int] | None:

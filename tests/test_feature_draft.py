@@ -89,6 +89,28 @@ def test_session_matches_full_recompute(draft, tiny_target):
     assert session.propose(draft, 3, _greedy)[0] == _reference(draft, tokens[:n], 0, feats, 3)
 
 
+def test_features_grow_in_place_and_a_fork_keeps_its_own():
+    """A round's features are written after the kept ones, without copying them; a rewrite after a
+    rollback and a new window read what was sent; a fork's features are its own."""
+    rows = torch.arange(160 * 3, dtype=torch.float32).reshape(160, 3)
+    session = FeatureSession(committed=list(range(161)))
+    session.add_features(0, rows[:30])
+    start = session.features.data_ptr()
+    session.add_features(30, rows[30:32])
+    assert session.features.data_ptr() == start and torch.equal(session.features, rows[:32])
+    fork = session.fork(list(range(161)))
+    session.sync(20, [])  # a rollback: features past the committed tokens go
+    session.sync(20, list(range(20, 161)))
+    session.add_features(19, -rows[19:25])  # the target's rows for the new path
+    assert torch.equal(session.features, torch.cat([rows[:19], -rows[19:25]]))
+    assert torch.equal(fork.features, rows[:32])
+    session.add_features(35, rows[35:38])  # past a gap: a new window
+    assert session.window == 35 and torch.equal(session.features, rows[35:38])
+    for end in range(38, 159):  # a row a round, through the store's growth
+        session.add_features(end, rows[end : end + 1])
+    assert torch.equal(session.features, rows[35:159])
+
+
 def test_session_gap_starts_a_window(draft, tiny_target):
     r = random.Random(1)
     tokens = [r.randrange(4, 30) for _ in range(40)]

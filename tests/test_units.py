@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import grpc
@@ -23,6 +24,7 @@ from specdec.kvcache import CacheTable, SessionCache, kv_buffer_bytes
 from specdec.ngram import propose_ngram, whole_continuation
 from specdec.sampling import Sampling, warp_probs
 from specdec.sampling_params import check_sampling
+from specdec.token_lists import common_prefix_len
 from specdec.v1 import common_pb2
 
 
@@ -34,6 +36,40 @@ def test_ngram_prefers_longest_most_recent_match():
     assert propose_ngram([4], 3, 3, 1) == []
     # The last-token check skips non-matches only: a match whose last token recurs elsewhere is found.
     assert propose_ngram([8, 8, 3, 8, 1, 2, 8, 6, 3, 8], 2, 2, 2) == [1, 2]
+
+
+def _ngram_by_scan(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
+    """The lookup rule spelled out: each suffix length from the longest, every start from the latest."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tokens[len(tokens) - n :]:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_follows_the_rule_on_random_contexts():
+    r = random.Random(5)
+    for _ in range(3000):
+        vocab = r.choice([2, 3, 5, 12])  # small vocabularies repeat: long and tied matches
+        tokens = [r.randrange(vocab) for _ in range(r.randrange(1, 40))]
+        k, max_n = r.randrange(1, 6), r.randrange(1, 6)
+        min_n = r.randrange(1, max_n + 1)
+        assert propose_ngram(tokens, k, max_n, min_n) == _ngram_by_scan(tokens, k, max_n, min_n), (
+            tokens,
+            k,
+            max_n,
+            min_n,
+        )
+
+
+def test_common_prefix_len_finds_the_first_difference_wherever_it_lies():
+    r = random.Random(6)
+    for _ in range(2000):
+        a = [r.randrange(3) for _ in range(r.randrange(0, 300))]
+        cut = r.randrange(0, len(a) + 1)
+        b = a[:cut] + [r.randrange(3) for _ in range(r.randrange(0, 300))]
+        want = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert common_prefix_len(a, b) == want == common_prefix_len(b, a)
 
 
 def test_whole_continuation_needs_all_k_tokens_and_a_long_enough_suffix():
