@@ -364,7 +364,7 @@ class FeatureSession:
     features: torch.Tensor | None = None
     """A view of ``_store``'s first rows: a round's new rows are written after those kept, not copied
     with them (a long context's features are megabytes)."""
-    _store: torch.Tensor | None = None
+    _store: torch.Tensor | None = field(default=None, init=False, repr=False, compare=False)
     kv: GrowableCache = field(default_factory=GrowableCache)
     kv_pairs: int = 0
     # The highest fencing token a caller showed (see SessionCache.sync).

@@ -41,7 +41,7 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
             matched += 1
         if matched > best:
             best, end = matched, at
-    return tokens[end + 1 : end + 1 + k] if best >= min_n else []
+    return tokens[end + 1 : end + 1 + k] if best >= max(min_n, 1) else []
 
 
 def whole_continuation(tokens: list[int], k: int, *, min_n: int, max_n: int = LOOKUP_MAX_N) -> list[int] | None:

@@ -169,12 +169,14 @@ def child_env(threads: int, passive: bool, preload: Path | None = None) -> dict[
     if preload is not None:
         env["LD_PRELOAD"] = " ".join(filter(None, (str(preload), env.get("LD_PRELOAD"))))
     if passive:
-        # The draft waits while the target verifies: its idle OpenMP threads must sleep, not spin.
+        # The draft waits while the target verifies: its idle OpenMP threads must sleep, not spin. An
+        # explicit GOMP_SPINCOUNT would outrank the policy in libgomp, so none passes through.
         env["OMP_WAIT_POLICY"] = "PASSIVE"
-    else:
+        env.pop("GOMP_SPINCOUNT", None)
+    elif "OMP_WAIT_POLICY" not in env:
         # The target's threads spin briefly between ops (sleeping between its ~500 ops per pass measured
-        # 10-15% slower here), but not for libgomp's default 300,000 turns: between passes that spin
-        # takes the cores the coordinator and the draft then work on (``make bench-spin``).
+        # 10-15% slower here), but not for libgomp's default 300,000 turns (about 3 ms), which also
+        # spin between passes while the coordinator and the draft work (``make bench-spin``).
         env.setdefault("GOMP_SPINCOUNT", TARGET_SPIN_COUNT)
     return env
 

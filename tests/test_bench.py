@@ -181,14 +181,33 @@ def test_settings_take_turns_and_the_spin_report_compares_with_libgomps_default(
     assert [name for name, _ in seen] == list("abccba") * 2
     assert runs["b"] == [{"index": 1}, {"index": 4}, {"index": 7}, {"index": 10}]
     figures = {
-        "libgomp-default": [{"one_stream_tok_s": 60.0, "streams_tok_s": 200.0, "target_cpu_ms_per_token": 24.0}] * 2,
+        "libgomp-default": [
+            {
+                "one_stream_tok_s": 60.0,
+                "one_stream_k0_tok_s": 50.0,
+                "streams_tok_s": 200.0,
+                "target_cpu_ms_per_token": 24.0,
+            }
+        ]
+        * 2,
         "10000": [
-            {"one_stream_tok_s": 63.0, "streams_tok_s": 210.0, "target_cpu_ms_per_token": 20.0},
-            {"one_stream_tok_s": 69.0, "streams_tok_s": 190.0, "target_cpu_ms_per_token": 22.0},
+            {
+                "one_stream_tok_s": 63.0,
+                "one_stream_k0_tok_s": 45.0,
+                "streams_tok_s": 210.0,
+                "target_cpu_ms_per_token": 20.0,
+            },
+            {
+                "one_stream_tok_s": 69.0,
+                "one_stream_k0_tok_s": 50.0,
+                "streams_tok_s": 190.0,
+                "target_cpu_ms_per_token": 22.0,
+            },
         ],
     }
     settings = summarize(figures)
     assert settings["10000"]["one_stream_tok_s"] == 66.0 and settings["10000"]["one_stream_vs_default"] == 1.1
     assert settings["10000"]["streams_vs_default"] == 1.0 and settings["10000"]["target_cpu_ms_per_token"] == 21.0
+    assert settings["10000"]["one_stream_k0_vs_default"] == 0.95
     write_report(tmp_path / "out" / "spin.json", {"rounds": 1}, figures, settings)
     assert json.loads((tmp_path / "out" / "spin.json").read_text())["settings"] == settings

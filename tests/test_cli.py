@@ -130,6 +130,10 @@ def test_the_target_spins_briefly_and_the_draft_sleeps_unless_the_environment_sa
     assert draft["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in draft
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")
     assert child_env(2, passive=False)["GOMP_SPINCOUNT"] == "300000"
+    assert "GOMP_SPINCOUNT" not in child_env(1, passive=True)  # it would outrank PASSIVE in libgomp
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own policy stands
+    assert "GOMP_SPINCOUNT" not in child_env(2, passive=False)
 
 
 def test_tcmalloc_is_preloaded_where_installed_unless_refused(tmp_path, monkeypatch):
