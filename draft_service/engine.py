@@ -460,7 +460,10 @@ class FeatureDrafter(DraftEngine):
             raise ValueError(f"hidden.dim: this draft reads hidden states of width {self.hidden_size}")
         if hidden.start + len(hidden.rows) > len(cache.committed):
             raise ValueError("hidden: rows reach past the committed tokens")
-        cache.add_features(hidden.start, hidden.rows.to(self._draft_model.device))  # [n, W], moved once
+        # [n, W], moved once, in the dtype ``fc`` reads them in (the same numbers, in half the memory
+        # of the wire's float32 for a bf16 draft).
+        draft = self._draft_model
+        cache.add_features(hidden.start, hidden.rows.to(draft.device, draft.dtype))
 
     def _lookup(self, cache, k, sampling):
         """Prompt lookup's whole k-token continuation, or None."""

@@ -137,6 +137,11 @@ class FeatureDraft(nn.Module):
         """Where the draft computes."""
         return self.head_weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the draft computes in: its borrowed embedding's dtype, which ``fc`` reads features in."""
+        return self.embedding.weight.dtype
+
     def init_from_target(self, target: nn.Module) -> None:
         """Starts the decoder layer and norm from the target's; ``fc`` passes the feature through (and
         the side layers' outputs start unread)."""

@@ -117,6 +117,9 @@ def test_a_bfloat16_stack_with_a_bfloat16_feature_draft_equals_generate(half_dir
     assert [r.token_ids for r in alone] == references
     assert [r.token_ids for r in together] == references
     assert sum(r.stats.drafted_tokens for r in alone) > 0
+    # The target's features are kept as the draft reads them: in bf16, half the wire's float32.
+    kept = [drafter.caches.peek(i).features for i in drafter.caches.ids()]
+    assert any(f is not None for f in kept) and all(f.dtype == torch.bfloat16 for f in kept if f is not None)
 
 
 @pytest.fixture()
