@@ -267,7 +267,7 @@ SPIN_METHOD = """\
 ## How long the target's threads spin (`make bench-spin`)
 
 `bench/spin.py` starts a local stack (default settings) per `GOMP_SPINCOUNT` of the target, in the
-order A B C C B A: libgomp's own default (300,000 turns, about 3 ms), 10,000 and 1,000. Between passes
+order A B C C B A: libgomp's own default (300,000 turns), 10,000 and 1,000. Between passes
 the target idles while the coordinator and the draft work, and a thread still spinning takes a core.
 Each row is the median of its runs: tok/s at one stream (greedy, 64 tokens a prompt; k auto, and
 k = 0, whose passes follow each other most closely) and at 8 streams (each prompt twice), and the

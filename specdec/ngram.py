@@ -20,8 +20,8 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
     occurs earlier.
     """
     length = len(tokens)
-    top = min(max_n, length - 1)
-    if length < 2 or top < max(min_n, 1):
+    top, shortest = min(max_n, length - 1), max(min_n, 1)  # a suffix is at least one token
+    if top < shortest:
         return []
     # One pass over the earlier occurrences of the last token, most recent first (the most recent
     # occurrence best predicts what comes next), measuring how much of the context's tail each one
@@ -41,7 +41,7 @@ def propose_ngram(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int
             matched += 1
         if matched > best:
             best, end = matched, at
-    return tokens[end + 1 : end + 1 + k] if best >= max(min_n, 1) else []
+    return tokens[end + 1 : end + 1 + k] if best >= shortest else []
 
 
 def whole_continuation(tokens: list[int], k: int, *, min_n: int, max_n: int = LOOKUP_MAX_N) -> list[int] | None:

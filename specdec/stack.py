@@ -175,8 +175,8 @@ def child_env(threads: int, passive: bool, preload: Path | None = None) -> dict[
         env.pop("GOMP_SPINCOUNT", None)
     elif "OMP_WAIT_POLICY" not in env:
         # The target's threads spin briefly between ops (sleeping between its ~500 ops per pass measured
-        # 10-15% slower here), but not for libgomp's default 300,000 turns (about 3 ms), which also
-        # spin between passes while the coordinator and the draft work (``make bench-spin``).
+        # 10-15% slower here), but not for libgomp's default 300,000 turns, which also spin between
+        # passes while the coordinator and the draft work (``make bench-spin``).
         env.setdefault("GOMP_SPINCOUNT", TARGET_SPIN_COUNT)
     return env
 
