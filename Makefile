@@ -6,6 +6,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CACHE_DIR ?= $(HOME)/.cache/specdec
 MODEL_STAMP := $(CACHE_DIR)/smollm2-135m-instruct/model.safetensors
+# In-process pass timings run under tcmalloc where the host has it, as the served target does.
+TCMALLOC := /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4
+TCMALLOC_PRELOAD := $(if $(wildcard $(TCMALLOC)),LD_PRELOAD=$(TCMALLOC))
 
 .PHONY: install run test lint format docs test-fast proto up bench bench-sampled bench-structured bench-peers bench-peers-k0 bench-load bench-own-models bench-long-prompt pass-grid pass-curve bench-allocators bench-spin tree-ceiling clean
 
@@ -122,14 +125,15 @@ bench-long-prompt: install
 pass-grid: install
 	$(VENV)/bin/specdec pass-grid --cache-dir $(CACHE_DIR) --out reports/pass-grid.json
 
-# One pass's cost by rows in float32 and bfloat16, in process, and whether each kept a row's bits.
+# One pass's cost by rows in float32 and bfloat16, in process, and whether each kept a row's bits; the
+# compiled pass also with inductor's Python wrapper, which the served pass replaces with C++.
 pass-curve: install
-	$(VENV)/bin/specdec pass-curve --cache-dir $(CACHE_DIR) --compiled --out reports/pass-curve.json
+	$(TCMALLOC_PRELOAD) $(VENV)/bin/specdec pass-curve --cache-dir $(CACHE_DIR) --compiled --python-wrapper --out reports/pass-curve.json
 
 # The target's pass under each allocator / OpenMP setting (tcmalloc, OMP_WAIT_POLICY), A B .. B A.
 bench-allocators: install
 	dpkg -s libtcmalloc-minimal4 >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4; }
-	$(PY) -m bench.allocators --cache-dir $(CACHE_DIR) --out reports/allocators.json
+	$(PY) -m bench.allocators --cache-dir $(CACHE_DIR) --compiled --out reports/allocators.json
 
 # The whole local stack under each GOMP_SPINCOUNT of the target, A B C C B A.
 bench-spin: install

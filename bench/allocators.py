@@ -37,8 +37,10 @@ def run_variant(env: dict[str, str], args: argparse.Namespace, out: Path) -> dic
     """One ``specdec pass-curve`` in a child with ``env`` added; its pass medians by rows (``KEYS``)."""
     argv = [sys.executable, "-m", "specdec.cli", "pass-curve", "--dtypes", args.dtype]
     argv += ["--repeats", str(args.repeats), "--cache-dir", str(args.cache_dir), "--out", str(out)]
+    argv += ["--compiled"] if args.compiled else []
     subprocess.run(argv, env=os.environ | env, check=True, stdout=subprocess.DEVNULL)
-    curve = json.loads(out.read_text())["engines"][args.dtype]["pass_ms"]
+    engine = f"{args.dtype}-compiled" if args.compiled else args.dtype
+    curve = json.loads(out.read_text())["engines"][engine]["pass_ms"]
     return {key: curve[key] for key in KEYS}
 
 
@@ -58,16 +60,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--repeats", type=int, default=5, help="timed sweeps of each child's pass-curve")
     p.add_argument("--rounds", type=int, default=2, help="A B .. B A rounds: each setting runs twice a round")
+    p.add_argument("--compiled", action="store_true", help="time the compiled pass, as the target serves")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated settings (default first)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec")
     p.add_argument("--out", type=Path, default=Path("specdec-allocators.json"))
     args = p.parse_args(argv)
     if not Path(TCMALLOC).is_file():
         raise SystemExit(f"{TCMALLOC} is missing: apt-get install libtcmalloc-minimal4")
+    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
+    if "default" not in variants:
+        raise SystemExit("--variants must include default: the others are compared with it")
     with tempfile.TemporaryDirectory() as scratch:
         runs = alternate(
-            list(VARIANTS), args.rounds, lambda name, i: run_variant(VARIANTS[name], args, Path(scratch) / f"{i}.json")
+            list(variants), args.rounds, lambda name, i: run_variant(variants[name], args, Path(scratch) / f"{i}.json")
         )
-    config = {"dtype": args.dtype, "repeats": args.repeats, "rounds": args.rounds, "variants": VARIANTS}
+    config = {"dtype": args.dtype, "compiled": args.compiled, "repeats": args.repeats, "rounds": args.rounds}
+    config["variants"] = variants
     write_report(args.out, config, runs, summarize(runs))
 
 

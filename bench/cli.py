@@ -135,6 +135,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also time each dtype's compiled pass (specdec.compiled), built first: minutes cold",
     )
+    p.add_argument(
+        "--python-wrapper",
+        action="store_true",
+        help="with --compiled, also time each compiled pass with inductor's Python wrapper (the served pass's is C++)",
+    )
     p.add_argument("--context", type=int, default=200, help="tokens in the session's cache")
     p.add_argument("--repeats", type=int, default=9, help="timed sweeps (median)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the target")
@@ -464,10 +469,13 @@ def run_pass_curve(args: argparse.Namespace) -> None:
             runner = build_compiled(loaded.model, args.cache_dir)
             compile_s[f"{dtype}-compiled"] = round(runner.compile_s or 0.0, 1)
             engines[f"{dtype}-compiled"] = TargetEngine(loaded, 16, compiled=runner)
+        if args.compiled and args.python_wrapper:
+            runner = build_compiled(loaded.model, args.cache_dir, cpp_wrapper=False)
+            engines[f"{dtype}-compiled-python-wrapper"] = TargetEngine(loaded, 16, compiled=runner)
     # The bench prompts' tokens one after another, cut to the context: real text, a fixed length.
     prompt = [t for p in load_prompts(PROMPTS, None) for t in p.token_ids(loaded.tokenizer)][: args.context]
     curves = measure_pass_curve(engines, prompt, args.repeats)
-    names = list(curves)
+    names = [name for name in curves if not name.endswith("-python-wrapper")]  # the engines as served
     for name, curve in curves.items():
         ms = curve["pass_ms"]
         print(f"{name:>9}: " + "  ".join(f"{rows}:{value:.1f}" for rows, value in ms.items()))  # type: ignore[union-attr]
@@ -484,6 +492,7 @@ def run_pass_curve(args: argparse.Namespace) -> None:
         report["compile_s"] = compile_s
     pairs = [(names[0], names[-1])] if len(names) > 1 else []
     pairs += [(name.removesuffix("-compiled"), name) for name in compile_s]
+    pairs += [(name, name.removesuffix("-python-wrapper")) for name in curves if name.endswith("-python-wrapper")]
     ratios = {}
     for slow, fast in dict.fromkeys(pairs):
         for rows in ("1", "8"):

@@ -223,9 +223,11 @@ CURVE_METHOD = """\
 
 `specdec pass-curve` times one verify pass of the default target in process, over a session with a
 200-token context, for 1 to 33 rows (the pending token plus k draft tokens) and for 8 one-row sessions,
-in each dtype, the dtypes taking turns within every sweep. Speculation needs a pass over k+1 rows to
-cost about what one row costs. It also checks batch invariance: how many row counts gave the first
-row the logits it gets alone, bit for bit."""
+in each dtype, the dtypes taking turns within every sweep, under tcmalloc as the served target runs.
+Speculation needs a pass over k+1 rows to cost about what one row costs. It also checks batch
+invariance: how many row counts gave the first row the logits it gets alone, bit for bit. The
+`-python-wrapper` engines are the compiled pass with inductor's generated wrapper in Python, where
+the served pass's is C++: the same kernels, called from the interpreter."""
 
 SAMPLED_METHOD = """\
 ## Sampled requests (`make bench-sampled`)
@@ -256,7 +258,8 @@ call, and the target passes it whole; the draft drafts the values."""
 ALLOCATORS_METHOD = """\
 ## Allocator and OpenMP settings (`make bench-allocators`)
 
-`bench/allocators.py` runs `specdec pass-curve` (bf16) in a child process per setting, each setting
+`bench/allocators.py` runs `specdec pass-curve --compiled` (bf16) in a child process per setting and
+reads its compiled pass, the one the target serves, each setting
 twice a round in the order A B C D D C B A: the system allocator, tcmalloc preloaded
 (`libtcmalloc-minimal4`), OpenMP threads that spin (`OMP_WAIT_POLICY=ACTIVE`), and both. The median
 pass of 1 row, 8 rows, and 8 one-row sessions, and the default's over it. A local stack's target and

@@ -3,7 +3,8 @@
 The eager pass (``specdec.ragged``) spends about as long dispatching ~40 small ops a layer (norms,
 rotary embeddings, activations, residual adds: each a Python call and a kernel launch) as it spends
 in the layer's four weight products. Inductor fuses the small ops into a few generated loops per
-layer and runs the whole stack from one Python call.
+layer and runs the whole stack from one call, whose wrapper code is C++ too (inductor's
+``cpp_wrapper``): no Python runs between the graph's kernels and ops.
 
 What stays outside the generated code, as opaque custom ops the graph calls, is what must keep its
 bits and its state:
@@ -116,11 +117,13 @@ def keep_artifacts_in(cache_dir: Path) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir / "inductor"))
 
 
-def build_compiled(model: PreTrainedModel, cache_dir: Path, buckets: tuple[int, ...] = ROW_BUCKETS) -> CompiledPass:
+def build_compiled(
+    model: PreTrainedModel, cache_dir: Path, buckets: tuple[int, ...] = ROW_BUCKETS, cpp_wrapper: bool = True
+) -> CompiledPass:
     """``model``'s compiled pass over row ``buckets``, built now, its artifacts kept under
     ``cache_dir`` (from there in seconds when an earlier build left them; minutes cold)."""
     keep_artifacts_in(cache_dir)
-    compiled = CompiledPass(model, buckets)
+    compiled = CompiledPass(model, buckets, cpp_wrapper=cpp_wrapper)
     compiled.compile()
     return compiled
 
@@ -164,9 +167,17 @@ class CompiledPass:
     compile may run on another thread meanwhile: its passes use caches of their own.
     """
 
-    def __init__(self, model: PreTrainedModel, buckets: tuple[int, ...] = ROW_BUCKETS, native_ops: bool = True) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        buckets: tuple[int, ...] = ROW_BUCKETS,
+        native_ops: bool = True,
+        cpp_wrapper: bool = True,
+    ) -> None:
         """``native_ops``: call the kernels' C++ ops where they are built (False: the Python ops
-        throughout, which compute the same bits more slowly; for comparison)."""
+        throughout, which compute the same bits more slowly; for comparison). ``cpp_wrapper``: the
+        code that calls a graph's kernels and ops in order is generated as C++ (False: as Python,
+        which calls the same kernels with the same arguments; for comparison)."""
         reason = compile_unsupported(model)
         if reason is not None:
             raise ValueError(reason)
@@ -201,7 +212,10 @@ class CompiledPass:
         self.compile_s: float | None = None
         self._index = len(_RUNNERS)
         _RUNNERS.append(self)
-        self._graph = torch.compile(self._stack, dynamic=False, fullgraph=True)
+        # A graph calls about 250 generated kernels and ops a pass; from a Python wrapper each call costs
+        # microseconds of interpreter time, from a C++ one next to nothing (``make pass-curve`` compares).
+        options = {"cpp_wrapper": cpp_wrapper}
+        self._graph = torch.compile(self._stack, dynamic=False, fullgraph=True, options=options)
 
     @property
     def ready(self) -> bool:
