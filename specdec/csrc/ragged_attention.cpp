@@ -266,11 +266,22 @@ void attend_row(const float* query, const K* keys, int64_t key_stride, const K* 
   float* totals = scores.data() + per_group * row;
   int64_t t = first;
 #if defined(__AVX512F__)
-  // Scores 16 keys at a time (those a mask hides too: computed, never read).
+  // Scores 16 keys at a time (those a mask hides too: computed, never read). A bfloat16 block is
+  // widened once into `block` for all the group's heads: the same float32 values each head's dot16
+  // would widen for itself, so no score changes by a bit.
   if (dim % kLanes == 0) {
+    alignas(64) float block[16 * 128];
+    const bool widen_once = !std::is_same_v<K, float> && per_group > 1 && dim <= 128;
     for (; t + 16 <= last + 1; t += 16) {
-      for (int64_t p = 0; p < per_group; ++p)
-        dot16(query + p * dim, keys + t * key_stride, key_stride, dim, scores.data() + p * row + t);
+      if (widen_once) {
+        for (int j = 0; j < 16; ++j) {
+          for (int64_t d = 0; d < dim; d += kLanes) _mm512_store_ps(block + j * dim + d, load16(keys + (t + j) * key_stride + d));
+        }
+        for (int64_t p = 0; p < per_group; ++p) dot16(query + p * dim, block, dim, dim, scores.data() + p * row + t);
+      } else {
+        for (int64_t p = 0; p < per_group; ++p)
+          dot16(query + p * dim, keys + t * key_stride, key_stride, dim, scores.data() + p * row + t);
+      }
     }
   }
 #endif
