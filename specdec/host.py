@@ -45,8 +45,8 @@ def default_kv_budget_mb(limit_bytes: int | None = None) -> int:
 def tcmalloc(paths: tuple[Path, ...] = TCMALLOC_PATHS) -> Path | None:
     """tcmalloc's shared library when the host has it, else None.
 
-    An eager pass makes thousands of small tensors, and tcmalloc serves them faster than glibc's
-    allocator (``make bench-allocators`` measures it: ``reports/allocators.json``), so a local stack
-    preloads it for its model services.
+    A pass makes many tensors (thousands eager, dozens compiled), and tcmalloc serves them faster
+    than glibc's allocator (``make bench-allocators`` measures the compiled pass under each:
+    ``reports/allocators.json``), so a local stack preloads it for its model services.
     """
     return next((path for path in paths if path.is_file()), None)

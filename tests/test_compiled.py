@@ -96,14 +96,17 @@ def test_the_compiled_pass_computes_what_the_eager_pass_does(compiled):
     assert torch.equal(got[0].argmax(-1)[clear], want[0].argmax(-1)[clear])
 
 
-def test_the_native_ops_compute_the_bits_the_python_ops_do(compiled):
+def test_the_native_ops_and_wrapper_compute_the_bits_python_does(compiled):
     """The C++ ops a pass calls where the kernels are built (the bf16 product by weight slot, attention
-    over the caches a pass hands over once) against the Python ops over the same kernels: prompts fed
-    in pieces, then chains, a token tree and sessions side by side, every logit and hidden row equal."""
+    over the caches a pass hands over once) against the Python ops over the same kernels, and the C++
+    wrapper inductor generates against its Python wrapper: prompts fed in pieces, then chains, a token
+    tree and sessions side by side, every logit and hidden row equal."""
     loaded, runner = compiled
     assert runner._native_attention  # the kernels build on every machine the tests run on
     python_ops = CompiledPass(loaded.model, BUCKETS, native_ops=False)
     python_ops.compile()
+    python_wrapper = CompiledPass(loaded.model, BUCKETS, cpp_wrapper=False)
+    python_wrapper.compile()
     vocab = loaded.vocab_size
 
     def passes(pass_runner: CompiledPass) -> list[torch.Tensor]:
@@ -119,9 +122,10 @@ def test_the_native_ops_compute_the_bits_the_python_ops_do(compiled):
             rows.extend([*logits, *(h for h in hidden if h is not None)])
         return rows
 
-    native, python = passes(runner), passes(python_ops)
-    assert len(native) == len(python) >= 6
-    assert all(torch.equal(a, b) for a, b in zip(native, python))
+    native = passes(runner)
+    for other in (passes(python_ops), passes(python_wrapper)):
+        assert len(native) == len(other) >= 6
+        assert all(torch.equal(a, b) for a, b in zip(native, other))
 
 
 def _loop(target: TargetEngine, target_model, draft_model) -> RoundLoop:
