@@ -27,9 +27,16 @@ from specdec.client import Client
 from specdec.host import tcmalloc
 from specdec.stack import LocalStack, StackConfig
 
-# GOMP_SPINCOUNT per setting: libgomp's own default, then what a local stack's target runs with
-# (``specdec.stack.TARGET_SPIN_COUNT``), then shorter.
-VARIANTS = {"libgomp-default": "300000", "10000": "10000", "1000": "1000"}
+# The target's OpenMP environment per setting: libgomp's own default spin, shorter spins, and threads
+# that never sleep (``OMP_WAIT_POLICY=ACTIVE``, which ``specdec.stack.child_env`` gives the target).
+VARIANTS = {
+    "libgomp-default": {"GOMP_SPINCOUNT": "300000"},
+    "10000": {"GOMP_SPINCOUNT": "10000"},
+    "1000": {"GOMP_SPINCOUNT": "1000"},
+    "active": {"OMP_WAIT_POLICY": "ACTIVE"},
+}
+# What a setting's environment replaces (restored after its stack).
+KNOBS = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")
 STREAMS = 8
 
 
@@ -39,8 +46,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def run_variant(spin: str, args: argparse.Namespace, prompts: list) -> dict[str, float]:
-    """One stack with the target's ``GOMP_SPINCOUNT`` at ``spin``: tok/s at one stream with k auto and
+def run_variant(target_env: dict[str, str], args: argparse.Namespace, prompts: list) -> dict[str, float]:
+    """One stack with ``target_env`` in the target's environment: tok/s at one stream with k auto and
     with k = 0 (target-only rounds, whose passes follow each other most closely), and at ``STREAMS``,
     and the target's CPU milliseconds per token at one stream with k auto."""
     config = StackConfig(cache_dir=args.cache_dir, compile="wait", preload=tcmalloc())
@@ -57,8 +64,8 @@ def run_variant(spin: str, args: argparse.Namespace, prompts: list) -> dict[str,
         return tokens / (time.perf_counter() - started), (cpu_seconds(target) - before) / tokens * 1e3
 
     # The children inherit it; a local stack passes it to the target only (``specdec.stack.child_env``).
-    saved = os.environ.get("GOMP_SPINCOUNT")
-    os.environ["GOMP_SPINCOUNT"] = spin
+    saved = {knob: os.environ.pop(knob, None) for knob in KNOBS}
+    os.environ.update(target_env)
     try:
         with LocalStack(config) as stack, Client(stack.address) as client:
             client.complete(prompts[0].prompt, max_new_tokens=8)  # every path warm before timing
@@ -72,10 +79,10 @@ def run_variant(spin: str, args: argparse.Namespace, prompts: list) -> dict[str,
                 many = sum(pool.map(lambda job: answer(*job), jobs))
                 many_s = time.perf_counter() - started
     finally:
-        if saved is None:
-            os.environ.pop("GOMP_SPINCOUNT", None)
-        else:
-            os.environ["GOMP_SPINCOUNT"] = saved
+        for knob, value in saved.items():
+            os.environ.pop(knob, None)
+            if value is not None:
+                os.environ[knob] = value
     return {
         "one_stream_tok_s": round(one_tok_s, 2),
         "one_stream_k0_tok_s": round(k0_tok_s, 2),
@@ -107,18 +114,22 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-n", type=int, default=12, help="prompts (one stream); 8 streams answer each twice")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=2, help="A B .. B A rounds: each setting runs twice a round")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated settings (libgomp-default first)")
     p.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "specdec")
     p.add_argument("--out", type=Path, default=Path("specdec-spin.json"))
     args = p.parse_args(argv)
     prompts = load_prompts(args.prompts, args.n)
-    runs = alternate(list(VARIANTS), args.rounds, lambda name, _: run_variant(VARIANTS[name], args, prompts))
+    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
+    if "libgomp-default" not in variants:
+        raise SystemExit("--variants must include libgomp-default: the others are compared with it")
+    runs = alternate(list(variants), args.rounds, lambda name, _: run_variant(variants[name], args, prompts))
     config = {
         "prompts": str(args.prompts),
         "n": len(prompts),
         "max_new_tokens": args.max_new_tokens,
         "streams": STREAMS,
         "rounds": args.rounds,
-        "gomp_spincount": VARIANTS,
+        "target_env": variants,
     }
     write_report(args.out, config, runs, summarize(runs))
 
