@@ -27,8 +27,8 @@ from specdec.client import Client
 from specdec.host import tcmalloc
 from specdec.stack import LocalStack, StackConfig
 
-# The target's OpenMP environment per setting: libgomp's own default spin, shorter spins, and threads
-# that never sleep (``OMP_WAIT_POLICY=ACTIVE``, which ``specdec.stack.child_env`` gives the target).
+# The target's OpenMP environment per setting: libgomp's own default spin, the one a local stack's
+# target runs with (``specdec.stack.TARGET_SPIN_COUNT``), a shorter one, and threads that never sleep.
 VARIANTS = {
     "libgomp-default": {"GOMP_SPINCOUNT": "300000"},
     "10000": {"GOMP_SPINCOUNT": "10000"},

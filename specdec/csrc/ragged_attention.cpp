@@ -275,7 +275,8 @@ void attend_row(const float* query, const K* keys, int64_t key_stride, const K* 
     for (; t + 16 <= last + 1; t += 16) {
       if (widen_once) {
         for (int j = 0; j < 16; ++j) {
-          for (int64_t d = 0; d < dim; d += kLanes) _mm512_store_ps(block + j * dim + d, load16(keys + (t + j) * key_stride + d));
+          const K* key = keys + (t + j) * key_stride;
+          for (int64_t d = 0; d < dim; d += kLanes) _mm512_store_ps(block + j * dim + d, load16(key + d));
         }
         for (int64_t p = 0; p < per_group; ++p) dot16(query + p * dim, block, dim, dim, scores.data() + p * row + t);
       } else {
