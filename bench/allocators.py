@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.alternating import alternate, write_report
+from bench.alternating import alternate, chosen_settings, write_report
 
 # Debian's libtcmalloc-minimal4 (the Makefile and the container image install it).
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -67,9 +67,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not Path(TCMALLOC).is_file():
         raise SystemExit(f"{TCMALLOC} is missing: apt-get install libtcmalloc-minimal4")
-    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
-    if "default" not in variants:
-        raise SystemExit("--variants must include default: the others are compared with it")
+    variants = chosen_settings(VARIANTS, args.variants, "default")
     with tempfile.TemporaryDirectory() as scratch:
         runs = alternate(
             list(variants), args.rounds, lambda name, i: run_variant(variants[name], args, Path(scratch) / f"{i}.json")

@@ -8,6 +8,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def chosen_settings(settings: dict[str, dict], names: str, base: str) -> dict[str, dict]:
+    """The ``settings`` named in ``names`` (comma-separated), in that order; they must include
+    ``base``, which the others are compared with. Exits with the reason where a name is unknown."""
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in settings]
+    if unknown:
+        raise SystemExit(f"unknown settings {', '.join(unknown)}: choose from {', '.join(settings)}")
+    if base not in chosen:
+        raise SystemExit(f"the settings must include {base}: the others are compared with it")
+    return {name: settings[name] for name in chosen}
+
+
 def alternate(names: list[str], rounds: int, run: Callable[[str, int], dict]) -> dict[str, list[dict]]:
     """Each setting run twice a round, in the order A B .. B A (``run(name, index)``); the results by
     setting, in order."""

@@ -271,7 +271,7 @@ SPIN_METHOD = """\
 
 `bench/spin.py` starts a local stack (default settings) per OpenMP setting of the target, in the
 order A B .. B A (`--variants` picks some): libgomp's own default (`GOMP_SPINCOUNT` 300,000 turns),
-10,000, 1,000, and threads that never sleep (`OMP_WAIT_POLICY=ACTIVE`). Between passes the target
+10,000, 1,000, and threads told to spin on (`OMP_WAIT_POLICY=ACTIVE`). Between passes the target
 idles while the coordinator and the draft work, and a thread still spinning takes a core. libgomp
 also cuts every spin to 100 turns (1,000 under `ACTIVE`) while a process holds more OpenMP threads
 than it has cores. Each row is the median of its runs: tok/s at one stream (greedy, 64 tokens a
@@ -661,11 +661,11 @@ def allocators_section(report: dict | None) -> list[str]:
     return lines + table(headers, rows) + [""]
 
 
-def setting_text(env: dict | str | None, name: str) -> str:
+def setting_text(env: dict | None, name: str) -> str:
     """A spin setting as the environment it sets (a report's ``target_env`` entry), else its name."""
-    if isinstance(env, dict) and env:
+    if env:
         return ", ".join(f"`{key}={value}`" for key, value in env.items())
-    return f"`{env if isinstance(env, str) else name}`"
+    return f"`{name}`"
 
 
 def spin_section(report: dict | None) -> list[str]:

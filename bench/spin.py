@@ -21,14 +21,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
-from bench.alternating import alternate, write_report
+from bench.alternating import alternate, chosen_settings, write_report
 from bench.single import load_prompts
 from specdec.client import Client
 from specdec.host import tcmalloc
 from specdec.stack import LocalStack, StackConfig
 
 # The target's OpenMP environment per setting: libgomp's own default spin, the one a local stack's
-# target runs with (``specdec.stack.TARGET_SPIN_COUNT``), a shorter one, and threads that never sleep.
+# target runs with (``specdec.stack.TARGET_SPIN_COUNT``), a shorter one, and threads told to spin on.
 VARIANTS = {
     "libgomp-default": {"GOMP_SPINCOUNT": "300000"},
     "10000": {"GOMP_SPINCOUNT": "10000"},
@@ -119,9 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("specdec-spin.json"))
     args = p.parse_args(argv)
     prompts = load_prompts(args.prompts, args.n)
-    variants = {name: VARIANTS[name] for name in args.variants.split(",")}
-    if "libgomp-default" not in variants:
-        raise SystemExit("--variants must include libgomp-default: the others are compared with it")
+    variants = chosen_settings(VARIANTS, args.variants, "libgomp-default")
     runs = alternate(list(variants), args.rounds, lambda name, _: run_variant(variants[name], args, prompts))
     config = {
         "prompts": str(args.prompts),

@@ -8,7 +8,7 @@ _CHUNK = 64
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of two token lists (lists: their slices compare)."""
+    """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n

@@ -211,3 +211,17 @@ def test_settings_take_turns_and_the_spin_report_compares_with_libgomps_default(
     assert settings["10000"]["one_stream_k0_vs_default"] == 0.95
     write_report(tmp_path / "out" / "spin.json", {"rounds": 1}, figures, settings)
     assert json.loads((tmp_path / "out" / "spin.json").read_text())["settings"] == settings
+
+
+def test_a_run_compares_the_settings_named_and_needs_its_baseline():
+    import pytest
+
+    from bench.alternating import chosen_settings
+
+    settings = {"default": {}, "fast": {"X": "1"}, "slow": {"X": "2"}}
+    assert list(chosen_settings(settings, "slow, default", "default")) == ["slow", "default"]
+    assert chosen_settings(settings, "default,fast", "default")["fast"] == {"X": "1"}
+    with pytest.raises(SystemExit, match="must include default"):
+        chosen_settings(settings, "fast,slow", "default")
+    with pytest.raises(SystemExit, match="unknown settings quick"):
+        chosen_settings(settings, "default,quick", "default")

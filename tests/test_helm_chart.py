@@ -520,13 +520,16 @@ def test_traces_go_to_jaeger_when_it_is_enabled(case):
         assert endpoint is None
 
 
-def test_only_the_target_caps_its_openmp_spin(case, chart):
+def test_only_the_target_caps_its_openmp_spin(case):
     merged, objects = case["merged"], case["objects"]
     if merged["target"]["enabled"]:
         env = env_of(container(role_workload(objects, "target")))
         assert env["GOMP_SPINCOUNT"]["value"] == str(merged["target"]["ompSpinCount"])
     if merged["draft"]["enabled"]:
         assert "GOMP_SPINCOUNT" not in env_of(container(role_workload(objects, "draft")))
+
+
+def test_a_spin_count_of_0_leaves_libgomps_default(chart):
     _, objects = render(chart, {"target": {"ompSpinCount": 0}})
     assert "GOMP_SPINCOUNT" not in env_of(container(role_workload(objects, "target")))
 
