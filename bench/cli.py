@@ -451,7 +451,7 @@ def run_pass_curve(args: argparse.Namespace) -> None:
     """``specdec pass-curve``: one pass's cost by rows per dtype (``bench.pass_curve``)."""
     import torch
 
-    from bench.pass_curve import measure_pass_curve
+    from bench.pass_curve import measure_pass_curve, pass_products
     from bench.single import load_prompts
     from specdec.compiled import build_compiled
     from specdec.models import load_model
@@ -461,6 +461,7 @@ def run_pass_curve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     engines = {}
     compile_s = {}
+    products = {}  # the compiled engines' weight products, timed alone beside their passes
     for dtype in args.dtypes.split(","):
         loaded = load_model(args.target_model, args.cache_dir, dtype=dtype)
         pack_linears(loaded.model)  # as the target service runs it
@@ -469,12 +470,13 @@ def run_pass_curve(args: argparse.Namespace) -> None:
             runner = build_compiled(loaded.model, args.cache_dir)
             compile_s[f"{dtype}-compiled"] = round(runner.compile_s or 0.0, 1)
             engines[f"{dtype}-compiled"] = TargetEngine(loaded, 16, compiled=runner)
+            products[f"{dtype}-compiled"] = pass_products(loaded.model, runner.products)
         if args.compiled and args.python_wrapper:
             runner = build_compiled(loaded.model, args.cache_dir, cpp_wrapper=False)
             engines[f"{dtype}-compiled-python-wrapper"] = TargetEngine(loaded, 16, compiled=runner)
     # The bench prompts' tokens one after another, cut to the context: real text, a fixed length.
     prompt = [t for p in load_prompts(PROMPTS, None) for t in p.token_ids(loaded.tokenizer)][: args.context]
-    curves = measure_pass_curve(engines, prompt, args.repeats)
+    curves = measure_pass_curve(engines, prompt, args.repeats, products)
     names = [name for name in curves if not name.endswith("-python-wrapper")]  # the engines as served
     for name, curve in curves.items():
         ms = curve["pass_ms"]

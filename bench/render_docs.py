@@ -229,6 +229,17 @@ invariance: how many row counts gave the first row the logits it gets alone, bit
 `-python-wrapper` engines are the compiled pass with inductor's generated wrapper in Python, where
 the served pass's is C++: the same kernels, called from the interpreter."""
 
+ROOFLINE_METHOD = """\
+### What bounds the `{name}` pass
+
+In every sweep the pass's weight products also run alone, one after another as a pass runs them, at
+1 and 8 rows; and the product kernel runs 8 rows over a weight the last-level cache holds, which gives
+its arithmetic rate with no memory to wait for. One row only reads the weights, so its time is the
+weights' bytes over the rate the host's memory gives this process, which drifts on a shared host
+from one sweep to the next. Eight rows are bounded by the arithmetic too: eight rows' multiply-adds
+at the cached rate. The faster the memory, the more the 1-row pass gains and the 8-row pass does not,
+so their ratio is a property of the sweep's memory rate as much as of the engine."""
+
 SAMPLED_METHOD = """\
 ## Sampled requests (`make bench-sampled`)
 
@@ -619,6 +630,36 @@ def curve_section(report: dict | None) -> list[str]:
     lines += table(headers + ["row 0 kept its bits"], rows) + [""]
     for name, value in (report or {}).get("ratios", {}).items():
         lines.append(f"- `{name}`: **{num(value)}×**")
+    lines.append("")
+    for name, engine in engines.items():
+        if isinstance(engine.get("roofline"), dict):
+            lines += roofline_lines(name, engine["roofline"])
+    return lines
+
+
+def roofline_lines(name: str, roof: dict) -> list[str]:
+    """What bounds engine ``name``'s passes (its report's ``roofline``): the weights' bytes, the products
+    alone at 1 and 8 rows, the kernel's cached rate, and each sweep's read rate beside its passes."""
+    products = roof.get("products_ms", {})
+    lines = ROOFLINE_METHOD.format(name=name).splitlines() + [""]
+    lines += table(
+        ["weights, MB", "products, 1 row", "read rate", "products, 8 rows", "8 rows at the cached rate"],
+        [
+            [
+                num(roof.get("weights_mb"), 0),
+                f"{num(products.get('1'), 2)} ms",
+                f"{num(roof.get('read_gb_per_s'), 1)} GB/s",
+                f"{num(products.get('8'), 2)} ms",
+                f"{num(roof.get('rows8_at_cached_rate_ms'), 2)} ms ({num(roof.get('cached_gmacs_per_s'), 0)} G/s)",
+            ]
+        ],
+    )
+    rows = [
+        [num(rate, 1), num(one, 1), num(eight, 1), ratio(eight, one)] for rate, one, eight in roof.get("sweeps", [])
+    ]
+    if rows:
+        lines += ["", "Each sweep, by the rate its one-row products read the weights at:", ""]
+        lines += table(["read GB/s", "1-row pass, ms", "8-row pass, ms", "8 rows over 1"], rows)
     return lines + [""]
 
 

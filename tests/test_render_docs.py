@@ -263,3 +263,19 @@ def test_the_peers_section_adds_the_speculation_off_run_when_its_report_exists()
     both = "\n".join(render_docs.peers_section(report(50.0, 50.0), report(42.0, 50.0)))
     assert "speculation off" not in alone
     assert "With speculation off" in both and "specdec 42.0 tok/s" in both and "**0.84×**" in both
+
+
+def test_the_roofline_puts_each_sweeps_read_rate_beside_its_ratio_of_passes():
+    roof = {
+        "weights_mb": 269.0,
+        "products_ms": {"1": 6.35, "8": 8.26},
+        "read_gb_per_s": 42.3,
+        "cached_gmacs_per_s": 214.0,
+        "rows8_at_cached_rate_ms": 5.03,
+        "sweeps": [[31.0, 11.0, 13.2], [45.0, 8.5, 13.6]],
+    }
+    engines = {"bfloat16-compiled": {"pass_ms": {"1": 9.0, "8": 13.4}, "roofline": roof}, "bfloat16": {"pass_ms": {}}}
+    text = "\n".join(render_docs.curve_section({"engines": engines}))
+    assert "### What bounds the `bfloat16-compiled` pass" in text and "`bfloat16` pass" not in text
+    assert "| 269 | 6.35 ms | 42.3 GB/s | 8.26 ms | 5.03 ms (214 G/s) |" in text
+    assert "| 31.0 | 11.0 | 13.2 | 1.20× |" in text and "| 45.0 | 8.5 | 13.6 | 1.60× |" in text
