@@ -48,6 +48,7 @@ import os
 import torch
 from torch import nn
 
+from specdec.host import last_level_cache_bytes
 from specdec.invariance import row_invariant
 from specdec.product_kernel import pack, product, product_kernel, weight_slot
 
@@ -123,11 +124,13 @@ class PairedPackedLinear(PackedLinear):
 
 class RowProduct(nn.Module):
     """An inference-only bf16 linear layer on specdec's own kernel (``specdec.product_kernel``): its
-    weight ``[out, in]`` packed once into the kernel's blocks, its bias kept in float32."""
+    weight ``[out, in]`` packed once into the kernel's blocks, its bias kept in float32. ``stream``:
+    read the weight with the non-temporal hint (``pack_linears`` decides)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, stream: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.stream = stream
         self.register_buffer("packed_weight", pack(weight), persistent=False)
         bias = None if bias is None else bias.detach().float().contiguous()
         self.register_buffer("bias", bias, persistent=False)
@@ -137,12 +140,12 @@ class RowProduct(nn.Module):
         """This layer's weight slot for ``torch.ops.specdec_kernels.row_product``, taken on first use
         (``specdec.product_kernel.weight_slot``); it keeps the weight alive as long as the process."""
         if self._slot is None:
-            self._slot = weight_slot(self.packed_weight, self.bias, self.out_features)
+            self._slot = weight_slot(self.packed_weight, self.bias, self.out_features, self.stream)
         return self._slot
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # [N, in]
-        out = product(rows, self.packed_weight, self.bias, self.out_features)  # [N, out]
+        out = product(rows, self.packed_weight, self.bias, self.out_features, self.stream)  # [N, out]
         return out.reshape(*x.shape[:-1], self.out_features)
 
 
@@ -166,16 +169,19 @@ class SplitPackedLinear(nn.Module):
         return out
 
 
-def invariant_product(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+def invariant_product(weight: torch.Tensor, bias: torch.Tensor | None, stream: bool = False) -> nn.Module | None:
     """The fastest row-invariant packed kernel for ``weight [out, in]`` (see the module docstring), or
-    None when only a plain layer qualifies or none does (then the plain layer stays)."""
+    None when only a plain layer qualifies or none does (then the plain layer stays). ``stream``:
+    specdec's own kernel reads the weight with the non-temporal hint (``pack_linears``)."""
     own = weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and product_kernel() is not None
     for kind in ((RowProduct,) if own else ()) + (PackedLinear, PairedPackedLinear, SplitPackedLinear):
         if kind is SplitPackedLinear and weight.shape[1] <= SPLIT_INPUTS:
             continue
         # specdec's own kernel is row-invariant by construction (``tests/test_product_kernel.py``): no
         # probe, whose random weight for the LM head alone takes a second of a service's start.
-        if kind is RowProduct or kernel_invariant(kind, tuple(weight.shape), bias is not None, weight.dtype):
+        if kind is RowProduct:
+            return RowProduct(weight, bias, stream)
+        if kernel_invariant(kind, tuple(weight.shape), bias is not None, weight.dtype):
             return kind(weight, bias)
     return None
 
@@ -249,14 +255,32 @@ def _packable(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) and module.weight.dtype in (torch.float32, torch.bfloat16)
 
 
-def pack_linears(model: nn.Module) -> int:
+def streams_weights(model: nn.Module, cache_bytes: int | None) -> bool:
+    """Whether ``model``'s linear weights outgrow a last-level cache of ``cache_bytes`` (None: not
+    known), so that its products should read them with the non-temporal hint.
+
+    A pass reads every weight once and reads it again only after all the others, so a model larger than
+    the cache gets no hit from caching its weights; streamed through the cache they only evict what
+    is used again between passes, by the process and by the others on the host (session caches,
+    activations, code, a draft). A small model, a draft's, keeps its weights cached from one call to
+    the next.
+    """
+    weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if _packable(m))
+    return cache_bytes is not None and weights > cache_bytes
+
+
+def pack_linears(model: nn.Module, stream: bool | None = None) -> int:
     """Replaces the fp32 and bf16 ``nn.Linear`` layers of an inference model in place by their fastest
     row-invariant kernels, fusing sibling projections; returns how many linear layers were replaced (a
     layer whose only row-invariant kernel is its plain self stays). The process's oneDNN kernel caches
-    are bounded first (``bound_kernel_caches``)."""
+    are bounded first (``bound_kernel_caches``). ``stream``: whether specdec's own kernel reads the
+    weights with the non-temporal hint; by default, when they outgrow this host's last-level cache
+    (``streams_weights``)."""
     if not packing_available():
         return 0
     bound_kernel_caches()
+    if stream is None:
+        stream = streams_weights(model, last_level_cache_bytes())
     replaced = 0
     for parent in list(model.modules()):
         for names in SIBLING_PROJECTIONS:
@@ -265,7 +289,7 @@ def pack_linears(model: nn.Module) -> int:
                 continue
             if len({lin.weight.dtype for lin in linears}) != 1:
                 continue
-            product = invariant_product(*stacked(linears))
+            product = invariant_product(*stacked(linears), stream)
             if product is None:
                 continue
             fused = FusedProjections(linears, product)
@@ -279,7 +303,7 @@ def pack_linears(model: nn.Module) -> int:
         if _packable(child)
     ]
     for parent, name, child in targets:
-        kernel = invariant_product(child.weight.detach(), None if child.bias is None else child.bias.detach())
+        kernel = invariant_product(child.weight.detach(), None if child.bias is None else child.bias.detach(), stream)
         if kernel is not None:
             setattr(parent, name, kernel)
             replaced += 1

@@ -44,19 +44,24 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return kernel.pack(weight.detach().contiguous())
 
 
-def weight_slot(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> int:
+def weight_slot(packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, stream: bool = False) -> int:
     """Keeps a ``pack``-ed weight (and its float32 bias) for the lifetime of the process, for
     ``torch.ops.specdec_kernels.row_product(x [..., in], slot, out_features)``: the same product as
-    ``product``, which a compiled graph calls through the dispatcher with no Python in between (a
-    pass makes about 120 such calls; a Python op spends several microseconds on each)."""
+    ``product`` (``stream`` as there), which a compiled graph calls through the dispatcher with no
+    Python in between (a pass makes about 120 such calls; a Python op spends several microseconds on
+    each)."""
     kernel = product_kernel()
     assert kernel is not None, "product_kernel() first"
-    return kernel.add_slot(packed, bias, out_features)
+    return kernel.add_slot(packed, bias, out_features, stream)
 
 
-def product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+def product(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int, stream: bool = False
+) -> torch.Tensor:
     """Rows ``x [M, K]`` (bf16) times a ``pack``-ed weight of ``out_features`` outputs, plus ``bias``
-    (float32 ``[out_features]`` or None): ``[M, out_features]`` bf16."""
+    (float32 ``[out_features]`` or None): ``[M, out_features]`` bf16. ``stream``: read the weight with
+    the non-temporal prefetch hint, for a model whose weights outgrow the last-level cache (the same
+    bits; ``specdec.packed_linear.pack_linears`` decides)."""
     kernel = product_kernel()
     assert kernel is not None, "product_kernel() first"
-    return kernel.product(x.contiguous(), packed, bias, out_features)
+    return kernel.product(x.contiguous(), packed, bias, out_features, stream)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec.cli import _parser, model_config
-from specdec.host import KV_SHARE, default_kv_budget_mb, memory_limit_bytes
+from specdec.host import KV_SHARE, default_kv_budget_mb, last_level_cache_bytes, memory_limit_bytes
 
 
 def test_the_memory_limit_is_the_containers_where_one_is_set(tmp_path):
@@ -25,3 +25,17 @@ def test_the_kv_budget_is_on_by_default_and_scales_with_the_limit():
         assert budget == default_kv_budget_mb() > 0, command
         off = _parser().parse_args([command, "--kv-budget-mb", "0"])
         assert model_config(off, "default").kv_budget_mb == 0
+
+
+def test_the_last_level_cache_is_the_highest_data_or_unified_one(tmp_path):
+    caches = [(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"), (3, "Unified", "32768K")]
+    for index, (level, kind, size) in enumerate(caches):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, value in (("level", str(level)), ("type", kind), ("size", size)):
+            (folder / name).write_text(value + "\n")
+    assert last_level_cache_bytes(tmp_path) == 32 << 20
+    (tmp_path / "index3" / "size").write_text("unknown\n")  # a size it cannot read: the next level down
+    last_level_cache_bytes.cache_clear()
+    assert last_level_cache_bytes(tmp_path) == 1 << 20
+    assert last_level_cache_bytes(tmp_path / "missing") is None

@@ -15,9 +15,12 @@ from specdec.packed_linear import (
     FusedProjections,
     PackedLinear,
     ProjectionSlice,
+    RowProduct,
     pack_linears,
     packing_available,
+    streams_weights,
 )
+from specdec.product_kernel import product_kernel
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
 
@@ -139,3 +142,16 @@ def test_kernel_caches_are_bounded_whatever_row_counts_the_passes_feed():
     capped = _kernel_sweep_mib(16, {})
     uncapped = _kernel_sweep_mib(16, {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"})
     assert capped < 40 < uncapped, (capped, uncapped)
+
+
+def test_a_model_streams_its_weights_only_when_they_outgrow_the_last_level_cache():
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 64)).to(torch.bfloat16)  # 8 KiB of weights
+    assert streams_weights(model, 4 * 1024) and not streams_weights(model, 8 * 1024)
+    assert not streams_weights(model, None)  # a host that does not say keeps the plain reads
+    if product_kernel() is None:
+        return
+    streamed = copy.deepcopy(model)
+    pack_linears(streamed, stream=True)
+    pack_linears(model, stream=False)
+    assert all(isinstance(m, RowProduct) and m.stream for m in streamed)
+    assert all(isinstance(m, RowProduct) and not m.stream for m in model)

@@ -98,3 +98,19 @@ def test_bf16_products_take_the_kernel_and_float32_keeps_onednn():
     weight, bias = _weights((96, 64), 7)
     assert isinstance(invariant_product(weight, bias), RowProduct)
     assert not isinstance(invariant_product(weight.float(), bias.float()), RowProduct)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_a_streamed_product_has_the_bits_of_a_cached_one(shape):
+    """The non-temporal prefetch of a streamed weight changes how it is read, never a sum: the same
+    bits by ``product``, by ``RowProduct`` and through the slot op, at every tile's row count."""
+    weight, bias = _weights(shape, 8)
+    packed, float_bias = pack(weight), bias.float()
+    x = torch.randn(19, shape[1], generator=torch.Generator().manual_seed(9)).bfloat16()
+    for rows in (1, 2, 8, 9, 19):
+        cached = product(x[:rows], packed, float_bias, shape[0])
+        assert torch.equal(product(x[:rows], packed, float_bias, shape[0], stream=True), cached), rows
+    streamed = RowProduct(weight, bias, stream=True)
+    assert torch.equal(streamed(x), RowProduct(weight, bias)(x))
+    slot = streamed.slot()
+    assert torch.equal(torch.ops.specdec_kernels.row_product(x, slot, shape[0]), streamed(x))

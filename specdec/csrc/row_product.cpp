@@ -9,6 +9,13 @@
 // A decode pass is a few rows against every weight once, so it is bound by reading the weights:
 // they are packed once into blocks of kBlock outputs whose input pairs lie contiguously, so each
 // thread streams its blocks front to back, and up to kTile rows share each weight load.
+//
+// A model whose weights outgrow the last-level cache gains nothing from caching them: a pass reads
+// every weight once, and the next pass reads it again only after all the others. Such a model's
+// products are *streamed* (specdec/packed_linear.py decides): they prefetch their weights ahead with
+// the non-temporal hint, so the stream does not evict from that cache what the process and its
+// neighbours use again (session caches, activations, code, another service's small draft model).
+// A prefetch changes no bit of the sums.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -28,6 +35,7 @@ namespace {
 constexpr int64_t kVectors = 2;              // 16-output registers per block
 constexpr int64_t kBlock = 16 * kVectors;    // outputs per packed block
 constexpr int64_t kTile = 8;                 // rows sharing one pass over a block
+constexpr int64_t kStreamAhead = 2048;       // bytes ahead of its reads a streamed product prefetches
 
 // Weight [N, K] -> [ceil(N / kBlock), ceil(K / 2), kBlock, 2], zero-padded: block b's pair p holds
 // inputs 2p and 2p + 1 of outputs b kBlock .. (b + 1) kBlock, adjacent, as the dot instruction reads.
@@ -54,13 +62,19 @@ inline int32_t input_pair(const c10::BFloat16* x, int64_t p, int64_t k) {
 }
 
 // Rows 0 .. R of x [R, k] against one packed block; writes outputs n0 .. n0 + kBlock (those below n).
-template <int R>
+// Stream: prefetch the weight kStreamAhead bytes ahead, non-temporal (past the block's end it reads
+// the thread's next block; past the weight's end a prefetch is a no-op, never a fault).
+template <int R, bool Stream>
 void tile(const c10::BFloat16* x, int64_t k, const uint16_t* block, int64_t pairs, const float* bias,
           c10::BFloat16* out, int64_t n, int64_t n0) {
   __m512 acc[R][kVectors];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < kVectors; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
+    if constexpr (Stream) {
+      const char* ahead = reinterpret_cast<const char*>(block + p * kBlock * 2) + kStreamAhead;
+      for (int v = 0; v < kVectors; ++v) _mm_prefetch(ahead + v * 64, _MM_HINT_NTA);
+    }
     __m512i w[kVectors];
     for (int v = 0; v < kVectors; ++v) w[v] = _mm512_loadu_si512(block + (p * kBlock + v * 16) * 2);
     for (int r = 0; r < R; ++r) {
@@ -83,8 +97,11 @@ void tile(const c10::BFloat16* x, int64_t k, const uint16_t* block, int64_t pair
 
 using TileFn = void (*)(const c10::BFloat16*, int64_t, const uint16_t*, int64_t, const float*, c10::BFloat16*,
                         int64_t, int64_t);
-constexpr TileFn kTiles[kTile + 1] = {nullptr,  &tile<1>, &tile<2>, &tile<3>, &tile<4>,
-                                      &tile<5>, &tile<6>, &tile<7>, &tile<8>};
+constexpr TileFn kTiles[2][kTile + 1] = {
+    {nullptr, &tile<1, false>, &tile<2, false>, &tile<3, false>, &tile<4, false>, &tile<5, false>, &tile<6, false>,
+     &tile<7, false>, &tile<8, false>},
+    {nullptr, &tile<1, true>, &tile<2, true>, &tile<3, true>, &tile<4, true>, &tile<5, true>, &tile<6, true>,
+     &tile<7, true>, &tile<8, true>}};
 
 #endif
 
@@ -96,9 +113,10 @@ bool supported() {
 #endif
 }
 
-// x [M, K] bf16 times the packed weight of `n` outputs, plus bias (float32 [n] or None): [M, n] bf16.
+// x [M, K] bf16 times the packed weight of `n` outputs, plus bias (float32 [n] or None): [M, n] bf16;
+// `stream`: prefetch the weight non-temporally where it is read once (see the top of this file).
 torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const std::optional<torch::Tensor>& bias,
-                      int64_t n) {
+                      int64_t n, bool stream) {
   TORCH_CHECK(supported(), "row_product: built for a CPU without AVX-512 BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.is_contiguous(), "x: contiguous bf16 [M, K]");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
@@ -115,13 +133,16 @@ torch::Tensor product(const torch::Tensor& x, const torch::Tensor& packed, const
   const auto* weights = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto* outs = out.data_ptr<c10::BFloat16>();
+  // Streamed only where the call reads each block once: over more than a tile of rows it reads a
+  // block once per tile, and the block's later reads find it cached.
+  const bool nta = stream && m <= kTile;
   // Threads split the blocks, never a row's reduction: the split changes no bit.
   at::parallel_for(0, blocks, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t blk = lo; blk < hi; ++blk) {
       const uint16_t* block = weights + blk * pairs * kBlock * 2;
       for (int64_t r = 0; r < m; r += kTile) {
         const int64_t rows = std::min(kTile, m - r);
-        kTiles[rows](xs + r * k, k, block, pairs, b, outs + r * n, n, blk * kBlock);
+        kTiles[nta][rows](xs + r * k, k, block, pairs, b, outs + r * n, n, blk * kBlock);
       }
     }
   });
@@ -136,14 +157,15 @@ struct Slot {
   torch::Tensor packed;
   std::optional<torch::Tensor> bias;
   int64_t n;
+  bool stream;
 };
 
 std::mutex slots_mutex;
 std::deque<Slot> slots;  // a deque: a slot's address never moves while others are added
 
-int64_t add_slot(const torch::Tensor& packed, const std::optional<torch::Tensor>& bias, int64_t n) {
+int64_t add_slot(const torch::Tensor& packed, const std::optional<torch::Tensor>& bias, int64_t n, bool stream) {
   std::lock_guard<std::mutex> lock(slots_mutex);
-  slots.push_back(Slot{packed, bias, n});
+  slots.push_back(Slot{packed, bias, n, stream});
   return static_cast<int64_t>(slots.size()) - 1;
 }
 
@@ -156,7 +178,7 @@ torch::Tensor slot_product(const torch::Tensor& x, int64_t slot, int64_t n) {
   }
   TORCH_CHECK(found->n == n, "row_product: slot ", slot, " has ", found->n, " outputs, not ", n);
   const auto rows = x.reshape({-1, x.size(-1)}).contiguous();  // [N, in]
-  auto out = product(rows, found->packed, found->bias, n);     // [N, n]
+  auto out = product(rows, found->packed, found->bias, n, found->stream);  // [N, n]
   auto shape = x.sizes().vec();
   shape.back() = n;
   return out.view(shape);
@@ -173,6 +195,7 @@ TORCH_LIBRARY_IMPL(specdec_kernels, CPU, m) { m.impl("row_product", &slot_produc
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "a bf16 weight [N, K] in the product's blocked layout");
   m.def("product", &product, "row-invariant bf16 product of rows and a packed weight");
-  m.def("add_slot", &add_slot, "keeps a packed weight (and float32 bias) for the row_product op; returns its slot");
+  m.def("add_slot", &add_slot,
+        "keeps a packed weight (and float32 bias, and whether it is streamed) for the row_product op; returns its slot");
   m.def("supported", &supported, "whether this build computes (the CPU has AVX-512 BF16)");
 }
