@@ -116,6 +116,10 @@ class ModelConfig:
     prefix_reuse: int = 16
     # Prepack linear weights for oneDNN: a verify pass over k+1 tokens then costs about one step.
     pack: bool = True
+    # Whether the packed bf16 products read the weights with the non-temporal hint, so that a pass's
+    # weight stream does not evict what is used again; None: when they outgrow the host's last-level
+    # cache (``specdec.packed_linear.streams_weights``).
+    stream_weights: bool | None = None
     # The torch device the model computes on: "cpu", or "cuda" / "cuda:N".
     device: str = "cpu"
     # The weights' and activations' dtype (``MODEL_DTYPES``): "auto" takes bfloat16 on a CPU that computes

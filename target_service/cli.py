@@ -12,6 +12,7 @@ import os
 from dataclasses import replace
 
 from specdec.cli import (
+    STREAM_WEIGHTS,
     add_cache_dir,
     add_cache_limits,
     add_device,
@@ -48,6 +49,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-sessions", type=int, default=64, help="session caches held before LRU eviction")
     add_cache_limits(p)
     p.add_argument("--no-pack", action="store_true", help="keep plain linear layers (no oneDNN prepacking)")
+    p.add_argument(
+        "--stream-weights",
+        choices=list(STREAM_WEIGHTS),
+        default=env("STREAM_WEIGHTS", "auto"),
+        help="read the weights with the non-temporal hint, sparing the last-level cache; auto: when they "
+        "outgrow it (env SPECDEC_STREAM_WEIGHTS)",
+    )
     p.add_argument(
         "--max-batch-rows",
         type=int,

@@ -241,7 +241,7 @@ def load_shard(config: TargetConfig) -> LoadedModel:
     if config.tp.world_size > 1:
         shard_llama(loaded.model, config.tp.rank, config.tp.world_size)
     if config.model.pack and config.model.device == "cpu":  # after sharding: each rank packs its own slices
-        pack_linears(loaded.model)
+        pack_linears(loaded.model, stream=config.model.stream_weights)
     return loaded
 
 

@@ -39,3 +39,13 @@ def test_the_last_level_cache_is_the_highest_data_or_unified_one(tmp_path):
     last_level_cache_bytes.cache_clear()
     assert last_level_cache_bytes(tmp_path) == 1 << 20
     assert last_level_cache_bytes(tmp_path / "missing") is None
+
+
+def test_the_target_streams_its_weights_as_told_and_by_its_size_by_default(monkeypatch):
+    parser = _parser()
+    monkeypatch.delenv("SPECDEC_STREAM_WEIGHTS", raising=False)
+    assert model_config(parser.parse_args(["serve-target"]), "default").stream_weights is None
+    assert model_config(parser.parse_args(["serve-target", "--stream-weights", "off"]), "x").stream_weights is False
+    monkeypatch.setenv("SPECDEC_STREAM_WEIGHTS", "on")
+    assert model_config(_parser().parse_args(["serve-target"]), "x").stream_weights is True
+    assert model_config(_parser().parse_args(["serve-draft"]), "x").stream_weights is None  # a draft decides by size
