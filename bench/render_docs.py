@@ -230,7 +230,7 @@ invariance: how many row counts gave the first row the logits it gets alone, bit
 the served pass's is C++: the same kernels, called from the interpreter."""
 
 ROOFLINE_METHOD = """\
-### What bounds the `{name}` pass
+### What bounds a compiled pass
 
 In every sweep the pass's weight products also run alone, one after another as a pass runs them, at
 1 and 8 rows; and the product kernel runs 8 rows over a weight the last-level cache holds, which gives
@@ -631,9 +631,11 @@ def curve_section(report: dict | None) -> list[str]:
     for name, value in (report or {}).get("ratios", {}).items():
         lines.append(f"- `{name}`: **{num(value)}×**")
     lines.append("")
-    for name, engine in engines.items():
-        if isinstance(engine.get("roofline"), dict):
-            lines += roofline_lines(name, engine["roofline"])
+    roofs = {name: engine["roofline"] for name, engine in engines.items() if isinstance(engine.get("roofline"), dict)}
+    if roofs:
+        lines += ROOFLINE_METHOD.splitlines() + [""]
+    for name, roof in roofs.items():
+        lines += roofline_lines(name, roof)
     return lines
 
 
@@ -641,7 +643,7 @@ def roofline_lines(name: str, roof: dict) -> list[str]:
     """What bounds engine ``name``'s passes (its report's ``roofline``): the weights' bytes, the products
     alone at 1 and 8 rows, the kernel's cached rate, and each sweep's read rate beside its passes."""
     products = roof.get("products_ms", {})
-    lines = ROOFLINE_METHOD.format(name=name).splitlines() + [""]
+    lines = [f"`{name}`:", ""]
     lines += table(
         ["weights, MB", "products, 1 row", "read rate", "products, 8 rows", "8 rows at the cached rate"],
         [
