@@ -261,9 +261,8 @@ def streams_weights(model: nn.Module, cache_bytes: int | None) -> bool:
 
     A pass reads every weight once and reads it again only after all the others, so a model larger than
     the cache gets no hit from caching its weights; streamed through the cache they only evict what
-    is used again between passes, by the process and by the others on the host (session caches,
-    activations, code, a draft). A small model, a draft's, keeps its weights cached from one call to
-    the next.
+    is used again between passes, by the process and by the others on the host (a small draft's
+    weights, for one). A small model, a draft's, keeps its weights cached from one call to the next.
     """
     weights = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if _packable(m))
     return cache_bytes is not None and weights > cache_bytes

@@ -14,7 +14,7 @@
 // every weight once, and the next pass reads it again only after all the others. Such a model's
 // products are *streamed* (specdec/packed_linear.py decides): they prefetch their weights ahead with
 // the non-temporal hint, so the stream does not evict from that cache what the process and its
-// neighbours use again (session caches, activations, code, another service's small draft model).
+// neighbours use again between passes (a small draft model's weights, for one).
 // A prefetch changes no bit of the sums.
 #include <torch/extension.h>
 
